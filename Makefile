@@ -1,0 +1,44 @@
+# lockstep — the two commands a new user needs are `make run` and `make test`.
+# Only Python 3.11 and make are assumed; everything else comes from uv.lock into .venv/.
+
+PYTHON ?= python3.11
+UV_VERSION := 0.13.8
+UV := .uv/bin/uv
+VENV := .venv
+STAMP := $(VENV)/.synced
+export UV_PYTHON_DOWNLOADS := never
+export UV_PROJECT_ENVIRONMENT := $(VENV)
+# so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: run test test-fast repro ui env clean
+
+run: $(STAMP)  ## run the whole pipeline (Prefect flow, local ephemeral mode) on the default dataset
+	$(VENV)/bin/python -m flows.pipeline
+
+test: $(STAMP)  ## run the whole test suite
+	$(VENV)/bin/python -m pytest
+
+test-fast: $(STAMP)  ## unit tests only (no end-to-end pipeline runs)
+	$(VENV)/bin/python -m pytest -m "not slow"
+
+repro: $(STAMP)  ## the same pipeline through DVC (fetches data/ first on a fresh clone)
+	test -d data || $(VENV)/bin/dvc repro download
+	$(VENV)/bin/dvc repro
+
+ui: $(STAMP)  ## MLflow UI on the results: http://127.0.0.1:5000
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+
+env: $(STAMP)  ## create or update .venv from uv.lock
+
+# uv itself is bootstrapped into its own small venv, pinned, so nothing global is needed.
+$(UV):
+	$(PYTHON) -m venv .uv
+	.uv/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
+
+$(STAMP): pyproject.toml uv.lock | $(UV)
+	$(UV) sync --frozen --python $(PYTHON)
+	touch $@
+
+clean:  ## remove pipeline outputs and local tracking state (keeps .venv and data/)
+	rm -rf artifacts mlflow.db mlartifacts .prefect

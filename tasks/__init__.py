@@ -1,0 +1,1 @@
+"""lockstep pipeline stages: one module per stage plus the shared mechanisms."""

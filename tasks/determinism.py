@@ -1,0 +1,67 @@
+"""Every source of randomness, pinned in one place.
+
+`pin_everything` is called first by every stage; the dict it returns is logged with the run, so a
+run records the settings it was produced under. DataLoaders get their generator and worker seeding
+from `loader_kwargs`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+# cuBLAS needs this before CUDA initialises to pick deterministic workspaces.
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+
+
+def pin_everything(seed: int, num_threads: int, strict: bool = True) -> dict[str, Any]:
+    """Seed python, numpy and torch (all devices) and pin every backend switch.
+
+    `strict` turns on `torch.use_deterministic_algorithms`; a stage that uses ops with no
+    deterministic implementation (eager int8 kernels) passes `strict=False` and says so in its
+    run: the flag is then in warn-only mode rather than silently off.
+    """
+    os.environ["PYTHONHASHSEED"] = str(seed)  # inherited by subprocesses (torchrun ranks)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+    torch.set_num_threads(num_threads)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=not strict)
+    return settings()
+
+
+def settings() -> dict[str, Any]:
+    """The determinism switches in force right now (what a run logs as tags)."""
+    return {
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "num_threads": torch.get_num_threads(),
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""),
+        "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", ""),
+    }
+
+
+def _seed_worker(worker_id: int) -> None:
+    # torch seeds each worker from the loader's generator; derive numpy/random from it so any
+    # library used inside a Dataset is reproducible too.
+    worker_seed = torch.initial_seed() % 2**32
+    np.random.seed(worker_seed)
+    random.seed(worker_seed)
+
+
+def loader_kwargs(seed: int) -> dict[str, Any]:
+    """DataLoader arguments that make shuffling and worker RNG a function of `seed` alone."""
+    return {"generator": torch.Generator().manual_seed(seed), "worker_init_fn": _seed_worker}

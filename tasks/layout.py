@@ -1,0 +1,34 @@
+"""Where every stage reads and writes, relative to the project root.
+
+dvc.yaml names the same paths; they are fixed (not params) so that DVC's dependency graph and the
+code can never disagree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DATA_DIR = Path("data")  # raw snapshot, tracked by data.dvc (never a dvc.yaml output)
+DATA_DVC = Path("data.dvc")
+ARTIFACTS = Path("artifacts")
+
+DOWNLOAD_RECEIPT = ARTIFACTS / "download" / "receipt.json"
+STATS_FILE = ARTIFACTS / "stats" / "stats.json"
+PREPROCESSED_DIR = ARTIFACTS / "preprocessed"
+TRAIN_DIR = ARTIFACTS / "train"
+EVALUATE_DIR = ARTIFACTS / "evaluate"
+
+
+def project_root() -> Path:
+    """The repository root, also from inside a `dvc exp run --temp` copy.
+
+    DVC runs temporary experiments in `<root>/.dvc/tmp/exps/<tmp>/`; results tracked outside the
+    workspace (the MLflow store) must still land in the real project.
+    """
+    parts = ROOT.parts
+    for i in range(len(parts) - 2):
+        if parts[i : i + 3] == (".dvc", "tmp", "exps"):
+            return Path(*parts[:i])
+    return ROOT

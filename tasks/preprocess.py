@@ -1,0 +1,94 @@
+"""Stage 3 — preprocess: split the raw snapshot and store it ready for fast training.
+
+Output (`artifacts/preprocessed/`), format `lockstep-preprocessed/1`:
+
+    {split}_images.npy   uint8, (N, C, H, W): channels-first, as torch wants them
+    {split}_labels.npy   int64, (N,)
+    meta.json            classes, image shape, split sizes, and the normalisation (mean, std)
+
+Images stay uint8 (4x smaller than float32, no per-sample decoding): training normalises whole
+batches on the device with the mean/std recorded here, which come from the stats stage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tasks.atomic import atomic_dir
+from tasks.config import SplitConfig
+from tasks.data_format import SPLITS, read_raw, split_indices
+from tasks.stats import ChannelStats
+
+FORMAT = "lockstep-preprocessed/1"
+CHUNK = 4096  # images copied per step, so peak memory stays at one chunk plus the output
+
+
+@dataclass(frozen=True)
+class PreprocessResult:
+    split_sizes: dict[str, int]
+    num_classes: int
+    image_shape: tuple[int, int, int]  # (C, H, W)
+    mean: list[float]
+    std: list[float]
+
+
+def preprocess(data_dir: Path, stats: ChannelStats, split: SplitConfig, seed: int, out_dir: Path) -> PreprocessResult:
+    """Write the seeded, stratified splits of `data_dir` to `out_dir` (atomically)."""
+    raw = read_raw(data_dir)
+    if len(stats.mean) != raw.images.shape[-1]:
+        raise ValueError(f"stats have {len(stats.mean)} channels, images have {raw.images.shape[-1]}")
+    indices = split_indices(raw.labels, split, seed)
+    _, height, width, channels = raw.images.shape
+    result = PreprocessResult(
+        split_sizes={name: len(idx) for name, idx in indices.items()},
+        num_classes=len(raw.classes),
+        image_shape=(channels, height, width),
+        mean=stats.mean,
+        std=stats.std,
+    )
+    with atomic_dir(out_dir) as staging:
+        for name in SPLITS:
+            idx = indices[name]
+            images = np.lib.format.open_memmap(
+                staging / f"{name}_images.npy", mode="w+", dtype=np.uint8, shape=(len(idx), channels, height, width)
+            )
+            for start in range(0, len(idx), CHUNK):
+                images[start : start + CHUNK] = raw.images[idx[start : start + CHUNK]].transpose(0, 3, 1, 2)
+            images.flush()
+            del images
+            np.save(staging / f"{name}_labels.npy", raw.labels[idx], allow_pickle=False)
+        meta = {"format": FORMAT, "classes": raw.classes, **asdict(result)}
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return result
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    """One split as loaded for training or evaluation."""
+
+    images: np.ndarray  # (N, C, H, W) uint8
+    labels: np.ndarray  # (N,) int64
+    classes: list[str]
+    mean: list[float]
+    std: list[float]
+
+
+def load_split(pre_dir: Path, name: str) -> Preprocessed:
+    """Read one split written by `preprocess`; errors name the file that is missing or wrong."""
+    pre_dir = Path(pre_dir)
+    meta_path = pre_dir / "meta.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{meta_path}: missing; run the preprocess stage first")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: format is {meta.get('format')!r}, expected {FORMAT!r}")
+    images = np.load(pre_dir / f"{name}_images.npy", allow_pickle=False)
+    labels = np.load(pre_dir / f"{name}_labels.npy", allow_pickle=False)
+    expected = (meta["split_sizes"][name], *meta["image_shape"])
+    if images.shape != expected or labels.shape != expected[:1]:
+        raise ValueError(f"{pre_dir / f'{name}_images.npy'}: shape {images.shape}, expected {expected} (meta.json)")
+    return Preprocessed(images, labels, list(meta["classes"]), list(meta["mean"]), list(meta["std"]))

@@ -1,0 +1,119 @@
+"""The thin wrappers: each stage's file I/O and MLflow logging around its public function.
+
+`run_stage` is what both entry points call — `python -m tasks <stage>` (the command in dvc.yaml)
+and the Prefect flow's tasks — so a stage behaves the same whichever ran it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from tasks import layout
+from tasks.atomic import write_text
+from tasks.config import Params
+from tasks.determinism import pin_everything
+from tasks.tracking import StageRun, data_hash, stage_run
+
+
+def track_data_with_dvc() -> None:
+    """`dvc add data`: snapshot the raw data in DVC's cache and (re)write data.dvc."""
+    from dvc.repo import Repo
+
+    with Repo(str(layout.ROOT)) as repo:
+        repo.add(str(layout.DATA_DIR))
+
+
+def _download(params: Params, run: StageRun) -> dict[str, float]:
+    from tasks.download import download
+
+    result = download(params.data, layout.DATA_DIR)
+    track_data_with_dvc()
+    receipt = {**asdict(result), "data_md5": data_hash()}
+    write_text(layout.DOWNLOAD_RECEIPT, json.dumps(receipt, indent=2) + "\n")
+    run.log_artifact(layout.DOWNLOAD_RECEIPT)
+    run.log_artifact(layout.DATA_DVC)
+    return {"num_images": result.num_images, "num_classes": result.num_classes}
+
+
+def _stats(params: Params, run: StageRun) -> dict[str, float]:
+    from tasks.stats import compute_stats
+
+    stats = compute_stats(layout.DATA_DIR, params.split, params.seed, params.stats.chunk_size)
+    write_text(layout.STATS_FILE, json.dumps(asdict(stats), indent=2) + "\n")
+    run.log_artifact(layout.STATS_FILE)
+    metrics = {f"mean_{c}": m for c, m in enumerate(stats.mean)}
+    return {**metrics, **{f"std_{c}": s for c, s in enumerate(stats.std)}, "num_images": stats.num_images}
+
+
+def _preprocess(params: Params, run: StageRun) -> dict[str, float]:
+    from tasks.preprocess import preprocess
+    from tasks.stats import ChannelStats
+
+    stats = ChannelStats(**json.loads(layout.STATS_FILE.read_text()))
+    result = preprocess(layout.DATA_DIR, stats, params.split, params.seed, layout.PREPROCESSED_DIR)
+    run.log_artifact(layout.PREPROCESSED_DIR / "meta.json", "preprocessed")
+    return {f"num_{name}": size for name, size in result.split_sizes.items()}
+
+
+def _train(params: Params, run: StageRun) -> dict[str, float]:
+    from tasks.train import train
+
+    result = train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, run)
+    run.set_tags({"device": result.device})
+    for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
+        run.log_artifact(layout.TRAIN_DIR / name, "checkpoints" if name.endswith(".safetensors") else None)
+    if run.enabled:
+        _log_and_register_model(params, run)
+    return {"best_epoch": result.best_epoch, "best_val_accuracy": result.best_val_accuracy}
+
+
+def _log_and_register_model(params: Params, run: StageRun) -> None:
+    """Log the best model in torch.export format (no pickle) with a signature; register it."""
+    import torch
+
+    from tasks.preprocess import load_split
+    from tasks.train import load_checkpoint
+
+    model, _ = load_checkpoint(layout.TRAIN_DIR / "best.safetensors")
+    example = load_split(layout.PREPROCESSED_DIR, "val").images[:1].astype("float32") / 255.0
+    with torch.no_grad():
+        run.mlflow.pytorch.log_model(
+            model.eval(),
+            name="model",
+            input_example=example,  # float32 pixels in [0, 1], (N, C, H, W); signature inferred
+            serialization_format="pt2",
+            registered_model_name=params.tracking.registered_model,
+        )
+
+
+def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
+    from tasks.evaluate import evaluate
+
+    result = evaluate(params.evaluate, layout.TRAIN_DIR / "best.safetensors", layout.PREPROCESSED_DIR,
+                      layout.EVALUATE_DIR)  # fmt: skip
+    for name in ("metrics.json", "per_class.json", "confusion_matrix.png"):
+        run.log_artifact(layout.EVALUATE_DIR / name)
+    return {f"test_{k}": v for k, v in result.metrics.items()}
+
+
+_WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, float]]] = {
+    "download": _download,
+    "stats": _stats,
+    "preprocess": _preprocess,
+    "train": _train,
+    "evaluate": _evaluate,
+}
+
+
+def run_stage(name: str, params: Params) -> dict[str, Any]:
+    """Pin determinism, open the stage's MLflow run, do the stage; return its summary metrics."""
+    determinism = pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+    logged = {"seed": params.seed, **params.sections(name)}
+    with stage_run(name, params.tracking, logged) as run:
+        run.set_tags({f"determinism.{k}": v for k, v in determinism.items()})
+        metrics = _WRAPPERS[name](params, run)
+        run.log_metrics(metrics)
+    return metrics

@@ -1,0 +1,234 @@
+"""MLflow tracking: one parent run per pipeline execution, one nested run per stage that ran.
+
+How a stage finds its parent run, whichever entry point started it:
+
+1. `LOCKSTEP_PARENT_RUN_ID` is set (the Prefect flow sets it for the stages it runs, and it is
+   inherited by subprocesses such as torchrun ranks): use that run; its owner ends it.
+2. Otherwise the stage runs under `dvc repro` / `dvc exp run` (or by hand): every stage process of
+   one DVC invocation shares that DVC process as an ancestor, so the parent run is tagged with it
+   (`lockstep.session`). The first stage creates it, later ones resume it, and each stage marks it
+   finished when it is done, so it is never left "running".
+
+MLflow is imported lazily: a GPU box with torch alone can still run the train stage with
+`tracking.enabled: false`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tasks.config import TrackingConfig
+from tasks.layout import DATA_DVC, project_root
+
+PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
+SESSION_TAG = "lockstep.session"
+
+
+def tracking_uri() -> str:
+    """`MLFLOW_TRACKING_URI` if set, else an sqlite store at the absolute project root."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
+
+
+def _mlflow():
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    return mlflow
+
+
+# --------------------------------------------------------------------------- lineage
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "none"
+
+
+def data_hash() -> str:
+    """The md5 DVC recorded for `data/` in data.dvc ('none' before the first download)."""
+    if not DATA_DVC.exists():
+        return "none"
+    import yaml
+
+    outs = yaml.safe_load(DATA_DVC.read_text()).get("outs") or [{}]
+    return str(outs[0].get("md5", "none"))
+
+
+def lineage_tags() -> dict[str, str]:
+    """Where a run came from: code, data, pipeline state and library versions."""
+    from importlib.metadata import version
+
+    import torch
+
+    commit = _git("rev-parse", "HEAD")
+    # dvc.lock and data.dvc are rewritten by the pipeline itself and are recorded by hash below;
+    # counting them would mark every run after the first stage as dirty.
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock", ":!data.dvc")
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "git.commit": commit or "none (not a git repository)",
+        "git.dirty": "unknown" if status is None else str(bool(status)).lower(),
+        "data.md5": data_hash(),
+        "dvc_lock.sha256": _sha256(Path("dvc.lock")),
+        "version.python": platform.python_version(),
+        "version.torch": torch.__version__,
+        "version.torchvision": version("torchvision"),  # not imported: ~3.5 s
+        "version.cuda": str(torch.version.cuda),
+        "version.cudnn": str(cudnn),
+        "host": platform.node(),
+    }
+
+
+# --------------------------------------------------------------------------- stage runs
+
+
+class StageRun:
+    """What a stage logs to. With tracking disabled every method does nothing (by request)."""
+
+    def __init__(self, mlflow_module: Any | None = None, run_id: str | None = None) -> None:
+        self._mlflow = mlflow_module
+        self.run_id = run_id
+
+    @property
+    def enabled(self) -> bool:
+        return self._mlflow is not None
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self._mlflow:
+            self._mlflow.log_params(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self._mlflow:
+            self._mlflow.log_metrics(metrics, step=step)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if self._mlflow:
+            self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        if self._mlflow:
+            self._mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    @property
+    def mlflow(self) -> Any:
+        """The mlflow module, for flavour-specific calls (log_model); only when enabled."""
+        if self._mlflow is None:
+            raise RuntimeError("tracking is disabled (tracking.enabled: false)")
+        return self._mlflow
+
+
+def _session_key() -> str:
+    """An id shared by every stage process of one `dvc repro` / `dvc exp run` invocation."""
+    me = psutil.Process()
+    for proc in me.parents():
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
+        names = [Path(part).name for part in cmd[:3]]
+        if "dvc" in names or ("-m" in names and "dvc" in cmd[:4]):
+            return f"dvc:{proc.pid}:{proc.create_time():.3f}"
+    return f"process:{me.pid}:{me.create_time():.3f}"
+
+
+def _experiment_id(mlflow: Any, name: str) -> str:
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment:
+        return experiment.experiment_id
+    # With the default sqlite store, keep artifacts beside it (absolute, project-rooted) rather
+    # than in whatever directory the first stage happened to run from. A server decides itself.
+    location = None
+    if "MLFLOW_TRACKING_URI" not in os.environ:
+        location = (project_root() / "mlartifacts").as_uri()
+    return mlflow.create_experiment(name, artifact_location=location)
+
+
+def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point: str) -> str:
+    client = mlflow.MlflowClient()
+    key = _session_key()
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{SESSION_TAG}` = '{key}'", max_results=1)
+    if found:
+        run_id = found[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    run = client.create_run(
+        experiment_id,
+        run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        tags={SESSION_TAG: key, "lockstep.entry_point": entry_point, **lineage_tags()},
+    )
+    return run.info.run_id
+
+
+@contextmanager
+def pipeline_run(cfg: TrackingConfig, entry_point: str) -> Iterator[str | None]:
+    """The parent run of one pipeline execution, for an orchestrator (the Prefect flow).
+
+    Stages started inside the block, in this process or in subprocesses, nest under it.
+    """
+    if not cfg.enabled:
+        yield None
+        return
+    mlflow = _mlflow()
+    client = mlflow.MlflowClient()
+    experiment_id = _experiment_id(mlflow, cfg.experiment)
+    run = client.create_run(
+        experiment_id,
+        run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        tags={"lockstep.entry_point": entry_point, **lineage_tags()},
+    )
+    run_id = run.info.run_id
+    previous = os.environ.get(PARENT_ENV)
+    os.environ[PARENT_ENV] = run_id
+    status = "FAILED"
+    try:
+        yield run_id
+        status = "FINISHED"
+    finally:
+        client.set_terminated(run_id, status)
+        if previous is None:
+            os.environ.pop(PARENT_ENV, None)
+        else:
+            os.environ[PARENT_ENV] = previous
+
+
+@contextmanager
+def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterator[StageRun]:
+    """A nested MLflow run for one stage, with its params and lineage tags already logged."""
+    if not cfg.enabled:
+        yield StageRun()
+        return
+    mlflow = _mlflow()
+    experiment_id = _experiment_id(mlflow, cfg.experiment)
+    parent_id = os.environ.get(PARENT_ENV)
+    owns_parent = parent_id is None
+    if owns_parent:
+        entry_point = "dvc" if os.environ.get("DVC_STAGE") else "cli"
+        parent_id = _find_or_create_session_parent(mlflow, experiment_id, entry_point)
+    status = "FAILED"
+    try:
+        with mlflow.start_run(run_name=stage, experiment_id=experiment_id, parent_run_id=parent_id) as active:
+            mlflow.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})
+            mlflow.log_params(params)
+            yield StageRun(mlflow, active.info.run_id)
+        status = "FINISHED"
+    finally:
+        if owns_parent:
+            mlflow.MlflowClient().set_terminated(parent_id, status)

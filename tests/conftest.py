@@ -1,0 +1,77 @@
+"""Shared fixtures: real subprocesses in temporary copies of the repository, tiny configs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+# Tests shrink the config, not the code.
+TINY: dict[str, Any] = {
+    "train": {"epochs": 2, "num_workers": 0},
+    "determinism": {"num_threads": 1},
+}
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def write_params(path: Path, override: dict[str, Any], base: Path = ROOT / "params.yaml") -> Path:
+    path.write_text(yaml.safe_dump(merge(yaml.safe_load(base.read_text()), override), sort_keys=False))
+    return path
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "LOCKSTEP_", "DVC_"))}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run a command like a user would; on failure show its output in the assertion."""
+    done = subprocess.run(cmd, cwd=cwd, env=subprocess_env(**env), capture_output=True, text=True, timeout=900)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+    return done
+
+
+def _git_files() -> list[str]:
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+
+
+@pytest.fixture
+def project_copy(tmp_path: Path) -> Callable[..., Path]:
+    """A fresh clone-like copy of the repository (own git history, no data/, no outputs)."""
+
+    def make(override: dict[str, Any] | None = None, name: str = "repo") -> Path:
+        dest = tmp_path / name
+        for rel in _git_files():
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, target)
+        write_params(dest / "params.yaml", merge(TINY, override or {}))
+        git = ["git", "-c", "user.name=lockstep-tests", "-c", "user.email=tests@lockstep.invalid"]
+        run(["git", "init", "-q"], dest)
+        run([*git, "add", "-A"], dest)
+        run([*git, "commit", "-q", "-m", "test copy"], dest)
+        return dest
+
+    return make

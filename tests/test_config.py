@@ -1,0 +1,76 @@
+"""params.yaml is validated once: bad input is named, exits 2, and writes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks.config import STAGE_PARAMS, ConfigError, Params, load_params
+from tests.conftest import ROOT, run, write_params
+
+
+def test_repository_params_are_valid_and_complete() -> None:
+    params = load_params(ROOT / "params.yaml")
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    # every knob is spelled out in params.yaml, none left to hidden defaults
+    assert set(raw) == set(Params.model_fields)
+    for section, value in raw.items():
+        if isinstance(value, dict):
+            assert set(value) == set(type(getattr(params, section)).model_fields), section
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fragment"),
+    [
+        ({"train": {"lrr": 0.1}}, "train.lrr", "Extra inputs are not permitted"),
+        ({"bogus_section": 1}, "bogus_section", "Extra inputs are not permitted"),
+        ({"train": {"lr": 0}}, "train.lr", "greater than 0"),
+        ({"train": {"lr": -1}}, "train.lr", "greater than 0"),
+        ({"train": {"epochs": "ten"}}, "train.epochs", "valid integer"),
+        ({"train": {"optimizer": "adam"}}, "train.optimizer", "'sgd' or 'adamw'"),
+        ({"train": {"device": "gpu"}}, "train.device", "should match pattern"),
+        ({"split": {"train": 0.8, "val": 0.15, "test": 0.15}}, "split", "must sum to 1, got 1.1"),
+        ({"split": {"val": 0}}, "split.val", "greater than 0"),
+        ({"seed": -3}, "seed", "greater than or equal to 0"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_key(tmp_path: Path, override, key: str, fragment: str) -> None:
+    path = write_params(tmp_path / "params.yaml", override)
+    with pytest.raises(ConfigError) as caught:
+        load_params(path)
+    message = str(caught.value)
+    assert f"{path}: {key}: " in message
+    assert fragment in message
+
+
+def test_malformed_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_params(bad)
+    with pytest.raises(ConfigError, match="file not found"):
+        load_params(tmp_path / "missing.yaml")
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_params(bad)
+
+
+def test_every_stage_reads_known_sections() -> None:
+    for stage, sections in STAGE_PARAMS.items():
+        assert set(sections) <= set(Params.model_fields), stage
+        assert Params().sections(stage), stage
+
+
+@pytest.mark.parametrize("entry", [["-m", "tasks", "download"], ["-m", "flows.pipeline"]])
+def test_entry_points_exit_2_and_write_nothing(tmp_path: Path, entry: list[str]) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_params(repo / "params.yaml", {"train": {"lr": -0.5}})
+    before = sorted(p.name for p in repo.iterdir())
+    done = run(["python", *entry, "--params", str(repo / "params.yaml")], cwd=repo, check=False, PYTHONPATH=str(ROOT))
+    assert done.returncode == 2, done.stderr
+    assert "train.lr: Input should be greater than 0 (got -0.5)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert sorted(p.name for p in repo.iterdir()) == before

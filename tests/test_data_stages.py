@@ -1,0 +1,121 @@
+"""download, stats and preprocess on the real default dataset (scikit-learn's digits)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.config import DataConfig, SplitConfig
+from tasks.data_format import FORMAT, RawDataset, read_raw, split_indices, write_raw
+from tasks.download import download
+from tasks.preprocess import load_split, preprocess
+from tasks.stats import channel_stats, compute_stats
+
+SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def raw_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("raw") / "data"
+    download(DataConfig(source="digits"), out)
+    return out
+
+
+def test_download_writes_the_documented_format(raw_dir: Path) -> None:
+    meta = json.loads((raw_dir / "meta.json").read_text())
+    assert meta == {"format": FORMAT, "source": "digits", "classes": [str(i) for i in range(10)],
+                    "num_images": 1797, "image_shape": [8, 8, 1]}  # fmt: skip
+    raw = read_raw(raw_dir)
+    assert raw.images.dtype == np.uint8 and raw.images.shape == (1797, 8, 8, 1)
+    assert raw.images.max() == 255 and raw.images.min() == 0
+    assert raw.labels.dtype == np.int64 and set(np.unique(raw.labels)) == set(range(10))
+    assert sorted(p.name for p in raw_dir.iterdir()) == ["images.npy", "labels.npy", "meta.json"]
+
+
+def test_reingesting_gives_identical_bytes(raw_dir: Path, tmp_path: Path) -> None:
+    again = tmp_path / "data"
+    download(DataConfig(source="digits"), again)
+    assert _digest(again) == _digest(raw_dir)
+    download(DataConfig(source="digits"), again)  # over an existing snapshot: replaced whole
+    assert _digest(again) == _digest(raw_dir)
+    assert [p.name for p in tmp_path.iterdir()] == ["data"]  # no staging directories left behind
+
+
+def test_bad_dataset_is_refused_and_previous_snapshot_kept(raw_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "data"
+    download(DataConfig(source="digits"), target)
+    before = _digest(target)
+    bad = RawDataset(images=np.zeros((3, 8, 8, 2), np.uint8), labels=np.zeros(3, np.int64), classes=["a"], source="x")
+    with pytest.raises(ValueError, match="C in \\(1, 3\\)"):
+        write_raw(bad, target)
+    assert _digest(target) == before
+
+
+def test_split_is_stratified_seeded_disjoint_and_complete(raw_dir: Path) -> None:
+    labels = read_raw(raw_dir).labels
+    parts = split_indices(labels, SPLIT, seed=7)
+    joined = np.concatenate(list(parts.values()))
+    assert len(joined) == len(labels) and len(np.unique(joined)) == len(labels)
+    for name, fraction in (("train", 0.7), ("val", 0.15), ("test", 0.15)):
+        counts = np.bincount(labels[parts[name]], minlength=10)
+        expected = np.bincount(labels, minlength=10) * fraction
+        assert np.all(np.abs(counts - expected) <= 1), name  # every class in proportion
+    again = split_indices(labels, SPLIT, seed=7)
+    assert all(np.array_equal(parts[k], again[k]) for k in parts)
+    other = split_indices(labels, SPLIT, seed=8)
+    assert not np.array_equal(parts["test"], other["test"])
+
+
+def test_stats_match_numpy_over_the_whole_training_array(raw_dir: Path) -> None:
+    raw = read_raw(raw_dir)
+    train = np.asarray(raw.images[split_indices(raw.labels, SPLIT, seed=42)["train"]], dtype=np.float64) / 255.0
+    stats = compute_stats(raw_dir, SPLIT, seed=42, chunk_size=100)  # many chunks
+    assert np.allclose(stats.mean, train.mean(axis=(0, 1, 2)), rtol=0, atol=1e-6)
+    assert np.allclose(stats.std, train.std(axis=(0, 1, 2)), rtol=0, atol=1e-6)
+    assert stats.num_images == len(train)
+
+
+def test_rgb_stats_are_exact_and_differ_from_the_mean_of_batch_stds() -> None:
+    rng = np.random.default_rng(0)
+    # channels with different brightness per image, so per-batch stds miss between-batch spread
+    images = (rng.integers(0, 120, (500, 6, 5, 3)) + rng.integers(0, 135, (500, 1, 1, 1))).astype(np.uint8)
+    index = np.arange(500)
+    stats = channel_stats(images, index, chunk_size=64)
+    reference = images.astype(np.float64) / 255.0
+    assert np.allclose(stats.mean, reference.mean(axis=(0, 1, 2)), atol=1e-6, rtol=0)
+    assert np.allclose(stats.std, reference.std(axis=(0, 1, 2)), atol=1e-6, rtol=0)
+    batch_stds = np.mean([reference[i : i + 64].std(axis=(0, 1, 2)) for i in range(0, 500, 64)], axis=0)
+    assert np.all(np.abs(batch_stds - np.array(stats.std)) > 1e-3)  # the common recipe is wrong
+
+
+def test_preprocess_writes_uint8_splits_with_the_stats(raw_dir: Path, tmp_path: Path) -> None:
+    stats = compute_stats(raw_dir, SPLIT, seed=42, chunk_size=512)
+    out = tmp_path / "preprocessed"
+    result = preprocess(raw_dir, stats, SPLIT, 42, out)
+    raw = read_raw(raw_dir)
+    parts = split_indices(raw.labels, SPLIT, seed=42)
+    for name in ("train", "val", "test"):
+        split = load_split(out, name)
+        assert split.images.dtype == np.uint8 and split.images.shape[1:] == (1, 8, 8)
+        assert np.array_equal(split.images, raw.images[parts[name]].transpose(0, 3, 1, 2))
+        assert np.array_equal(split.labels, raw.labels[parts[name]])
+        assert split.mean == stats.mean and split.std == stats.std
+    assert sum(result.split_sizes.values()) == 1797
+    first = _digest(out)
+    preprocess(raw_dir, stats, SPLIT, 42, out)
+    assert _digest(out) == first  # deterministic bytes
+
+
+def test_missing_inputs_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="data/meta.json: missing"):
+        read_raw(tmp_path / "data")
+    with pytest.raises(FileNotFoundError, match="preprocessed/meta.json: missing; run the preprocess stage"):
+        load_split(tmp_path / "preprocessed", "train")

@@ -1,0 +1,130 @@
+"""train and evaluate: bit-for-bit determinism across processes, checkpoints, metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tasks.config import DataConfig, EvaluateConfig, SplitConfig, TrainConfig
+from tasks.determinism import pin_everything
+from tasks.download import download
+from tasks.evaluate import evaluate
+from tasks.preprocess import load_split, preprocess
+from tasks.stats import compute_stats
+from tasks.train import load_checkpoint, train
+from tests.conftest import ROOT, subprocess_env, write_params
+
+SPLIT = SplitConfig()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory laid out like the project, with the preprocessed digits in place."""
+    work = tmp_path_factory.mktemp("work")
+    download(DataConfig(), work / "data")
+    stats = compute_stats(work / "data", SPLIT, 42, 4096)
+    preprocess(work / "data", stats, SPLIT, 42, work / "artifacts" / "preprocessed")
+    return work
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _train_in_subprocess(base: Path, name: str, **train: object) -> subprocess.Popen[str]:
+    run_dir = base / name
+    (run_dir / "artifacts").mkdir(parents=True)
+    (run_dir / "artifacts" / "preprocessed").symlink_to(base / "artifacts" / "preprocessed")
+    seed = train.pop("seed", 42)
+    write_params(run_dir / "params.yaml", {"seed": seed, "tracking": {"enabled": False},
+                                           "determinism": {"num_threads": 1},
+                                           "train": {"epochs": 3, "num_workers": 2, **train}})  # fmt: skip
+    return subprocess.Popen(["python", "-m", "tasks", "train"], cwd=run_dir, env=subprocess_env(PYTHONPATH=str(ROOT)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def test_training_is_bitwise_reproducible_in_separate_processes(workdir: Path) -> None:
+    procs = {
+        "a": _train_in_subprocess(workdir, "a"),
+        "b": _train_in_subprocess(workdir, "b"),
+        "other_seed": _train_in_subprocess(workdir, "other_seed", seed=43),
+        "no_workers": _train_in_subprocess(workdir, "no_workers", num_workers=0),
+    }
+    for name, proc in procs.items():
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name}:\n{output}"
+    out = {name: workdir / name / "artifacts" / "train" for name in procs}
+    for ckpt in ("last.safetensors", "best.safetensors"):
+        assert _sha(out["a"] / ckpt) == _sha(out["b"] / ckpt), ckpt
+    assert json.loads((out["a"] / "history.json").read_text()) == json.loads((out["b"] / "history.json").read_text())
+    assert _sha(out["a"] / "last.safetensors") != _sha(out["other_seed"] / "last.safetensors")
+    # augmentation is seeded per batch and shuffling per epoch, not per worker: the worker count
+    # does not change the weights (the files differ only in the recorded config)
+    a, no_workers = load_file(str(out["a"] / "last.safetensors")), load_file(str(out["no_workers"] / "last.safetensors"))
+    assert a.keys() == no_workers.keys() and all(torch.equal(a[k], no_workers[k]) for k in a)
+
+
+def test_checkpoint_is_plain_safetensors_with_provenance(workdir: Path, tmp_path: Path) -> None:
+    pin_everything(42, 1)
+    cfg = TrainConfig(epochs=2, num_workers=0, max_batches=3)
+    result = train(cfg, 42, workdir / "artifacts" / "preprocessed", tmp_path)
+    tensors = load_file(str(tmp_path / "best.safetensors"))  # no pickle involved
+    assert "net.classifier.1.weight" in tensors and "mean" in tensors
+    model, meta = load_checkpoint(tmp_path / "best.safetensors")
+    assert meta["config"] == cfg.model_dump() and meta["seed"] == 42 and meta["epoch"] == result.best_epoch
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert [row["epoch"] for row in history] == [1, 2]
+    assert set(history[0]) == {"epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr"}
+
+
+def test_resnet18_adamw_and_step_schedule(workdir: Path, tmp_path: Path) -> None:
+    pin_everything(0, 2)
+    cfg = TrainConfig(model="resnet18", optimizer="adamw", lr=1e-3, scheduler="step", step_size=1, gamma=0.5,
+                      epochs=2, batch_size=32, num_workers=0, max_batches=2)  # fmt: skip
+    train(cfg, 0, workdir / "artifacts" / "preprocessed", tmp_path)
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert [round(row["lr"], 8) for row in history] == [5e-4, 2.5e-4]
+    model, meta = load_checkpoint(tmp_path / "last.safetensors")
+    assert meta["model"] == "resnet18" and model.net.conv1.kernel_size == (3, 3)
+    assert model(torch.rand(4, 1, 8, 8)).shape == (4, 10)
+
+
+def test_checkpoint_of_another_architecture_is_refused(workdir: Path, tmp_path: Path) -> None:
+    pin_everything(0, 1)
+    train(TrainConfig(epochs=1, num_workers=0, max_batches=1), 0, workdir / "artifacts" / "preprocessed", tmp_path)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(tmp_path / "last.safetensors"), framework="pt") as handle:
+        meta = json.loads(handle.metadata()["lockstep"])
+    meta["model"] = "resnet18"
+    forged = {"lockstep": json.dumps(meta)}
+    save_file(load_file(str(tmp_path / "last.safetensors")), str(tmp_path / "forged.safetensors"), metadata=forged)
+    with pytest.raises(ValueError, match="forged.safetensors: weights do not fit model 'resnet18'"):
+        load_checkpoint(tmp_path / "forged.safetensors")
+
+
+def test_evaluate_reports_consistent_metrics(workdir: Path, tmp_path: Path) -> None:
+    pin_everything(42, 2)
+    pre = workdir / "artifacts" / "preprocessed"
+    train(TrainConfig(epochs=3, num_workers=0), 42, pre, tmp_path / "train")
+    result = evaluate(EvaluateConfig(batch_size=100), tmp_path / "train" / "best.safetensors", pre, tmp_path / "eval")
+    confusion = np.array(result.confusion)
+    test = load_split(pre, "test")
+    assert confusion.sum() == len(test.labels) == result.metrics["num_samples"]
+    assert result.metrics["accuracy"] == pytest.approx(np.trace(confusion) / confusion.sum())
+    assert result.metrics["accuracy"] > 0.8
+    assert set(result.per_class) == set(test.classes)
+    for name, row in result.per_class.items():
+        i = test.classes.index(name)
+        assert row["support"] == confusion[i].sum()
+        assert row["recall"] == pytest.approx(confusion[i, i] / confusion[i].sum())
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text()) == result.metrics
+    assert (tmp_path / "eval" / "confusion_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
