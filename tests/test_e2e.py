@@ -1,0 +1,176 @@
+"""End to end: the real pipeline through `dvc repro` and through the Prefect flow, in temporary
+copies of the repository, checked through DVC's own commands and MLflow's client."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from tasks.config import STAGES
+from tests.conftest import run, write_params
+
+pytestmark = pytest.mark.slow
+
+LINEAGE_TAGS = {"git.commit", "git.dirty", "data.md5", "dvc_lock.sha256", "version.torch", "version.torchvision",
+                "version.cuda", "version.cudnn", "device", "determinism.cudnn.deterministic",
+                "determinism.cudnn.benchmark", "determinism.deterministic_algorithms", "determinism.num_threads"}  # fmt: skip
+ARTIFACTS = {
+    "download": {"receipt.json", "data.dvc"},
+    "stats": {"stats.json"},
+    "preprocess": {"preprocessed"},
+    "train": {"checkpoints", "history.json", "train.json"},
+    "evaluate": {"metrics.json", "per_class.json", "confusion_matrix.png"},
+}
+
+
+def ran_stages(output: str) -> list[str]:
+    return re.findall(r"Running stage '(\w+)'", output)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def client_for(repo: Path) -> MlflowClient:
+    return MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+
+
+def pipeline_runs(repo: Path) -> list[tuple[Any, list[Any]]]:
+    """(parent, children) for every pipeline execution, oldest first."""
+    client = client_for(repo)
+    experiment = client.get_experiment_by_name("lockstep")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    return [(p, [r for r in runs if r.data.tags.get("mlflow.parentRunId") == p.info.run_id]) for p in parents]
+
+
+def check_stage_run(repo: Path, child: Any) -> None:
+    stage = child.data.tags["lockstep.stage"]
+    assert child.info.status == "FINISHED"
+    assert LINEAGE_TAGS <= set(child.data.tags), stage
+    assert len(child.data.tags["git.commit"]) == 40
+    assert child.data.tags["data.md5"].endswith(".dir")
+    assert child.data.params["seed"] == "42"
+    artifacts = {a.path for a in client_for(repo).list_artifacts(child.info.run_id)}
+    assert ARTIFACTS[stage] <= artifacts, (stage, artifacts)
+
+
+@pytest.fixture(scope="module")
+def dvc_repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A copy reproduced by `dvc repro`, with what it looked like right after."""
+    base = tmp_path_factory.mktemp("dvc")
+    repo = _copy(base)
+    committed_data_dvc = (repo / "data.dvc").read_text()
+    # A fresh clone has no data/ yet: the download stage (or `dvc pull`) brings it first.
+    first = run(["dvc", "repro", "download"], repo)
+    second = run(["dvc", "repro"], repo)
+    return {
+        "repo": repo,
+        "committed_data_dvc": committed_data_dvc,
+        "outputs": [first.stdout, second.stdout],
+        "lock": yaml.safe_load((repo / "dvc.lock").read_text()),
+        "weights": sha(repo / "artifacts/train/last.safetensors"),
+    }
+
+
+def _copy(base: Path) -> Path:
+    import shutil
+    import subprocess
+
+    from tests.conftest import ROOT, TINY, _git_files, merge
+
+    repo = base / "repo"
+    for rel in _git_files():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, repo / rel)
+    write_params(repo / "params.yaml", merge(TINY, {}))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@lockstep.invalid"]
+    for cmd in (["git", "init", "-q"], [*git, "add", "-A"], [*git, "commit", "-q", "-m", "copy"]):
+        subprocess.run(cmd, cwd=repo, check=True, capture_output=True)
+    return repo
+
+
+def test_dvc_repro_runs_every_stage_and_tracks_them(dvc_repo: dict[str, Any]) -> None:
+    repo = dvc_repo["repo"]
+    assert ran_stages(dvc_repo["outputs"][0]) == ["download"]
+    assert ran_stages(dvc_repo["outputs"][1]) == ["stats", "preprocess", "train", "evaluate"]
+    # re-ingesting the same source leaves data.dvc byte-identical to the committed one
+    assert (repo / "data.dvc").read_text() == dvc_repo["committed_data_dvc"]
+    metrics = run(["dvc", "metrics", "show"], repo).stdout
+    assert "artifacts/evaluate/metrics.json" in metrics and "accuracy" in metrics
+
+    executions = pipeline_runs(repo)
+    assert [sorted(c.data.tags["lockstep.stage"] for c in children) for _, children in executions] == [
+        ["download"], sorted(["stats", "preprocess", "train", "evaluate"])]  # fmt: skip
+    for parent, children in executions:
+        assert parent.data.tags["lockstep.entry_point"] == "dvc"
+        assert parent.info.status == "FINISHED"
+        for child in children:
+            check_stage_run(repo, child)
+    train_run = next(c for c in executions[1][1] if c.data.tags["lockstep.stage"] == "train")
+    assert train_run.data.params["train.lr"] == "0.05" and train_run.data.params["train.epochs"] == "2"
+    assert "data.source" not in train_run.data.params  # only the params the stage reads
+    history = client_for(repo).get_metric_history(train_run.info.run_id, "val_accuracy")
+    assert [m.step for m in history] == [1, 2]
+    for key in ("train_loss", "train_accuracy", "val_loss"):
+        assert len(client_for(repo).get_metric_history(train_run.info.run_id, key)) == 2
+    versions = client_for(repo).search_model_versions("name='lockstep-classifier'")
+    assert [v.run_id for v in versions] == [train_run.info.run_id]
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
+    info = mlflow.models.get_model_info(f"models:/lockstep-classifier/{versions[0].version}")
+    assert info.signature is not None
+    assert tuple(info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 1, 8, 8)
+
+
+def test_second_repro_does_nothing_and_lr_change_reruns_train_and_evaluate(dvc_repo: dict[str, Any]) -> None:
+    repo = dvc_repo["repo"]
+    before = len(pipeline_runs(repo))
+    noop = run(["dvc", "repro"], repo)
+    assert ran_stages(noop.stdout) == [] and "Data and pipelines are up to date" in noop.stdout
+    assert len(pipeline_runs(repo)) == before  # nothing ran, nothing logged
+
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["lr"] = 0.02
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    changed = run(["dvc", "repro"], repo)
+    assert ran_stages(changed.stdout) == ["train", "evaluate"]
+
+    experiment = run(["dvc", "exp", "run", "-S", "train.lr=0.03"], repo)
+    assert ran_stages(experiment.stdout) == ["train", "evaluate"]
+    shown = run(["dvc", "exp", "show", "--no-pager", "--csv"], repo).stdout
+    assert "0.03" in shown
+
+
+def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+    repo = _copy(tmp_path)
+    first = run(["python", "-m", "flows.pipeline"], repo)
+    assert "stages run: download, stats, preprocess, train, evaluate" in first.stdout, first.stdout
+    # the same dvc.lock entries and the same weights as `dvc repro` in the other copy
+    assert yaml.safe_load((repo / "dvc.lock").read_text()) == dvc_repo["lock"]
+    assert sha(repo / "artifacts/train/last.safetensors") == dvc_repo["weights"]
+    # what the flow reproduced, DVC considers done ...
+    status = run(["dvc", "status"], repo).stdout
+    assert "Data and pipelines are up to date" in status, status
+    assert ran_stages(run(["dvc", "repro"], repo).stdout) == []
+    # ... and what DVC reproduced, the flow does not redo
+    run(["dvc", "repro", "--force", "evaluate", "--single-item"], repo)
+    again = run(["python", "-m", "flows.pipeline"], repo)
+    assert "stages run: none (everything up to date)" in again.stdout, again.stdout
+
+    executions = pipeline_runs(repo)
+    flow_parent, children = executions[0]
+    assert flow_parent.data.tags["lockstep.entry_point"] == "prefect"
+    assert flow_parent.info.status == "FINISHED"
+    assert sorted(c.data.tags["lockstep.stage"] for c in children) == sorted(STAGES)
+    for child in children:
+        check_stage_run(repo, child)
+    assert [p.data.tags["lockstep.entry_point"] for p, _ in executions] == ["prefect", "dvc", "prefect"]
+    assert [len(c) for _, c in executions] == [5, 1, 0]
