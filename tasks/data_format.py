@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -56,15 +57,21 @@ def write_raw(dataset: RawDataset, out_dir: Path) -> None:
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def read_meta(folder: Path, expected_format: str, producer: str) -> dict[str, Any]:
+    """`folder/meta.json`, checked to be of `expected_format`; errors say which stage makes it."""
+    meta_path = Path(folder) / "meta.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{meta_path}: missing; run {producer} first")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != expected_format:
+        raise ValueError(f"{meta_path}: format is {meta.get('format')!r}, expected {expected_format!r}")
+    return meta
+
+
 def read_raw(data_dir: Path) -> RawDataset:
     """Open a raw snapshot (images memory-mapped); errors name the file that is wrong."""
     data_dir = Path(data_dir)
-    meta_path = data_dir / "meta.json"
-    if not meta_path.exists():
-        raise FileNotFoundError(f"{meta_path}: missing; run the download stage (or `dvc pull`) first")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: format is {meta.get('format')!r}, expected {FORMAT!r}")
+    meta = read_meta(data_dir, FORMAT, "the download stage (or `dvc pull`)")
     images = np.load(data_dir / "images.npy", mmap_mode="r", allow_pickle=False)
     labels = np.load(data_dir / "labels.npy", allow_pickle=False)
     if images.shape[0] != labels.shape[0] or list(images.shape[1:]) != meta["image_shape"]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from tasks.atomic import atomic_dir
 from tasks.config import SplitConfig
-from tasks.data_format import SPLITS, read_raw, split_indices
+from tasks.data_format import SPLITS, read_meta, read_raw, split_indices
 from tasks.stats import ChannelStats
 
 FORMAT = "lockstep-preprocessed/1"
@@ -80,12 +80,7 @@ class Preprocessed:
 def load_split(pre_dir: Path, name: str) -> Preprocessed:
     """Read one split written by `preprocess`; errors name the file that is missing or wrong."""
     pre_dir = Path(pre_dir)
-    meta_path = pre_dir / "meta.json"
-    if not meta_path.exists():
-        raise FileNotFoundError(f"{meta_path}: missing; run the preprocess stage first")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: format is {meta.get('format')!r}, expected {FORMAT!r}")
+    meta = read_meta(pre_dir, FORMAT, "the preprocess stage")
     images = np.load(pre_dir / f"{name}_images.npy", allow_pickle=False)
     labels = np.load(pre_dir / f"{name}_labels.npy", allow_pickle=False)
     expected = (meta["split_sizes"][name], *meta["image_shape"])
