@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.stages import run_stage  # heavy imports (torch, MLflow) only after validation
 
     metrics = run_stage(args.stage, params)
-    print(f"{args.stage}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+    shown = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+    print(f"{args.stage}: " + ", ".join(shown))
     return 0
 
 

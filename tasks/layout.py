@@ -21,14 +21,14 @@ TRAIN_DIR = ARTIFACTS / "train"
 EVALUATE_DIR = ARTIFACTS / "evaluate"
 
 
-def project_root() -> Path:
+def project_root(code_root: Path = ROOT) -> Path:
     """The repository root, also from inside a `dvc exp run --temp` copy.
 
     DVC runs temporary experiments in `<root>/.dvc/tmp/exps/<tmp>/`; results tracked outside the
     workspace (the MLflow store) must still land in the real project.
     """
-    parts = ROOT.parts
+    parts = code_root.parts
     for i in range(len(parts) - 2):
         if parts[i : i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
-    return ROOT
+    return code_root

@@ -143,8 +143,7 @@ def _session_key() -> str:
             cmd = proc.cmdline()
         except psutil.Error:
             continue
-        names = [Path(part).name for part in cmd[:3]]
-        if "dvc" in names or ("-m" in names and "dvc" in cmd[:4]):
+        if "dvc" in (Path(part).name for part in cmd[:3]):  # `dvc ...` or `python -m dvc ...`
             return f"dvc:{proc.pid}:{proc.create_time():.3f}"
     return f"process:{me.pid}:{me.create_time():.3f}"
 

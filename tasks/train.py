@@ -216,7 +216,8 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
         if val_acc > best_acc:
             best_acc, best_epoch = val_acc, epoch
             save_checkpoint(model, out_dir / "best.safetensors", {**metadata, "epoch": epoch, "val_accuracy": val_acc})
-    save_checkpoint(model, out_dir / "last.safetensors", {**metadata, "epoch": cfg.epochs, "val_accuracy": history[-1]["val_accuracy"]})
+    last = {**metadata, "epoch": cfg.epochs, "val_accuracy": history[-1]["val_accuracy"]}
+    save_checkpoint(model, out_dir / "last.safetensors", last)
     write_text(out_dir / "history.json", json.dumps(history, indent=2) + "\n")
     final = {k: v for k, v in history[-1].items() if k != "epoch"}
     result = TrainResult(best_epoch=best_epoch, best_val_accuracy=best_acc, final=final, device=str(device))

@@ -47,7 +47,8 @@ def run(cmd: list[str], cwd: Path, check: bool = True, **env: str) -> subprocess
     """Run a command like a user would; on failure show its output in the assertion."""
     done = subprocess.run(cmd, cwd=cwd, env=subprocess_env(**env), capture_output=True, text=True, timeout=900)
     if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+        shown = f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+        raise AssertionError(f"{' '.join(cmd)} exited {done.returncode}\n{shown}")
     return done
 
 

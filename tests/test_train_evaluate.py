@@ -67,7 +67,8 @@ def test_training_is_bitwise_reproducible_in_separate_processes(workdir: Path) -
     assert _sha(out["a"] / "last.safetensors") != _sha(out["other_seed"] / "last.safetensors")
     # augmentation is seeded per batch and shuffling per epoch, not per worker: the worker count
     # does not change the weights (the files differ only in the recorded config)
-    a, no_workers = load_file(str(out["a"] / "last.safetensors")), load_file(str(out["no_workers"] / "last.safetensors"))
+    a = load_file(str(out["a"] / "last.safetensors"))
+    no_workers = load_file(str(out["no_workers"] / "last.safetensors"))
     assert a.keys() == no_workers.keys() and all(torch.equal(a[k], no_workers[k]) for k in a)
 
 
