@@ -6,11 +6,9 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,21 +56,16 @@ def _git_files() -> list[str]:
     return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
 
 
-@pytest.fixture
-def project_copy(tmp_path: Path) -> Callable[..., Path]:
-    """A fresh clone-like copy of the repository (own git history, no data/, no outputs)."""
-
-    def make(override: dict[str, Any] | None = None, name: str = "repo") -> Path:
-        dest = tmp_path / name
-        for rel in _git_files():
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, target)
-        write_params(dest / "params.yaml", merge(TINY, override or {}))
-        git = ["git", "-c", "user.name=lockstep-tests", "-c", "user.email=tests@lockstep.invalid"]
-        run(["git", "init", "-q"], dest)
-        run([*git, "add", "-A"], dest)
-        run([*git, "commit", "-q", "-m", "test copy"], dest)
-        return dest
-
-    return make
+def copy_project(dest: Path, override: dict[str, Any] | None = None) -> Path:
+    """A fresh clone-like copy of the repository in `dest`: own git history, no data/, no outputs,
+    params shrunk by TINY (+ `override`)."""
+    for rel in _git_files():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
+    write_params(dest / "params.yaml", merge(TINY, override or {}))
+    git = ["git", "-c", "user.name=lockstep-tests", "-c", "user.email=tests@lockstep.invalid"]
+    run(["git", "init", "-q"], dest)
+    run([*git, "add", "-A"], dest)
+    run([*git, "commit", "-q", "-m", "test copy"], dest)
+    return dest

@@ -13,7 +13,7 @@ import yaml
 from mlflow import MlflowClient
 
 from tasks.config import STAGES
-from tests.conftest import run, write_params
+from tests.conftest import copy_project, run
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def check_stage_run(repo: Path, child: Any) -> None:
 def dvc_repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A copy reproduced by `dvc repro`, with what it looked like right after."""
     base = tmp_path_factory.mktemp("dvc")
-    repo = _copy(base)
+    repo = copy_project(base / "repo")
     committed_data_dvc = (repo / "data.dvc").read_text()
     # A fresh clone has no data/ yet: the download stage (or `dvc pull`) brings it first.
     first = run(["dvc", "repro", "download"], repo)
@@ -79,23 +79,6 @@ def dvc_repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "lock": yaml.safe_load((repo / "dvc.lock").read_text()),
         "weights": sha(repo / "artifacts/train/last.safetensors"),
     }
-
-
-def _copy(base: Path) -> Path:
-    import shutil
-    import subprocess
-
-    from tests.conftest import ROOT, TINY, _git_files, merge
-
-    repo = base / "repo"
-    for rel in _git_files():
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, repo / rel)
-    write_params(repo / "params.yaml", merge(TINY, {}))
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@lockstep.invalid"]
-    for cmd in (["git", "init", "-q"], [*git, "add", "-A"], [*git, "commit", "-q", "-m", "copy"]):
-        subprocess.run(cmd, cwd=repo, check=True, capture_output=True)
-    return repo
 
 
 def test_dvc_repro_runs_every_stage_and_tracks_them(dvc_repo: dict[str, Any]) -> None:
@@ -152,7 +135,7 @@ def test_second_repro_does_nothing_and_lr_change_reruns_train_and_evaluate(dvc_r
 
 
 def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
-    repo = _copy(tmp_path)
+    repo = copy_project(tmp_path / "repo")
     first = run(["python", "-m", "flows.pipeline"], repo)
     assert "stages run: download, stats, preprocess, train, evaluate" in first.stdout, first.stdout
     # the same dvc.lock entries and the same weights as `dvc repro` in the other copy
