@@ -30,6 +30,7 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
 from tasks.config import PARAMS_FILE, STAGES, ConfigError, Params, load_params  # noqa: E402
+from tasks.data_format import DataError  # noqa: E402
 
 
 def _is_stale(stage: str) -> bool:
@@ -92,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    results = pipeline(params_file=args.params, force=args.force)
+    try:
+        results = pipeline(params_file=args.params, force=args.force)
+    except DataError as exc:  # bad data or a failed download: one line naming the file or URL
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     ran = [name for name, result in results.items() if result["ran"]]
     print(f"stages run: {', '.join(ran) or 'none (everything up to date)'}")
     if "test_accuracy" in results["evaluate"]:

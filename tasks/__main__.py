@@ -1,11 +1,13 @@
 """`python -m tasks <stage>`: run one stage (the command each dvc.yaml stage runs).
 
-Exit codes: 0 done, 1 the stage failed, 2 params.yaml is invalid (nothing was written).
+Exit codes: 0 done, 1 the stage failed (bad data or a failed download: a one-line message naming
+the file or URL), 2 params.yaml is invalid (nothing was written).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from tasks.config import PARAMS_FILE, STAGES, ConfigError, load_params
@@ -16,15 +18,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stage", choices=STAGES)
     parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         params = load_params(args.params)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    from tasks.data_format import DataError
     from tasks.stages import run_stage  # heavy imports (torch, MLflow) only after validation
 
-    metrics = run_stage(args.stage, params)
+    try:
+        metrics = run_stage(args.stage, params)
+    except DataError as exc:  # expected failures get a message, not a traceback
+        print(f"error: {args.stage}: {exc}", file=sys.stderr)
+        return 1
     shown = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
     print(f"{args.stage}: " + ", ".join(shown))
     return 0

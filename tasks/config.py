@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PARAMS_FILE = "params.yaml"
 
@@ -28,9 +28,52 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
 
 
+Source = Literal["digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefolder"]
+
+
 class DataConfig(_Section):
-    # Later sources (mnist, cifar10, imagefolder, ...) write the same on-disk format.
-    source: Literal["digits"] = "digits"
+    """What the download stage ingests (every source ends up in the same format, tasks/data_format.py)."""
+
+    source: Source = "digits"
+    # Base URL that replaces the published hosts (air-gapped sites): files are fetched from
+    # <mirror>/<file name> and still verified against the published checksums.
+    mirror: str | None = Field(None, pattern=r"^(https?|file)://\S+$")
+    retries: int = Field(4, ge=0, le=20)  # extra attempts on connection errors and HTTP 5xx
+    timeout_s: float = Field(60.0, gt=0)  # per connection attempt / per read
+    # imagefolder only: a local directory (or archive) of class sub-folders, or an archive URL
+    # with its sha256; images are converted to `channels` and resized to `image_size` [H, W].
+    path: str | None = Field(None, min_length=1)
+    url: str | None = Field(None, pattern=r"^(https?|file)://\S+$")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    image_size: tuple[int, int] | None = None
+    channels: Literal[1, 3] | None = None
+
+    @field_validator("image_size", mode="before")
+    @classmethod
+    def _square_from_int(cls, value: Any) -> Any:
+        return (value, value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("image_size")
+    @classmethod
+    def _positive_size(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and min(value) < 1:
+            raise ValueError("must be positive: [height, width] or one int")
+        return value
+
+    @model_validator(mode="after")
+    def _options_fit_the_source(self) -> DataConfig:
+        folder_only = {"path": self.path, "url": self.url, "sha256": self.sha256,
+                       "image_size": self.image_size, "channels": self.channels}  # fmt: skip
+        if self.source != "imagefolder":
+            misplaced = [key for key, value in folder_only.items() if value is not None]
+            if misplaced:
+                raise ValueError(f"{', '.join(misplaced)}: only for source 'imagefolder' (source is {self.source!r})")
+            return self
+        if (self.path is None) == (self.url is None):
+            raise ValueError("source 'imagefolder' needs exactly one of path (local) or url (archive)")
+        if self.url is not None and self.sha256 is None:
+            raise ValueError("url needs sha256: downloads are verified before use")
+        return self
 
 
 class SplitConfig(_Section):
@@ -108,11 +151,12 @@ class Params(_Section):
 
 # Which top-level sections of params.yaml each stage reads. `tracking` is read by every stage's
 # MLflow wrapper, not by the computation, so it is deliberately not a DVC dependency: renaming an
-# experiment must not retrain a model.
+# experiment must not retrain a model. Likewise `data` is read by download only: later stages
+# depend on the data itself (its hash), so a new mirror or retry count never retrains a model.
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "download": ("data",),
-    "stats": ("seed", "data", "split", "stats"),
-    "preprocess": ("seed", "data", "split"),
+    "stats": ("seed", "split", "stats"),
+    "preprocess": ("seed", "split"),
     "train": ("seed", "determinism", "train"),
     "evaluate": ("seed", "determinism", "evaluate"),
 }

@@ -6,17 +6,19 @@ Raw snapshot (`data/`, tracked by DVC through data.dvc), format `lockstep-raw/1`
     data/labels.npy   int64, shape (N,), values 0..num_classes-1
     data/meta.json    {"format", "source", "classes": [names...], "num_images", "image_shape": [H, W, C]}
 
-Plain .npy so that later stages can memory-map arbitrarily large sources and read them in chunks,
-with no pickle involved (`allow_pickle=False`). Files are written deterministically (no
-timestamps), so ingesting the same source twice gives the same bytes and the same data.dvc.
+Plain .npy so that later stages can read arbitrarily large sources in chunks (`NpyRows`) and
+write them in chunks (`NpyWriter`), with no pickle involved. Files are written deterministically
+(no timestamps), so ingesting the same source twice gives the same bytes and the same data.dvc.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -25,6 +27,107 @@ from tasks.config import SplitConfig
 
 FORMAT = "lockstep-raw/1"
 SPLITS = ("train", "val", "test")
+
+
+class DataError(RuntimeError):
+    """Data that cannot be used as it is: the message names the file or URL and what is wrong.
+
+    Entry points print it as one line (no traceback) and exit 1; nothing in data/ has changed.
+    """
+
+
+class NpyWriter:
+    """Write a uint8 .npy of known shape row-block by row-block, with plain file writes.
+
+    Not `np.lib.format.open_memmap`: pages written through a shared mapping stay resident and are
+    counted in the writer's RSS, so peak memory would grow with the dataset. Sequential writes
+    keep it at one block.
+    """
+
+    def __init__(self, path: Path, shape: tuple[int, ...]) -> None:
+        self.path, self.shape = Path(path), tuple(shape)
+        self._row_bytes = int(np.prod(shape[1:], dtype=np.int64))
+        self._rows = 0
+        self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 — closed in close()
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
+                  "shape": self.shape}  # fmt: skip
+        np.lib.format.write_array_header_1_0(self._file, header)
+
+    def write(self, block: np.ndarray) -> None:
+        if block.dtype != np.uint8 or block.shape[1:] != self.shape[1:]:
+            raise ValueError(f"{self.path}: block {block.dtype} {block.shape}, expected uint8 rows of {self.shape[1:]}")
+        if self._rows + len(block) > self.shape[0]:
+            raise ValueError(f"{self.path}: more than the {self.shape[0]} rows declared")
+        self._file.write(np.ascontiguousarray(block).data)
+        self._rows += len(block)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._rows != self.shape[0]:
+            raise ValueError(f"{self.path}: {self._rows} rows written, {self.shape[0]} declared")
+
+    def __enter__(self) -> NpyWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._file.close()  # the caller's staging directory is discarded anyway
+
+
+class NpyRows:
+    """Random access to the rows of a uint8 .npy through file reads, one block at a time.
+
+    Not `np.load(mmap_mode="r")`: every page a process touches through a mapping stays in its RSS
+    until the kernel needs it back, so a pass over a large file would look like (and, under a
+    memory limit, be charged as) the whole file in memory. Reads land in a buffer of one block.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as handle:
+            version = np.lib.format.read_magic(handle)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read_header:
+                raise DataError(f"{self.path}: .npy format version {version} is not supported")
+            shape, fortran, dtype = read_header[version](handle)
+            self._offset = handle.tell()
+        if dtype != np.uint8 or fortran:
+            raise DataError(f"{self.path}: expected a C-ordered uint8 array, got {dtype} (fortran_order={fortran})")
+        self.shape: tuple[int, ...] = tuple(shape)
+        self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64))
+        expected = self._offset + self.shape[0] * self._row_bytes
+        if self.path.stat().st_size != expected:
+            raise DataError(f"{self.path}: {self.path.stat().st_size} bytes, expected {expected}: truncated or corrupt")
+
+    def read(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows `indices` (sorted ascending), into `out` if given; each run of consecutive rows is one read."""
+        if out is None:
+            out = np.empty((len(indices), *self.shape[1:]), dtype=np.uint8)
+        flat, size = memoryview(out.reshape(-1)), self._row_bytes
+        cuts = np.flatnonzero(np.diff(indices) != 1) + 1
+        with open(self.path, "rb", buffering=0) as handle:
+            for start, end in zip(np.r_[0, cuts], np.r_[cuts, len(indices)], strict=True):
+                if start == end:
+                    continue
+                handle.seek(self._offset + int(indices[start]) * size)
+                got = handle.readinto(flat[start * size : end * size])
+                if got != (end - start) * size:
+                    raise DataError(f"{self.path}: short read at row {indices[start]}: file changed while reading")
+        return out
+
+    def chunks(self, indices: np.ndarray, chunk_size: int) -> Iterator[np.ndarray]:
+        """`read` over `indices` in blocks of `chunk_size` rows, all into one reused buffer.
+
+        Each block is overwritten by the next: use it before asking for the next one. (Reusing
+        one buffer, rather than allocating a block per step, also keeps the C allocator from
+        holding on to freed blocks, which would show as RSS creeping up with the dataset size.)
+        """
+        buffer = np.empty((min(chunk_size, len(indices)), *self.shape[1:]), dtype=np.uint8)
+        for start in range(0, len(indices), chunk_size):
+            part = indices[start : start + chunk_size]
+            yield self.read(part, buffer[: len(part)])
 
 
 @dataclass(frozen=True)
@@ -36,23 +139,29 @@ class RawDataset:
 
 
 def write_raw(dataset: RawDataset, out_dir: Path) -> None:
-    """Write `dataset` to `out_dir` atomically: readers see the old snapshot or the new one."""
-    images, labels = dataset.images, dataset.labels
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
-        raise ValueError(f"images must be uint8 (N, H, W, C) with C in (1, 3), got {images.dtype} {images.shape}")
-    if labels.shape != (len(images),):
-        raise ValueError(f"labels must have shape ({len(images)},), got {labels.shape}")
-    if len(labels) and not 0 <= labels.min() <= labels.max() < len(dataset.classes):
-        raise ValueError(f"labels must lie in 0..{len(dataset.classes) - 1}")
-    meta = {
-        "format": FORMAT,
-        "source": dataset.source,
-        "classes": dataset.classes,
-        "num_images": len(images),
-        "image_shape": list(images.shape[1:]),
-    }
+    """Write an in-memory `dataset` to `out_dir` atomically (see `write_raw_blocks`)."""
+    write_raw_blocks(out_dir, [dataset.images], dataset.images.shape, dataset.labels, dataset.classes, dataset.source)
+
+
+def write_raw_blocks(out_dir: Path, blocks: Iterable[np.ndarray], shape: tuple[int, ...], labels: np.ndarray,
+                     classes: list[str], source: str) -> None:  # fmt: skip
+    """Write a snapshot whose images arrive as blocks of rows (streamed sources stay out of memory).
+
+    Atomic: readers see the old snapshot or the complete new one; a failure (or a bad block)
+    part-way leaves `out_dir` as it was.
+    """
+    if len(shape) != 4 or shape[-1] not in (1, 3):
+        raise ValueError(f"images must be uint8 (N, H, W, C) with C in (1, 3), got shape {tuple(shape)}")
+    if labels.shape != (shape[0],):
+        raise ValueError(f"labels must have shape ({shape[0]},), got {labels.shape}")
+    if len(labels) and not 0 <= labels.min() <= labels.max() < len(classes):
+        raise ValueError(f"labels must lie in 0..{len(classes) - 1}")
+    meta = {"format": FORMAT, "source": source, "classes": list(classes), "num_images": int(shape[0]),
+            "image_shape": [int(n) for n in shape[1:]]}  # fmt: skip
     with atomic_dir(Path(out_dir)) as staging:
-        np.save(staging / "images.npy", np.ascontiguousarray(images), allow_pickle=False)
+        with NpyWriter(staging / "images.npy", tuple(shape)) as writer:
+            for block in blocks:
+                writer.write(block)
         np.save(staging / "labels.npy", labels.astype(np.int64), allow_pickle=False)
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -68,15 +177,32 @@ def read_meta(folder: Path, expected_format: str, producer: str) -> dict[str, An
     return meta
 
 
-def read_raw(data_dir: Path) -> RawDataset:
-    """Open a raw snapshot (images memory-mapped); errors name the file that is wrong."""
+@dataclass(frozen=True)
+class RawSnapshot:
+    """A raw snapshot opened for streaming: images are read block by block through `rows`."""
+
+    rows: NpyRows  # (N, H, W, C) uint8
+    labels: np.ndarray  # (N,) int64
+    classes: list[str]
+    source: str
+
+
+def open_raw(data_dir: Path) -> RawSnapshot:
+    """Open a raw snapshot for streaming; errors name the file that is missing or wrong."""
     data_dir = Path(data_dir)
     meta = read_meta(data_dir, FORMAT, "the download stage (or `dvc pull`)")
-    images = np.load(data_dir / "images.npy", mmap_mode="r", allow_pickle=False)
+    rows = NpyRows(data_dir / "images.npy")
     labels = np.load(data_dir / "labels.npy", allow_pickle=False)
-    if images.shape[0] != labels.shape[0] or list(images.shape[1:]) != meta["image_shape"]:
-        raise ValueError(f"{data_dir}: images {images.shape} and labels {labels.shape} disagree with meta.json")
-    return RawDataset(images=images, labels=labels, classes=list(meta["classes"]), source=meta["source"])
+    if rows.shape[0] != labels.shape[0] or list(rows.shape[1:]) != meta["image_shape"]:
+        raise DataError(f"{data_dir}: images {rows.shape} and labels {labels.shape} disagree with meta.json")
+    return RawSnapshot(rows=rows, labels=labels, classes=list(meta["classes"]), source=meta["source"])
+
+
+def read_raw(data_dir: Path) -> RawDataset:
+    """A raw snapshot as arrays (images memory-mapped): for inspection and small sources."""
+    snapshot = open_raw(data_dir)
+    images = np.load(Path(data_dir) / "images.npy", mmap_mode="r", allow_pickle=False)
+    return RawDataset(images=images, labels=snapshot.labels, classes=snapshot.classes, source=snapshot.source)
 
 
 def split_indices(labels: np.ndarray, split: SplitConfig, seed: int) -> dict[str, np.ndarray]:

@@ -6,6 +6,7 @@ code can never disagree.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,3 +33,10 @@ def project_root(code_root: Path = ROOT) -> Path:
         if parts[i : i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
     return code_root
+
+
+def download_cache() -> Path:
+    """Where downloads are cached (outside data/ and the DVC cache): $LOCKSTEP_DOWNLOAD_CACHE, or
+    `.cache/downloads` in the project (shared by `dvc exp run --temp` copies)."""
+    configured = os.environ.get("LOCKSTEP_DOWNLOAD_CACHE")
+    return Path(configured) if configured else project_root() / ".cache" / "downloads"

@@ -20,7 +20,7 @@ import numpy as np
 
 from tasks.atomic import atomic_dir
 from tasks.config import SplitConfig
-from tasks.data_format import SPLITS, read_meta, read_raw, split_indices
+from tasks.data_format import SPLITS, NpyRows, NpyWriter, open_raw, read_meta, split_indices
 from tasks.stats import ChannelStats
 
 FORMAT = "lockstep-preprocessed/1"
@@ -38,11 +38,11 @@ class PreprocessResult:
 
 def preprocess(data_dir: Path, stats: ChannelStats, split: SplitConfig, seed: int, out_dir: Path) -> PreprocessResult:
     """Write the seeded, stratified splits of `data_dir` to `out_dir` (atomically)."""
-    raw = read_raw(data_dir)
-    if len(stats.mean) != raw.images.shape[-1]:
-        raise ValueError(f"stats have {len(stats.mean)} channels, images have {raw.images.shape[-1]}")
+    raw = open_raw(data_dir)
+    _, height, width, channels = raw.rows.shape
+    if len(stats.mean) != channels:
+        raise ValueError(f"stats have {len(stats.mean)} channels, images have {channels}")
     indices = split_indices(raw.labels, split, seed)
-    _, height, width, channels = raw.images.shape
     result = PreprocessResult(
         split_sizes={name: len(idx) for name, idx in indices.items()},
         num_classes=len(raw.classes),
@@ -53,17 +53,22 @@ def preprocess(data_dir: Path, stats: ChannelStats, split: SplitConfig, seed: in
     with atomic_dir(out_dir) as staging:
         for name in SPLITS:
             idx = indices[name]
-            images = np.lib.format.open_memmap(
-                staging / f"{name}_images.npy", mode="w+", dtype=np.uint8, shape=(len(idx), channels, height, width)
-            )
-            for start in range(0, len(idx), CHUNK):
-                images[start : start + CHUNK] = raw.images[idx[start : start + CHUNK]].transpose(0, 3, 1, 2)
-            images.flush()
-            del images
+            _write_channels_first(raw.rows, idx, staging / f"{name}_images.npy")
             np.save(staging / f"{name}_labels.npy", raw.labels[idx], allow_pickle=False)
         meta = {"format": FORMAT, "classes": raw.classes, **asdict(result)}
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return result
+
+
+def _write_channels_first(rows: NpyRows, indices: np.ndarray, path: Path) -> None:
+    """rows[indices] as (N, C, H, W), streamed in blocks through two reused buffers (freed on return)."""
+    _, height, width, channels = rows.shape
+    chw = np.empty((min(CHUNK, len(indices)), channels, height, width), dtype=np.uint8)
+    with NpyWriter(path, (len(indices), channels, height, width)) as writer:
+        for block in rows.chunks(indices, CHUNK):
+            out = chw[: len(block)]
+            np.copyto(out, block.transpose(0, 3, 1, 2))
+            writer.write(out)
 
 
 @dataclass(frozen=True)

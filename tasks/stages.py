@@ -29,7 +29,7 @@ def track_data_with_dvc() -> None:
 def _download(params: Params, run: StageRun) -> dict[str, float]:
     from tasks.download import download
 
-    result = download(params.data, layout.DATA_DIR)
+    result = download(params.data, layout.DATA_DIR, layout.download_cache())
     track_data_with_dvc()
     receipt = {**asdict(result), "data_md5": data_hash()}
     write_text(layout.DOWNLOAD_RECEIPT, json.dumps(receipt, indent=2) + "\n")

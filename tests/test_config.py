@@ -34,6 +34,14 @@ def test_repository_params_are_valid_and_complete() -> None:
         ({"split": {"train": 0.8, "val": 0.15, "test": 0.15}}, "split", "must sum to 1, got 1.1"),
         ({"split": {"val": 0}}, "split.val", "greater than 0"),
         ({"seed": -3}, "seed", "greater than or equal to 0"),
+        ({"data": {"source": "imagenet"}}, "data.source", "'digits', 'mnist', 'fashion_mnist'"),
+        ({"data": {"source": "mnist", "image_size": 32}}, "data", "image_size: only for source 'imagefolder'"),
+        ({"data": {"source": "imagefolder"}}, "data", "needs exactly one of path (local) or url"),
+        ({"data": {"source": "imagefolder", "url": "https://x.org/a.zip"}}, "data", "url needs sha256"),
+        ({"data": {"source": "imagefolder", "path": "p", "sha256": "abc"}}, "data.sha256", "should match pattern"),
+        ({"data": {"source": "imagefolder", "path": "p", "image_size": [0, 8]}}, "data.image_size", "positive"),
+        ({"data": {"source": "imagefolder", "path": "p", "channels": 2}}, "data.channels", "1 or 3"),
+        ({"data": {"mirror": "ftp://old.host/"}}, "data.mirror", "should match pattern"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(tmp_path: Path, override, key: str, fragment: str) -> None:

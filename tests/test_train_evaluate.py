@@ -28,7 +28,7 @@ SPLIT = SplitConfig()
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory laid out like the project, with the preprocessed digits in place."""
     work = tmp_path_factory.mktemp("work")
-    download(DataConfig(), work / "data")
+    download(DataConfig(), work / "data", work / "cache")
     stats = compute_stats(work / "data", SPLIT, 42, 4096)
     preprocess(work / "data", stats, SPLIT, 42, work / "artifacts" / "preprocessed")
     return work
