@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from tasks.data_format import DataError, write_raw_blocks
 
@@ -117,7 +118,7 @@ def ingest_folder(root: Path, out_dir: Path, channels: int, image_size: tuple[in
     def blocks() -> Iterator[np.ndarray]:
         block = np.empty((BLOCK, height, width, channels), dtype=np.uint8)
         filled = 0
-        for path in found.files:
+        for path in tqdm(found.files, desc="decoding images", unit="img", disable=None, leave=False):
             pixels = _decode(path, mode, image_size)
             if pixels.shape[:2] != (height, width):
                 raise DataError(f"{path}: {pixels.shape[1]}x{pixels.shape[0]} pixels, but {found.files[0]} is "
