@@ -105,7 +105,8 @@ def main() -> int:
             print(f"| {row['images']} | {step} | {r['seconds']} | {r['peak_mib']} | {r['baseline_mib']} | "
                   f"{r['peak_mib'] - r['baseline_mib']:.1f} | {r['heap_peak_mib']} |")  # fmt: skip
     for row in rows:
-        print(f"{row['images']} images: data/images.npy {row['data_mib']} MiB; folder generated in {row['generate_s']} s")
+        print(f"{row['images']} images: data/images.npy {row['data_mib']} MiB; "
+              f"folder generated in {row['generate_s']} s")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     shutil.rmtree(args.work, ignore_errors=True)

@@ -114,6 +114,15 @@ class TrainConfig(_Section):
     num_workers: int = Field(2, ge=0)
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_batches: int | None = Field(None, ge=1)
+    # Distributed data parallel: the train stage launches torchrun itself (tasks/ddp.py).
+    strategy: Literal["single", "ddp"] = "single"
+    nproc_per_node: int = Field(2, ge=1)  # processes per machine (GPUs per node; CPU: gloo ranks)
+    nnodes: int = Field(1, ge=1)  # machines; > 1 uses c10d rendezvous at rdzv_endpoint
+    rdzv_endpoint: str = Field("127.0.0.1:29500", pattern=r"^[^\s:]+:\d{1,5}$")
+    max_restarts: int = Field(0, ge=0)  # torchrun restarts all ranks on failure; they resume
+    checkpoint_every: int = Field(1, ge=1)  # epochs between resumable checkpoints
+    amp: Literal["none", "bf16", "fp16"] = "none"  # mixed precision (fp16: CUDA only, with GradScaler)
+    sync_batchnorm: bool = False  # under ddp: BatchNorm statistics over the global batch
 
 
 class EvaluateConfig(_Section):

@@ -19,6 +19,8 @@ DOWNLOAD_RECEIPT = ARTIFACTS / "download" / "receipt.json"
 STATS_FILE = ARTIFACTS / "stats" / "stats.json"
 PREPROCESSED_DIR = ARTIFACTS / "preprocessed"
 TRAIN_DIR = ARTIFACTS / "train"
+# Not a DVC output: DVC deletes a stage's outputs before re-running it, and this must survive.
+TRAIN_RESUME_DIR = ARTIFACTS / "train-resume"
 EVALUATE_DIR = ARTIFACTS / "evaluate"
 
 

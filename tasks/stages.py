@@ -59,10 +59,19 @@ def _preprocess(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _train(params: Params, run: StageRun) -> dict[str, float]:
-    from tasks.train import train
+    if params.train.strategy == "ddp":
+        from tasks.ddp import launch
 
-    result = train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, run)
-    run.set_tags({"device": result.device})
+        result = launch(params)
+        for row in json.loads((layout.TRAIN_DIR / "history.json").read_text()):  # rank 0 wrote it
+            run.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=row["epoch"])
+    else:
+        from tasks.train import train
+
+        result = train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, run,
+                       resume_dir=layout.TRAIN_RESUME_DIR)  # fmt: skip
+    run.set_tags({"device": result.device, "train.world_size": result.world_size, "train.backend": result.backend,
+                  "train.amp": result.amp, "train.resumed_from_epoch": result.resumed_from_epoch})
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
         run.log_artifact(layout.TRAIN_DIR / name, "checkpoints" if name.endswith(".safetensors") else None)
     if run.enabled:

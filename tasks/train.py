@@ -5,6 +5,16 @@ Outputs (`artifacts/train/`): `best.safetensors` (best validation accuracy) and
 resolved config and epoch in the safetensors metadata — and `history.json` (per-epoch loss and
 accuracy, also a DVC plot).
 
+One code path for one process and for DDP: under torchrun (RANK/WORLD_SIZE set) `train` joins the
+process group (gloo on CPU, NCCL on GPUs), shards batches with the same seeded
+DistributedSampler, reduces validation metrics across ranks, and lets rank 0 alone write files.
+`train.batch_size` is the global batch; each of N processes takes batch_size / N.
+
+Resume: every `checkpoint_every` epochs the full training state (model, optimiser, scheduler,
+GradScaler, best model so far, history, and the RNG states of every rank) is written atomically to
+`resume_dir/resume.safetensors`. A restarted stage (or a torchrun restart) finds it and continues,
+and the final weights are byte-identical to an uninterrupted run's.
+
 Data path: the split sits in memory as uint8 tensors; the DataLoader fetches whole batches
 (`__getitems__`), workers apply the random shift, and the model normalises on the device. No
 per-sample Python work, no PIL.
@@ -12,25 +22,37 @@ per-sample Python work, no PIL.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import random
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 
 from tasks.atomic import atomic_file, write_text
 from tasks.config import TrainConfig
+from tasks.data_format import DataError
 from tasks.determinism import loader_kwargs
 from tasks.models import Classifier, build_model
 from tasks.preprocess import Preprocessed, load_split
 from tasks.tracking import StageRun
+
+log = logging.getLogger(__name__)
+RESUME_FILE = "resume.safetensors"
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -117,9 +139,8 @@ def _make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
 
 
-def save_checkpoint(model: nn.Module, path: Path, metadata: dict[str, Any]) -> None:
-    """Weights as safetensors (no pickle), metadata as JSON strings, written atomically."""
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+def save_checkpoint(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, Any]) -> None:
+    """Weights (a CPU state dict) as safetensors (no pickle), metadata as JSON, written atomically."""
     # One metadata key holding sorted JSON: safetensors stores the metadata map in hash order,
     # so several keys would make the file bytes (and their sha256) differ from run to run.
     header = {"lockstep": json.dumps(metadata, sort_keys=True)}
@@ -129,8 +150,6 @@ def save_checkpoint(model: nn.Module, path: Path, metadata: dict[str, Any]) -> N
 
 def load_checkpoint(path: Path) -> tuple[Classifier, dict[str, Any]]:
     """Rebuild a `Classifier` from a checkpoint written by `save_checkpoint`."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as handle:
         header = handle.metadata() or {}
     if "lockstep" not in header:
@@ -145,26 +164,112 @@ def load_checkpoint(path: Path) -> tuple[Classifier, dict[str, Any]]:
 
 
 @dataclass(frozen=True)
+class Distributed:
+    """This process's place in the job; a lone process is rank 0 of 1."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = "none"
+
+    def all_reduce(self, values: list[float]) -> list[float]:
+        """Sums over ranks (float64 on the CPU process group, NCCL tensors on GPUs)."""
+        if self.world_size == 1:
+            return values
+        device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def share_buffers(self, model: nn.Module) -> None:
+        """Give every rank rank 0's buffers (BatchNorm running stats), as the saved model has them.
+
+        DDP broadcasts buffers at the start of each training forward, so after the last step each
+        rank still holds the statistics of its own last batch.
+        """
+        if self.world_size > 1:
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """`obj` from every rank, in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def join_process_group(device_spec: str) -> tuple[Distributed, torch.device]:
+    """Join the process group torchrun describes in the environment, or run alone.
+
+    The backend follows the device: NCCL when each rank has a GPU, gloo on CPU.
+    """
+    device = resolve_device(device_spec)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Distributed(), device
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world,
+                                device_id=device if device.type == "cuda" else None)  # fmt: skip
+    return Distributed(rank, world, local_rank, backend), device
+
+
+def _attempt_store(rank: int, world: int) -> dist.Store:
+    """The rendezvous store torchrun describes, with keys scoped to this restart attempt.
+
+    With torch 2.14, ranks restarted by `--max-restarts` found the first attempt's keys in the
+    agent's store and gloo dialled the dead ranks' addresses ("Connection refused"). A prefix
+    per attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt a clean namespace.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world, is_master=not agent_hosts_it and rank == 0)
+    return dist.PrefixStore(f"lockstep/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+@dataclass(frozen=True)
 class TrainResult:
     best_epoch: int
     best_val_accuracy: float
     final: dict[str, float]  # last epoch's train/val loss and accuracy
     device: str
+    world_size: int
+    backend: str
+    amp: str
+    resumed_from_epoch: int | None
 
 
-def _run_epoch(model, loader, criterion, optimizer, device) -> tuple[float, float]:
+def _autocast(amp: str, device: torch.device):
+    if amp == "none":
+        return nullcontext()
+    if amp == "fp16" and device.type != "cuda":
+        raise ValueError("train.amp: fp16 needs a CUDA device (use bf16 on CPU)")
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+def _run_epoch(model, batches, criterion, optimizer, scaler, autocast, device,
+               ranks: Distributed) -> tuple[float, float]:  # fmt: skip
     model.train()
     loss_sum, correct, seen = 0.0, 0, 0
-    for images, labels in loader:
+    for images, labels in batches:
         x, y = to_float(images, device), labels.to(device)
         optimizer.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss = criterion(logits, y)
-        loss.backward()
-        optimizer.step()
+        with autocast:
+            logits = model(x)
+            loss = criterion(logits, y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         loss_sum += loss.item() * len(y)
         correct += (logits.argmax(1) == y).sum().item()
         seen += len(y)
+    loss_sum, correct, seen = ranks.all_reduce([loss_sum, correct, seen])
     return loss_sum / seen, correct / seen
 
 
@@ -175,60 +280,221 @@ def _limited(loader: DataLoader, max_batches: int | None):
         yield batch
 
 
-def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageRun | None = None) -> TrainResult:
+@torch.no_grad()
+def _validate(model: nn.Module, split: Preprocessed, label_smoothing: float, device: torch.device,
+              ranks: Distributed) -> tuple[float, float]:  # fmt: skip
+    """Loss and accuracy over the whole split, each sample counted once: rank r takes r::world."""
+    if len(split.labels) == 0:
+        return float("nan"), float("nan")
+    ranks.share_buffers(model)
+    mine = slice(ranks.rank, None, ranks.world_size)
+    logits = predict(model, split.images[mine], device, batch_size=1024)
+    labels = torch.from_numpy(split.labels[mine])
+    loss = nn.functional.cross_entropy(logits, labels, label_smoothing=label_smoothing, reduction="sum").item()
+    loss_sum, correct, seen = ranks.all_reduce([loss, (logits.argmax(1) == labels).sum().item(), len(labels)])
+    return loss_sum / seen, correct / seen
+
+
+# --- resumable checkpoints ---------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every RNG this process draws from, as JSON-ready values."""
+    np_state = np.random.get_state()
+    return {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+# How a job is launched, not what it computes: two nodes x 1 process give the weights of one node x 2,
+# and neither checkpoint cadence, restarts nor loader workers change a bit. Left out of the
+# checkpoints' recorded config (and of the resume signature), so equal results are equal files.
+LAUNCH_KEYS = frozenset({"strategy", "nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts", "checkpoint_every",
+                         "num_workers"})  # fmt: skip
+
+
+def result_config(cfg: TrainConfig) -> dict[str, Any]:
+    """The train config that shapes the weights (everything but LAUNCH_KEYS)."""
+    return cfg.model_dump(exclude=set(LAUNCH_KEYS))
+
+
+def _signature(cfg: TrainConfig, seed: int, pre_dir: Path) -> str:
+    """What a resume checkpoint must match: the config that shapes the result, the seed, the data."""
+    # Not the world size: a checkpoint from another world size is refused by name, not ignored.
+    shaping = result_config(cfg)
+    digest = hashlib.sha256(json.dumps({"config": shaping, "seed": seed}, sort_keys=True).encode())
+    for path in sorted(Path(pre_dir).iterdir()):
+        with open(path, "rb") as handle:
+            while block := handle.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone().contiguous() for k, v in module.state_dict().items()}
+
+
+def _save_resume(path: Path, ranks: Distributed, *, model: nn.Module, optimizer, scheduler, scaler,
+                 best: dict[str, torch.Tensor] | None, state: dict[str, Any]) -> None:  # fmt: skip
+    """Every rank contributes its RNG state; rank 0 writes the file atomically."""
+    rng_states = ranks.gather(_rng_state())
+    if ranks.rank != 0:
+        return
+    tensors = {f"model.{k}": v for k, v in _cpu_state(model).items()}
+    tensors.update({f"best.{k}": v for k, v in (best or {}).items()})
+    optim = optimizer.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, values in optim["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{index}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    meta = {**state, "world_size": ranks.world_size, "rng": rng_states, "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(), "optim_groups": optim["param_groups"], "optim_scalars": scalars}
+    header = {"lockstep": json.dumps(meta, sort_keys=True)}
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata=header)
+
+
+Resumed = tuple[dict[str, Any], dict[str, torch.Tensor]]  # (metadata, tensors) of a resume checkpoint
+
+
+def _load_resume(path: Path, signature: str, ranks: Distributed) -> Resumed | None:
+    """The checkpoint at `path` if it belongs to this run; refuses a different world size."""
+    if not path.exists():
+        return None
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads((handle.metadata() or {}).get("lockstep", "{}"))
+    if meta.get("signature") != signature:
+        log.warning("%s: from another config, seed or data; starting from scratch", path)
+        return None
+    if meta["world_size"] != ranks.world_size:
+        raise DataError(f"{path}: written by {meta['world_size']} process(es), this run has {ranks.world_size}; "
+                         "a different world size would not reproduce the run. Delete the file to start over, or "
+                         "resume with the same train.nproc_per_node x train.nnodes")  # fmt: skip
+    return meta, load_file(str(path))
+
+
+def _restore_optimizer(optimizer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    for index, values in meta["optim_scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    optimizer.load_state_dict({"state": state, "param_groups": meta["optim_groups"]})
+
+
+def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageRun | None = None,
+          resume_dir: Path | None = None) -> TrainResult:  # fmt: skip
     """Train on `pre_dir`'s train split, select on val, write checkpoints to `out_dir`.
 
-    Assumes `tasks.determinism.pin_everything` was called (the stage runner does it).
+    Alone or as one rank of a torchrun job. With `resume_dir`, continue from the checkpoint there
+    when it belongs to this config, seed and data. Assumes `tasks.determinism.pin_everything` was
+    called (the stage runner and tasks/ddp.py do it).
     """
     run = run or StageRun()
-    device = resolve_device(cfg.device)
+    ranks, device = join_process_group(cfg.device)
+    if cfg.sync_batchnorm and device.type != "cuda":
+        raise ValueError("train.sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; set it false on CPU")
+    if cfg.batch_size % ranks.world_size:
+        raise ValueError(f"train.batch_size {cfg.batch_size} is global and must divide by the "
+                         f"{ranks.world_size} processes")  # fmt: skip
     train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
     model = build_model(cfg.model, len(train_split.classes), train_split.mean, train_split.std).to(device)
     optimizer, criterion = _make_optimizer(cfg, model), nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     scheduler = _make_scheduler(cfg, optimizer)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
+    autocast = _autocast(cfg.amp, device)
+
+    history: list[dict[str, float]] = []
+    best_acc, best_epoch, best_state, start = -1.0, 0, None, 1
+    signature = _signature(cfg, seed, pre_dir)
+    resume_path = Path(resume_dir) / RESUME_FILE if resume_dir is not None else None
+    resumed = _load_resume(resume_path, signature, ranks) if resume_path else None
+    if resumed is not None:
+        meta, tensors = resumed
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        _restore_optimizer(optimizer, meta, tensors)
+        scheduler.load_state_dict(meta["scheduler"])
+        scaler.load_state_dict(meta["scaler"])
+        _set_rng_state(meta["rng"][ranks.rank])
+        history, best_acc, best_epoch = meta["history"], meta["best_acc"], meta["best_epoch"]
+        best_state = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")} or None
+        start = meta["epoch"] + 1
+        log.info("resuming from %s after epoch %d", resume_path, meta["epoch"])
+        for row in history:  # the new run carries the whole curve
+            run.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=row["epoch"])
+
+    net: nn.Module = model
+    if ranks.world_size > 1:
+        if cfg.sync_batchnorm:
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+        net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     dataset = ShiftedBatches(train_split, cfg.random_shift, seed)
     # The shuffle order is a function of (seed, epoch) alone, set through `set_epoch`, not of how
-    # much the loader's generator has been drawn from (that differs with persistent workers). The
-    # same sampler shards the data across ranks under DDP; a single process is rank 0 of 1.
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    # much the loader's generator has been drawn from; the same sampler shards it across ranks.
+    sampler = DistributedSampler(dataset, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=True, seed=seed)
     loader = DataLoader(
-        dataset, batch_size=cfg.batch_size, sampler=sampler,
+        dataset, batch_size=cfg.batch_size // ranks.world_size, sampler=sampler,
         num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, collate_fn=_whole_batches,
         pin_memory=device.type == "cuda", multiprocessing_context=_worker_context(cfg.num_workers),
         **loader_kwargs(seed),
     )  # fmt: skip
     metadata = {"model": cfg.model, "num_classes": len(train_split.classes), "classes": train_split.classes,
-                "mean": train_split.mean, "std": train_split.std, "config": cfg.model_dump(), "seed": seed}
-    history: list[dict[str, float]] = []
-    best_acc, best_epoch = -1.0, 0
+                "mean": train_split.mean, "std": train_split.std, "config": result_config(cfg), "seed": seed,
+                "world_size": ranks.world_size}
+    main = ranks.rank == 0
     out_dir.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(range(1, cfg.epochs + 1), desc="train", unit="epoch", dynamic_ncols=True)
+    bar = tqdm(range(start, cfg.epochs + 1), desc="train", unit="epoch", dynamic_ncols=True, disable=not main)
     for epoch in bar:
         sampler.set_epoch(epoch)
-        train_loss, train_acc = _run_epoch(model, _limited(loader, cfg.max_batches), criterion, optimizer, device)
+        batches = _limited(loader, cfg.max_batches)
+        train_loss, train_acc = _run_epoch(net, batches, criterion, optimizer, scaler, autocast, device, ranks)
         scheduler.step()
-        val_loss, val_acc = _evaluate(model, val_split, criterion, device)
+        val_loss, val_acc = _validate(model, val_split, cfg.label_smoothing, device, ranks)
         row = {"epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc, "val_loss": val_loss,
                "val_accuracy": val_acc, "lr": scheduler.get_last_lr()[0]}
         history.append(row)
         run.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
         bar.set_postfix(loss=f"{train_loss:.3f}", val_acc=f"{val_acc:.4f}")
         if val_acc > best_acc:
-            best_acc, best_epoch = val_acc, epoch
-            save_checkpoint(model, out_dir / "best.safetensors", {**metadata, "epoch": epoch, "val_accuracy": val_acc})
-    last = {**metadata, "epoch": cfg.epochs, "val_accuracy": history[-1]["val_accuracy"]}
-    save_checkpoint(model, out_dir / "last.safetensors", last)
-    write_text(out_dir / "history.json", json.dumps(history, indent=2) + "\n")
+            best_acc, best_epoch, best_state = val_acc, epoch, _cpu_state(model)
+        if resume_path is not None and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs):
+            state = {"signature": signature, "epoch": epoch, "history": history, "best_acc": best_acc,
+                     "best_epoch": best_epoch}  # fmt: skip
+            _save_resume(resume_path, ranks, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                         best=best_state, state=state)  # fmt: skip
+
     final = {k: v for k, v in history[-1].items() if k != "epoch"}
-    result = TrainResult(best_epoch=best_epoch, best_val_accuracy=best_acc, final=final, device=str(device))
-    write_text(out_dir / "train.json", json.dumps(asdict(result), indent=2) + "\n")
+    result = TrainResult(best_epoch=best_epoch, best_val_accuracy=best_acc, final=final, device=str(device),
+                         world_size=ranks.world_size, backend=ranks.backend, amp=cfg.amp,
+                         resumed_from_epoch=start - 1 if resumed else None)  # fmt: skip
+    if main:
+        assert best_state is not None
+        best_meta = {**metadata, "epoch": best_epoch, "val_accuracy": best_acc}
+        save_checkpoint(best_state, out_dir / "best.safetensors", best_meta)
+        last = {**metadata, "epoch": cfg.epochs, "val_accuracy": history[-1]["val_accuracy"]}
+        save_checkpoint(_cpu_state(model), out_dir / "last.safetensors", last)
+        write_text(out_dir / "history.json", json.dumps(history, indent=2) + "\n")
+        write_text(out_dir / "train.json", json.dumps(asdict(result), indent=2) + "\n")
+        if resume_path is not None:
+            resume_path.unlink(missing_ok=True)  # finished: a later run starts fresh
+    if ranks.world_size > 1:
+        dist.barrier()  # no rank leaves (and no launcher reports success) before the files exist
     return result
-
-
-@torch.no_grad()
-def _evaluate(model: nn.Module, split: Preprocessed, criterion: nn.Module, device: torch.device) -> tuple[float, float]:
-    if len(split.labels) == 0:
-        return float("nan"), float("nan")
-    logits = predict(model, split.images, device, batch_size=1024)
-    labels = torch.from_numpy(split.labels)
-    return criterion(logits, labels).item(), (logits.argmax(1) == labels).float().mean().item()

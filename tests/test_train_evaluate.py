@@ -18,7 +18,7 @@ from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.preprocess import load_split, preprocess
 from tasks.stats import compute_stats
-from tasks.train import load_checkpoint, train
+from tasks.train import load_checkpoint, result_config, train
 from tests.conftest import ROOT, subprocess_env, write_params
 
 SPLIT = SplitConfig()
@@ -66,10 +66,11 @@ def test_training_is_bitwise_reproducible_in_separate_processes(workdir: Path) -
     assert json.loads((out["a"] / "history.json").read_text()) == json.loads((out["b"] / "history.json").read_text())
     assert _sha(out["a"] / "last.safetensors") != _sha(out["other_seed"] / "last.safetensors")
     # augmentation is seeded per batch and shuffling per epoch, not per worker: the worker count
-    # does not change the weights (the files differ only in the recorded config)
+    # does not change the weights, nor (as it is left out of the recorded config) the file
     a = load_file(str(out["a"] / "last.safetensors"))
     no_workers = load_file(str(out["no_workers"] / "last.safetensors"))
     assert a.keys() == no_workers.keys() and all(torch.equal(a[k], no_workers[k]) for k in a)
+    assert _sha(out["a"] / "last.safetensors") == _sha(out["no_workers"] / "last.safetensors")  # whole file
 
 
 def test_checkpoint_is_plain_safetensors_with_provenance(workdir: Path, tmp_path: Path) -> None:
@@ -79,7 +80,8 @@ def test_checkpoint_is_plain_safetensors_with_provenance(workdir: Path, tmp_path
     tensors = load_file(str(tmp_path / "best.safetensors"))  # no pickle involved
     assert "net.classifier.1.weight" in tensors and "mean" in tensors
     model, meta = load_checkpoint(tmp_path / "best.safetensors")
-    assert meta["config"] == cfg.model_dump() and meta["seed"] == 42 and meta["epoch"] == result.best_epoch
+    assert meta["config"] == result_config(cfg) and meta["seed"] == 42 and meta["epoch"] == result.best_epoch
+    assert meta["world_size"] == 1 and "num_workers" not in meta["config"]  # how it ran, not what it computed
     history = json.loads((tmp_path / "history.json").read_text())
     assert [row["epoch"] for row in history] == [1, 2]
     assert set(history[0]) == {"epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr"}
@@ -129,3 +131,17 @@ def test_evaluate_reports_consistent_metrics(workdir: Path, tmp_path: Path) -> N
         assert row["recall"] == pytest.approx(confusion[i, i] / confusion[i].sum())
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text()) == result.metrics
     assert (tmp_path / "eval" / "confusion_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bf16_autocast_trains_on_cpu_and_fp16_and_syncbn_need_cuda(workdir: Path, tmp_path: Path) -> None:
+    pin_everything(42, 1)
+    result = train(TrainConfig(epochs=1, num_workers=0, max_batches=2, amp="bf16"), 42,
+                   workdir / "artifacts" / "preprocessed", tmp_path / "bf16")  # fmt: skip
+    assert result.amp == "bf16" and json.loads((tmp_path / "bf16" / "train.json").read_text())["amp"] == "bf16"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="train.amp: fp16 needs a CUDA device"):
+            train(TrainConfig(epochs=1, num_workers=0, max_batches=1, amp="fp16", device="cpu"), 42,
+                  workdir / "artifacts" / "preprocessed", tmp_path / "fp16")  # fmt: skip
+        with pytest.raises(ValueError, match="train.sync_batchnorm: .* CUDA devices only"):
+            train(TrainConfig(epochs=1, num_workers=0, sync_batchnorm=True, device="cpu"), 42,
+                  workdir / "artifacts" / "preprocessed", tmp_path / "syncbn")  # fmt: skip
