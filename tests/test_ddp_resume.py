@@ -27,6 +27,7 @@ import torch
 from mlflow import MlflowClient
 
 from tasks.config import DataConfig, SplitConfig
+from tasks.ddp import RDZV_ID
 from tasks.download import download
 from tasks.preprocess import load_split, preprocess
 from tasks.stats import compute_stats
@@ -199,15 +200,17 @@ def _free_port() -> int:
 
 def test_two_launchers_nnodes_2_match_one_launcher_with_two_processes(data: Path, tmp_path: Path,
                                                                       reference: dict[str, Any]) -> None:  # fmt: skip
-    project = _project(data, tmp_path / "p", strategy="ddp", nproc_per_node=1, nnodes=2)
+    """The README's multi-node recipe, with both "machines" on 127.0.0.1 sharing one directory."""
     port = _free_port()
-    # what a user types on each of two machines (here both on 127.0.0.1, sharing one directory)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test-job",
-                "-m", "tasks.ddp", "--params", "params.yaml"]  # fmt: skip
-    nodes = [_start(project, torchrun), _start(project, torchrun)]
-    for node in nodes:
-        _finish(node)
+    project = _project(data, tmp_path / "p", strategy="ddp", nproc_per_node=1, nnodes=2,
+                       rdzv_endpoint=f"127.0.0.1:{port}")  # fmt: skip
+    # main node: the train stage, which launches its own torchrun; other node: torchrun by hand
+    main = _start(project)
+    other = _start(project, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={RDZV_ID}",
+                             "-m", "tasks.ddp", "--params", "params.yaml"])  # fmt: skip
+    _finish(main)
+    _finish(other)
     summary = json.loads((project / "artifacts/train/train.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"] == "gloo"
     assert _weights(project) == reference["ddp"]
