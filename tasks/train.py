@@ -481,12 +481,13 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
             _save_resume(resume_path, ranks, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                          best=best_state, state=state)  # fmt: skip
 
+    if best_state is None:  # validation never scored (an empty split): the last weights are the best known
+        best_state, best_epoch = _cpu_state(model), cfg.epochs
     final = {k: v for k, v in history[-1].items() if k != "epoch"}
     result = TrainResult(best_epoch=best_epoch, best_val_accuracy=best_acc, final=final, device=str(device),
                          world_size=ranks.world_size, backend=ranks.backend, amp=cfg.amp,
                          resumed_from_epoch=start - 1 if resumed else None)  # fmt: skip
     if main:
-        assert best_state is not None
         best_meta = {**metadata, "epoch": best_epoch, "val_accuracy": best_acc}
         save_checkpoint(best_state, out_dir / "best.safetensors", best_meta)
         last = {**metadata, "epoch": cfg.epochs, "val_accuracy": history[-1]["val_accuracy"]}
