@@ -54,6 +54,29 @@ def settings() -> dict[str, Any]:
     }
 
 
+def rng_state() -> dict[str, Any]:
+    """Every RNG this process draws from, as JSON-ready values (resumable checkpoints store it)."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
 def _seed_worker(worker_id: int) -> None:
     # torch seeds each worker from the loader's generator; derive numpy/random from it so any
     # library used inside a Dataset is reproducible too.

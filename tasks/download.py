@@ -116,28 +116,34 @@ def _in_memory(load: Callable[[_Context], RawDataset]) -> Callable[[_Context, Pa
 def _imagefolder(ctx: _Context, out_dir: Path) -> None:
     """Streamed block by block (user folders can be any size)."""
     cfg = ctx.cfg
-    channels = cfg.channels or 3
+    archive = _imagefolder_archive(ctx)
+    with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
+        folder = Path(cfg.path or "") if archive is None else extract(archive, Path(scratch) / "x")
+        found = ingest_folder(folder, out_dir, cfg.channels or 3, cfg.image_size, "imagefolder")
+    ctx.skipped_files = len(found.skipped)
+
+
+def _imagefolder_archive(ctx: _Context) -> Path | None:
+    """The verified archive to extract (fetched when `data.url`), or None for a local folder."""
+    cfg = ctx.cfg
     if cfg.url is not None:
         assert cfg.sha256 is not None  # DataConfig requires it with url
         name = cfg.url.rstrip("/").rsplit("/", 1)[-1]
         # one folder per content hash: two URLs with the same file name never share a cache entry
         archive = fetch([cfg.url], ctx.cache / cfg.sha256[:16] / name, Checksum("sha256", cfg.sha256), ctx.retry)
         ctx.files[name] = f"sha256:{cfg.sha256}"
-    else:
-        archive = Path(cfg.path or "")
-        if not archive.exists():
-            raise DataError(f"data.path: {archive} does not exist")
-        if archive.is_dir():
-            ctx.skipped_files = len(ingest_folder(archive, out_dir, channels, cfg.image_size, "imagefolder").skipped)
-            return
-        if not is_archive(archive):
-            raise DataError(f"data.path: {archive} is neither a folder nor an archive (.tar.gz, .zip, ...)")
-        if cfg.sha256 is not None:
-            verify(archive, Checksum("sha256", cfg.sha256))
-            ctx.files[archive.name] = f"sha256:{cfg.sha256}"
-    with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
-        folder = extract(archive, Path(scratch) / "x")
-        ctx.skipped_files = len(ingest_folder(folder, out_dir, channels, cfg.image_size, "imagefolder").skipped)
+        return archive
+    local = Path(cfg.path or "")
+    if not local.exists():
+        raise DataError(f"data.path: {local} does not exist")
+    if local.is_dir():
+        return None
+    if not is_archive(local):
+        raise DataError(f"data.path: {local} is neither a folder nor an archive (.tar.gz, .zip, ...)")
+    if cfg.sha256 is not None:
+        verify(local, Checksum("sha256", cfg.sha256))
+        ctx.files[local.name] = f"sha256:{cfg.sha256}"
+    return local
 
 
 # Each source writes `out_dir` (atomically, through tasks/data_format.py).

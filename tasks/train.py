@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from tqdm.auto import tqdm
 from tasks.atomic import atomic_file, write_text
 from tasks.config import TrainConfig
 from tasks.data_format import DataError
-from tasks.determinism import loader_kwargs
+from tasks.determinism import loader_kwargs, rng_state, set_rng_state
 from tasks.models import Classifier, build_model
 from tasks.preprocess import Preprocessed, load_split
 from tasks.tracking import StageRun
@@ -298,27 +297,6 @@ def _validate(model: nn.Module, split: Preprocessed, label_smoothing: float, dev
 # --- resumable checkpoints ---------------------------------------------------------------------
 
 
-def _rng_state() -> dict[str, Any]:
-    """Every RNG this process draws from, as JSON-ready values."""
-    np_state = np.random.get_state()
-    return {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state().tolist(),
-        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
-
-
 # How a job is launched, not what it computes: two nodes x 1 process give the weights of one node x 2,
 # and neither checkpoint cadence, restarts nor loader workers change a bit. Left out of the
 # checkpoints' recorded config (and of the resume signature), so equal results are equal files.
@@ -350,7 +328,7 @@ def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
 def _save_resume(path: Path, ranks: Distributed, *, model: nn.Module, optimizer, scheduler, scaler,
                  best: dict[str, torch.Tensor] | None, state: dict[str, Any]) -> None:  # fmt: skip
     """Every rank contributes its RNG state; rank 0 writes the file atomically."""
-    rng_states = ranks.gather(_rng_state())
+    rng_states = ranks.gather(rng_state())
     if ranks.rank != 0:
         return
     tensors = {f"model.{k}": v for k, v in _cpu_state(model).items()}
@@ -433,7 +411,7 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
         _restore_optimizer(optimizer, meta, tensors)
         scheduler.load_state_dict(meta["scheduler"])
         scaler.load_state_dict(meta["scaler"])
-        _set_rng_state(meta["rng"][ranks.rank])
+        set_rng_state(meta["rng"][ranks.rank])
         history, best_acc, best_epoch = meta["history"], meta["best_acc"], meta["best_epoch"]
         best_state = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")} or None
         start = meta["epoch"] + 1
