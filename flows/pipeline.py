@@ -70,7 +70,8 @@ STAGE_TASKS = {
 
 @flow(name="lockstep-pipeline", log_prints=True)
 def pipeline(params_file: str = PARAMS_FILE, force: bool = False) -> dict[str, dict[str, Any]]:
-    """Run download -> stats -> preprocess -> train -> evaluate, skipping what DVC finds up to date."""
+    """Run download -> stats -> preprocess -> train -> evaluate -> compress -> export, skipping what DVC
+    finds up to date."""
     from tasks.tracking import pipeline_run
 
     os.chdir(ROOT)
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"stages run: {', '.join(ran) or 'none (everything up to date)'}")
     if "test_accuracy" in results["evaluate"]:
         print(f"test accuracy: {results['evaluate']['test_accuracy']:.4f}")
+    if "test_accuracy" in results["export"]:
+        print(f"shipped: artifacts/export/model.onnx, test accuracy {results['export']['test_accuracy']:.4f} "
+              "(model card: artifacts/export/model_card.md)")
     print("browse the runs: make ui   (MLflow UI on http://127.0.0.1:5000)")
     return 0
 

@@ -18,7 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stage", choices=STAGES)
     parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Our progress at INFO; libraries (ONNX Runtime, onnxscript, ...) only when they warn.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tasks").setLevel(logging.INFO)
     try:
         params = load_params(args.params)
     except ConfigError as exc:

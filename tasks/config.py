@@ -130,6 +130,42 @@ class EvaluateConfig(_Section):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+Variant = Literal["dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln"]
+
+
+class CompressConfig(_Section):
+    """Which smaller models the compress stage builds from the best checkpoint, and how it measures them."""
+
+    variants: tuple[Variant, ...] = ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln")
+    calibration_size: int = Field(512, ge=1)  # static int8: seeded subset of the training split
+    qat_epochs: int = Field(2, ge=1)  # quantization-aware fine-tuning epochs (qat_int8)
+    qat_lr: float = Field(0.001, gt=0)
+    prune_amount: float = Field(0.5, gt=0, lt=1)  # pruned_l1: fraction of all conv/linear weights zeroed
+    prune_channels: float = Field(0.25, gt=0, lt=1)  # pruned_ln: fraction of each conv's output channels
+    prune_norm: int = Field(2, ge=1)  # pruned_ln: channels ranked by their L-n norm
+    finetune_epochs: int = Field(3, ge=0)  # after pruning, with the pruned weights held at zero
+    finetune_lr: float = Field(0.005, gt=0)
+    latency_runs: int = Field(30, ge=20)  # timed runs per variant and batch size; the median is reported
+    latency_warmup: int = Field(5, ge=1)
+
+    @field_validator("variants")
+    @classmethod
+    def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"lists a variant twice: {list(value)}")
+        return value
+
+
+class ExportConfig(_Section):
+    """What ships, and the gates it must pass first (a failed gate fails the stage; nothing is registered)."""
+
+    variant: Literal["fp32"] | Variant = "static_int8"  # shipped beside the fp32 model; must be built by compress
+    parity_batch: int = Field(256, ge=1)  # the first N test images: exported fp32 formats vs eager
+    max_abs_diff: float = Field(1e-4, gt=0)  # fp32 ONNX / .pt2 / TorchScript logits vs eager
+    min_top1_agreement: float = Field(0.99, ge=0, le=1)  # compressed vs fp32 top-1, on the test split
+    max_accuracy_drop: float = Field(0.01, ge=0, le=1)  # fp32 accuracy minus compressed, on the test split
+
+
 class TrackingConfig(_Section):
     enabled: bool = True
     experiment: str = Field("lockstep", min_length=1)
@@ -144,7 +180,16 @@ class Params(_Section):
     determinism: DeterminismConfig = DeterminismConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    compress: CompressConfig = CompressConfig()
+    export: ExportConfig = ExportConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _shipped_variant_is_built(self) -> Params:
+        if self.export.variant != "fp32" and self.export.variant not in self.compress.variants:
+            raise ValueError(f"export.variant: {self.export.variant!r} is not built: add it to compress.variants "
+                             f"(now {list(self.compress.variants)}) or ship 'fp32'")  # fmt: skip
+        return self
 
     def sections(self, stage: str) -> dict[str, Any]:
         """The params a stage reads, flattened to dotted keys (for MLflow and for humans)."""
@@ -168,16 +213,20 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "preprocess": ("seed", "split"),
     "train": ("seed", "determinism", "train"),
     "evaluate": ("seed", "determinism", "evaluate"),
+    # fine-tuning (pruning, QAT) continues with the train stage's optimiser and augmentation
+    "compress": ("seed", "determinism", "train", "compress"),
+    "export": ("seed", "determinism", "export"),
 }
 STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)
 
 
 def _format_error(path: Path, error: dict[str, Any]) -> str:
-    key = ".".join(str(part) for part in error["loc"]) or "<top level>"
+    key = ".".join(str(part) for part in error["loc"])
     got = error.get("input")
     shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {got!r})"
     message = error["msg"].removeprefix("Value error, ")
-    return f"{path}: {key}: {message}{shown}"
+    # checks across sections (e.g. export.variant against compress.variants) name their keys themselves
+    return f"{path}: {key}: {message}{shown}" if key else f"{path}: {message}{shown}"
 
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:

@@ -22,6 +22,8 @@ TRAIN_DIR = ARTIFACTS / "train"
 # Not a DVC output: DVC deletes a stage's outputs before re-running it, and this must survive.
 TRAIN_RESUME_DIR = ARTIFACTS / "train-resume"
 EVALUATE_DIR = ARTIFACTS / "evaluate"
+COMPRESS_DIR = ARTIFACTS / "compress"  # models/<variant>.onnx, the compression table, metrics.json
+EXPORT_DIR = ARTIFACTS / "export"  # what ships: model.onnx, model_fp32.onnx, .pt2, TorchScript, card
 
 
 def project_root(code_root: Path = ROOT) -> Path:

@@ -15,7 +15,7 @@ from tasks import layout
 from tasks.atomic import write_text
 from tasks.config import Params
 from tasks.determinism import pin_everything
-from tasks.tracking import StageRun, data_hash, stage_run
+from tasks.tracking import StageRun, data_hash, lineage_tags, stage_run
 
 
 def track_data_with_dvc() -> None:
@@ -74,28 +74,7 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
                   "train.amp": result.amp, "train.resumed_from_epoch": result.resumed_from_epoch})
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
         run.log_artifact(layout.TRAIN_DIR / name, "checkpoints" if name.endswith(".safetensors") else None)
-    if run.enabled:
-        _log_and_register_model(params, run)
     return {"best_epoch": result.best_epoch, "best_val_accuracy": result.best_val_accuracy}
-
-
-def _log_and_register_model(params: Params, run: StageRun) -> None:
-    """Log the best model in torch.export format (no pickle) with a signature; register it."""
-    import torch
-
-    from tasks.preprocess import load_split
-    from tasks.train import load_checkpoint
-
-    model, _ = load_checkpoint(layout.TRAIN_DIR / "best.safetensors")
-    example = load_split(layout.PREPROCESSED_DIR, "val").images[:1].astype("float32") / 255.0
-    with torch.no_grad():
-        run.mlflow.pytorch.log_model(
-            model.eval(),
-            name="model",
-            input_example=example,  # float32 pixels in [0, 1], (N, C, H, W); signature inferred
-            serialization_format="pt2",
-            registered_model_name=params.tracking.registered_model,
-        )
 
 
 def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
@@ -108,12 +87,76 @@ def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
     return {f"test_{k}": v for k, v in result.metrics.items()}
 
 
+def _compress(params: Params, run: StageRun) -> dict[str, float]:
+    from tasks.compress import compress
+
+    result = compress(params.compress, params.train, params.seed, params.determinism.num_threads,
+                      layout.TRAIN_DIR / "best.safetensors", layout.PREPROCESSED_DIR, layout.COMPRESS_DIR)  # fmt: skip
+    run.set_tags({"compress.runtime": "onnxruntime", "compress.threads": result.threads})
+    for name, curve in result.history.items():  # fine-tuning curves, one metric series per variant
+        for row in curve:
+            run.log_metrics({f"{name}.{k}": v for k, v in row.items() if k != "epoch"}, step=row["epoch"])
+    for name in ("metrics.json", "compression.csv", "compression.md", "finetune.json"):
+        run.log_artifact(layout.COMPRESS_DIR / name)
+    return {f"{row.variant}.{key}": value for row in result.rows for key, value in asdict(row).items()
+            if key != "variant"}  # fmt: skip
+
+
+def _export(params: Params, run: StageRun) -> dict[str, float]:
+    from tasks.export import CARD, GATES, PT2, TORCHSCRIPT, CardContext, export
+
+    lineage = {k: v for k, v in lineage_tags().items() if k.startswith(("git.", "version."))}
+    card = CardContext(data_md5=data_hash(), params=params.model_dump(mode="json"), lineage=lineage)
+    result = export(params.export, params.determinism.num_threads, layout.TRAIN_DIR / "best.safetensors",
+                    layout.PREPROCESSED_DIR, layout.COMPRESS_DIR, layout.EVALUATE_DIR / "metrics.json",
+                    layout.EXPORT_DIR, card)  # fmt: skip
+    for name in (CARD, GATES, PT2, TORCHSCRIPT):
+        run.log_artifact(layout.EXPORT_DIR / name)
+    run.set_tags({f"sha256.{name}": digest for name, digest in result.sha256.items()})
+    if run.enabled:  # only after every gate passed: a failing model is never registered
+        _register(params, run, result.accuracy)
+    return {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}
+
+
+def _register(params: Params, run: StageRun, accuracy: float) -> None:
+    """Log both ONNX models (onnx flavour, signature from an example), register the shipped one and
+    decide champion/challenger (tasks/registry.py)."""
+    import numpy as np
+    import onnx
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    from tasks.export import FP32, SHIPPED
+    from tasks.onnx_model import INPUT, OUTPUT, as_pixels
+    from tasks.preprocess import load_split
+    from tasks.registry import decide_promotion
+
+    mlflow, name = run.mlflow, params.tracking.registered_model
+    test = load_split(layout.PREPROCESSED_DIR, "test")
+    example = as_pixels(test.images[:1])  # float32 in [0, 1], (N, C, H, W)
+    signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *example.shape[1:]), INPUT)]),
+                               outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, len(test.classes)), OUTPUT)]))
+    logged = {"save_as_external_data": False, "signature": signature, "input_example": example}
+    mlflow.onnx.log_model(onnx.load(str(layout.EXPORT_DIR / FP32)), name="model_fp32", **logged)
+    info = mlflow.onnx.log_model(onnx.load(str(layout.EXPORT_DIR / SHIPPED)), name="model",
+                                 registered_model_name=name, **logged)  # fmt: skip
+    promotion = decide_promotion(mlflow.MlflowClient(), name, str(info.registered_model_version), accuracy)
+    run.set_tags({"registry.model": name, "registry.version": promotion.version,
+                  "registry.decision": "promoted to champion" if promotion.promoted else "kept current champion",
+                  "registry.champion_version_before": promotion.champion_version or "none"})  # fmt: skip
+    run.log_metrics({"registry.challenger_accuracy": promotion.accuracy})
+    if promotion.champion_accuracy is not None:
+        run.log_metrics({"registry.champion_accuracy": promotion.champion_accuracy})
+
+
 _WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, float]]] = {
     "download": _download,
     "stats": _stats,
     "preprocess": _preprocess,
     "train": _train,
     "evaluate": _evaluate,
+    "compress": _compress,
+    "export": _export,
 }
 
 

@@ -272,6 +272,21 @@ def _run_epoch(model, batches, criterion, optimizer, scaler, autocast, device,
     return loss_sum / seen, correct / seen
 
 
+def _train_loader(split: Preprocessed, cfg: TrainConfig, seed: int, ranks: Distributed,
+                  device: torch.device) -> tuple[DistributedSampler, DataLoader]:  # fmt: skip
+    dataset = ShiftedBatches(split, cfg.random_shift, seed)
+    # The shuffle order is a function of (seed, epoch) alone, set through `set_epoch`, not of how
+    # much the loader's generator has been drawn from; the same sampler shards it across ranks.
+    sampler = DistributedSampler(dataset, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=True, seed=seed)
+    loader = DataLoader(
+        dataset, batch_size=cfg.batch_size // ranks.world_size, sampler=sampler,
+        num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, collate_fn=_whole_batches,
+        pin_memory=device.type == "cuda", multiprocessing_context=_worker_context(cfg.num_workers),
+        **loader_kwargs(seed),
+    )  # fmt: skip
+    return sampler, loader
+
+
 def _limited(loader: DataLoader, max_batches: int | None):
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
@@ -424,16 +439,7 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
         if cfg.sync_batchnorm:
             net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
         net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
-    dataset = ShiftedBatches(train_split, cfg.random_shift, seed)
-    # The shuffle order is a function of (seed, epoch) alone, set through `set_epoch`, not of how
-    # much the loader's generator has been drawn from; the same sampler shards it across ranks.
-    sampler = DistributedSampler(dataset, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=True, seed=seed)
-    loader = DataLoader(
-        dataset, batch_size=cfg.batch_size // ranks.world_size, sampler=sampler,
-        num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, collate_fn=_whole_batches,
-        pin_memory=device.type == "cuda", multiprocessing_context=_worker_context(cfg.num_workers),
-        **loader_kwargs(seed),
-    )  # fmt: skip
+    sampler, loader = _train_loader(train_split, cfg, seed, ranks, device)
     metadata = {"model": cfg.model, "num_classes": len(train_split.classes), "classes": train_split.classes,
                 "mean": train_split.mean, "std": train_split.std, "config": result_config(cfg), "seed": seed,
                 "world_size": ranks.world_size}
@@ -477,3 +483,32 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
     if ranks.world_size > 1:
         dist.barrier()  # no rank leaves (and no launcher reports success) before the files exist
     return result
+
+
+def fine_tune(model: nn.Module, cfg: TrainConfig, seed: int, pre_dir: Path, epochs: int, lr: float) -> list[dict]:
+    """`epochs` more epochs of the training loop on an already trained `model`, in this process.
+
+    Pruning and quantization-aware training recover accuracy with it. Optimiser, batch size,
+    augmentation and label smoothing follow `cfg`; the learning rate starts at `lr` and decays on
+    a cosine. torch's RNG is re-seeded with `seed` first, so the result does not depend on what
+    ran before in the process. Returns the per-epoch history (train and validation).
+    """
+    torch.manual_seed(seed)
+    device, ranks = resolve_device(cfg.device), Distributed()
+    train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
+    model.to(device)
+    optimizer = _make_optimizer(cfg.model_copy(update={"lr": lr}), model)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    sampler, loader = _train_loader(train_split, cfg, seed, ranks, device)
+    history = []
+    for epoch in range(1, epochs + 1):
+        sampler.set_epoch(epoch)
+        batches = _limited(loader, cfg.max_batches)
+        train_loss, train_acc = _run_epoch(model, batches, criterion, optimizer, scaler, nullcontext(), device, ranks)
+        scheduler.step()
+        val_loss, val_acc = _validate(model, val_split, cfg.label_smoothing, device, ranks)
+        history.append({"epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc,
+                        "val_loss": val_loss, "val_accuracy": val_acc})  # fmt: skip
+    return history

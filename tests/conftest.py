@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +19,9 @@ VENV_BIN = Path(sys.executable).parent
 TINY: dict[str, Any] = {
     "train": {"epochs": 2, "num_workers": 0},
     "determinism": {"num_threads": 1},
+    # one quantized and one pruned variant; the others are built in tests/test_compress_export.py
+    "compress": {"variants": ["static_int8", "pruned_l1"], "calibration_size": 128, "finetune_epochs": 1,
+                 "qat_epochs": 1, "latency_runs": 20, "latency_warmup": 1},
 }
 
 
@@ -69,3 +73,30 @@ def copy_project(dest: Path, override: dict[str, Any] | None = None) -> Path:
     run([*git, "add", "-A"], dest)
     run([*git, "commit", "-q", "-m", "test copy"], dest)
     return dest
+
+
+def sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def dvc_repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A copy reproduced by `dvc repro` (every stage, MLflow on), with what it looked like right after.
+
+    Session-wide: the end-to-end and the compress/export tests read it; tests that write to a
+    project make their own copy.
+    """
+    repo = copy_project(tmp_path_factory.mktemp("dvc") / "repo")
+    committed_data_dvc = (repo / "data.dvc").read_text()
+    # A fresh clone has no data/ yet: the download stage (or `dvc pull`) brings it first.
+    first = run(["dvc", "repro", "download"], repo)
+    second = run(["dvc", "repro"], repo)
+    return {
+        "repo": repo,
+        "committed_data_dvc": committed_data_dvc,
+        "outputs": [first.stdout, second.stdout],
+        "lock": yaml.safe_load((repo / "dvc.lock").read_text()),
+        "weights": sha256(repo / "artifacts/train/last.safetensors"),
+    }

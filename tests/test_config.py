@@ -42,6 +42,13 @@ def test_repository_params_are_valid_and_complete() -> None:
         ({"data": {"source": "imagefolder", "path": "p", "image_size": [0, 8]}}, "data.image_size", "positive"),
         ({"data": {"source": "imagefolder", "path": "p", "channels": 2}}, "data.channels", "1 or 3"),
         ({"data": {"mirror": "ftp://old.host/"}}, "data.mirror", "should match pattern"),
+        ({"compress": {"variants": ["pruned_l1", "pruned_l1"]}}, "compress.variants", "lists a variant twice"),
+        ({"compress": {"variants": ["fp16"]}}, "compress.variants.0", "'dynamic_int8', 'static_int8'"),
+        ({"compress": {"latency_runs": 5}}, "compress.latency_runs", "greater than or equal to 20"),
+        ({"compress": {"prune_amount": 1.0}}, "compress.prune_amount", "less than 1"),
+        ({"export": {"variant": "qat_int8"}, "compress": {"variants": ["static_int8"]}}, "export.variant",
+         "'qat_int8' is not built: add it to compress.variants (now ['static_int8'])"),
+        ({"export": {"min_top1_agreement": 1.5}}, "export.min_top1_agreement", "less than or equal to 1"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(tmp_path: Path, override, key: str, fragment: str) -> None:

@@ -1,0 +1,112 @@
+"""ONNX files and ONNX Runtime sessions, shared by the compress and export stages.
+
+Every model lockstep ships as ONNX takes float32 pixels in [0, 1] named `pixels`, shape (N, C, H, W)
+with N free, and returns `logits`; normalisation is inside (the Classifier carries mean/std).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from tasks.atomic import atomic_file
+
+INPUT, OUTPUT = "pixels", "logits"
+
+
+def export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> None:
+    """`model` as one self-contained ONNX file: dynamic batch axis, weights inside.
+
+    torch's exporter (dynamo) folds BatchNorm into the preceding conv when it optimises the graph.
+    Node metadata (Python stack traces with this checkout's paths) is dropped: it made files 4-30%
+    larger and their bytes depend on where the repository was cloned.
+    """
+    program = torch.onnx.export(
+        model, (example,), dynamo=True, external_data=False, verbose=False,
+        input_names=[INPUT], output_names=[OUTPUT], dynamic_shapes=({0: torch.export.Dim("batch")},),
+    )  # fmt: skip
+    save_onnx(program.model_proto, path)
+
+
+def save_onnx(proto: onnx.ModelProto, path: Path) -> None:
+    """Write `proto` atomically, without per-node metadata (see `export_onnx`)."""
+    for node in proto.graph.node:
+        del node.metadata_props[:]
+    with atomic_file(path) as tmp:
+        onnx.save_model(proto, str(tmp), save_as_external_data=False)
+
+
+def session(path: Path, threads: int) -> ort.InferenceSession:
+    """A CPU session with a fixed thread count (latency and results depend on it)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3  # errors only: ORT warns about every unused initializer
+    # ORT's idle worker threads spin for a while after each run. On a 2-core machine they steal the
+    # cores from whatever runs next (another session being timed): measured fp32 at batch 64 took
+    # 1.1-1.8 ms with spinning depending on its neighbour, a steady 1.1 ms without.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def as_pixels(images: np.ndarray) -> np.ndarray:
+    """uint8 (N, C, H, W) images -> the float32 [0, 1] input every exported model takes."""
+    return images.astype(np.float32) / np.float32(255.0)
+
+
+def predict(sess: ort.InferenceSession, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
+    """Logits for uint8 (N, C, H, W) `images`, in order."""
+    outputs = [sess.run([OUTPUT], {INPUT: as_pixels(images[i : i + batch_size])})[0]
+               for i in range(0, len(images), batch_size)]  # fmt: skip
+    return np.concatenate(outputs) if outputs else np.empty((0, 0), np.float32)
+
+
+def median_latency_ms(sessions: dict[str, ort.InferenceSession], batch: np.ndarray, runs: int,
+                      warmup: int) -> dict[str, float]:  # fmt: skip
+    """Median wall time of one `run` per session on `batch` (float32 pixels).
+
+    The sessions take turns, run by run, so a slow patch of the machine (another process, frequency
+    scaling) lands on all of them alike and their ratios stay fair.
+    """
+    feed = {INPUT: batch}
+    for sess in sessions.values():
+        for _ in range(warmup):
+            sess.run([OUTPUT], feed)
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    for _ in range(runs):
+        for name, sess in sessions.items():
+            start = time.perf_counter()
+            sess.run([OUTPUT], feed)
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000.0 * float(np.median(values)) for name, values in times.items()}
+
+
+# Operators whose second input is a weight tensor (float, or int8 behind a DequantizeLinear).
+_WEIGHTED_OPS = {"Conv", "ConvInteger", "Gemm", "MatMul", "MatMulInteger"}
+
+
+def weight_sparsity(path: Path) -> float:
+    """Fraction of exact zeros among the conv / linear weights stored in the file.
+
+    Read from the file itself, so float and int8 models are measured alike (int8 weights are
+    symmetric: a stored 0 is a zero weight). Biases, scales and the normalisation constants are
+    not weights and are not counted.
+    """
+    graph = onnx.load(str(path)).graph
+    initializers = {init.name: init for init in graph.initializer}
+    dequantized_from = {node.output[0]: node.input[0] for node in graph.node if node.op_type == "DequantizeLinear"}
+    zeros = total = 0
+    for name in {node.input[1] for node in graph.node if node.op_type in _WEIGHTED_OPS}:
+        init = initializers.get(dequantized_from.get(name, name))
+        if init is not None:
+            values = onnx.numpy_helper.to_array(init)
+            zeros += int(np.count_nonzero(values == 0))
+            total += values.size
+    return zeros / total if total else 0.0

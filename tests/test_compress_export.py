@@ -1,0 +1,202 @@
+"""Compress and export: the variants, their measurements, the gates, the registry and the model card,
+on the project `dvc repro` built (tests/conftest.py `dvc_repo`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from tests.conftest import TINY, run, sha256
+
+pytestmark = pytest.mark.slow
+
+
+def _client(repo: Path) -> MlflowClient:
+    return MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+
+
+def _stage_runs(repo: Path, stage: str) -> list[Any]:
+    client = _client(repo)
+    experiment = client.get_experiment_by_name("lockstep")
+    return client.search_runs([experiment.experiment_id], filter_string=f"tags.`lockstep.stage` = '{stage}'",
+                              order_by=["attributes.start_time ASC"])  # fmt: skip
+
+
+def _ops(path: Path) -> list[str]:
+    return [node.op_type for node in onnx.load(str(path)).graph.node]
+
+
+def test_compress_measures_every_variant_and_export_ships_what_was_measured(dvc_repo: dict[str, Any]) -> None:
+    repo = dvc_repo["repo"]
+    compress_dir, export_dir = repo / "artifacts/compress", repo / "artifacts/export"
+    table = json.loads((compress_dir / "metrics.json").read_text())
+    assert list(table) == ["fp32", *TINY["compress"]["variants"]]
+    for name, row in table.items():
+        assert 0.5 < row["accuracy"] <= 1 and row["latency_b1_ms"] > 0 and row["latency_b64_ms"] > 0, name
+        assert row["size_bytes"] == (compress_dir / "models" / f"{name}.onnx").stat().st_size
+    assert table["static_int8"]["size_ratio"] <= 0.3  # int8 weights: a size, not a timing
+    assert table["pruned_l1"]["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert table["fp32"]["sparsity"] == 0
+    # the CSV and Markdown tables hold the same rows
+    csv_rows = (compress_dir / "compression.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("variant,accuracy,") and [r.split(",")[0] for r in csv_rows[1:]] == list(table)
+    assert all(f"| {name} |" in (compress_dir / "compression.md").read_text() for name in table)
+
+    # fused conv-bn-relu: no BatchNormalization anywhere; static int8 is QDQ with ReLU absorbed
+    assert "BatchNormalization" not in _ops(compress_dir / "models/fp32.onnx")
+    static_ops = _ops(compress_dir / "models/static_int8.onnx")
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv"} <= set(static_ops) and "Relu" not in static_ops
+
+    # export ships the measured files, byte for byte, with a dynamic batch axis and weights inside
+    assert sha256(export_dir / "model.onnx") == sha256(compress_dir / "models/static_int8.onnx")
+    assert sha256(export_dir / "model_fp32.onnx") == sha256(compress_dir / "models/fp32.onnx")
+    shipped = onnx.load(str(export_dir / "model.onnx"), load_external_data=False)
+    assert shipped.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # symbolic batch
+    assert not list(export_dir.glob("*.data"))
+    gates = json.loads((export_dir / "gates.json").read_text())
+    assert len(gates["gates"]) == 5 and all(g["passed"] for g in gates["gates"])
+
+    metrics = run(["dvc", "metrics", "show", "--json"], repo).stdout
+    assert "artifacts/compress/metrics.json" in metrics and "artifacts/export/gates.json" in metrics
+
+
+def test_model_card_and_registry(dvc_repo: dict[str, Any]) -> None:
+    repo = dvc_repo["repo"]
+    export_dir = repo / "artifacts/export"
+    card = (export_dir / "model_card.md").read_text()
+    data_md5 = yaml.safe_load((repo / "data.dvc").read_text())["outs"][0]["md5"]
+    assert data_md5 in card and '"seed": 42' in card and '"lr": 0.05' in card
+    assert "| static_int8 |" in card and "| pruned_l1 |" in card  # the compression table
+    for name in ("model.onnx", "model_fp32.onnx", "model.pt2", "model.torchscript.pt"):
+        assert f"`{name}`: `{sha256(export_dir / name)}`" in card
+
+    (export_run,) = _stage_runs(repo, "export")
+    tags, metrics = export_run.data.tags, export_run.data.metrics
+    assert tags["sha256.model.onnx"] == sha256(export_dir / "model.onnx")
+    assert tags["registry.decision"] == "promoted to champion" and tags["registry.champion_version_before"] == "none"
+    assert metrics["registry.challenger_accuracy"] == metrics["test_accuracy"]
+    client = _client(repo)
+    aliases = client.get_registered_model("lockstep-classifier").aliases
+    assert {alias: str(v) for alias, v in aliases.items()} == {"champion": "1", "challenger": "1"}
+    version = client.get_model_version("lockstep-classifier", "1")
+    assert float(version.tags["test_accuracy"]) == metrics["test_accuracy"]
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
+    info = mlflow.models.get_model_info("models:/lockstep-classifier@champion")
+    assert "onnx" in info.flavors
+    assert tuple(info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 1, 8, 8)
+
+
+# Run as a separate program: nothing of lockstep or torch, only numpy and onnxruntime.
+_SCORE = """
+import json, sys
+import numpy as np, onnxruntime as ort
+model, images, labels = sys.argv[1:]
+x = np.load(images).astype(np.float32) / 255
+options = ort.SessionOptions(); options.intra_op_num_threads = 1
+session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+logits = np.concatenate([session.run(None, {"pixels": x[i:i + 256]})[0] for i in range(0, len(x), 256)])
+print(json.dumps(float((logits.argmax(1) == np.load(labels)).mean())))
+"""
+
+
+@pytest.mark.parametrize(("file", "metric"), [("model.onnx", "test_accuracy"),
+                                              ("model_fp32.onnx", "fp32_test_accuracy")])  # fmt: skip
+def test_exported_onnx_in_a_fresh_process_scores_the_logged_accuracy(dvc_repo: dict[str, Any], file: str,
+                                                                     metric: str) -> None:  # fmt: skip
+    repo = dvc_repo["repo"]
+    pre = repo / "artifacts/preprocessed"
+    done = run([sys.executable, "-c", _SCORE, str(repo / "artifacts/export" / file), str(pre / "test_images.npy"),
+                str(pre / "test_labels.npy")], repo)  # fmt: skip
+    (export_run,) = _stage_runs(repo, "export")
+    assert json.loads(done.stdout) == export_run.data.metrics[metric]
+
+
+def test_a_failed_gate_fails_the_stage_and_registers_nothing(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(dvc_repo["repo"], repo, symlinks=True)
+    before = {p.name: sha256(p) for p in (repo / "artifacts/export").iterdir()}
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["export"].update(max_abs_diff=1e-12, min_top1_agreement=1.0)
+    strict = tmp_path / "strict.yaml"
+    strict.write_text(yaml.safe_dump(params))
+    done = run([sys.executable, "-m", "tasks", "export", "--params", str(strict)], repo, check=False,
+               PYTHONPATH=str(repo))  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: export: ") and "fp32 ONNX vs eager max |logit diff|" in message
+    assert "> allowed 1e-12" in message  # measured and allowed values, both named
+    assert before == {p.name: sha256(p) for p in (repo / "artifacts/export").iterdir()}  # outputs untouched
+    failed = _stage_runs(repo, "export")[-1]
+    assert failed.info.status == "FAILED" and "registry.version" not in failed.data.tags
+    assert len(_client(repo).search_model_versions("name='lockstep-classifier'")) == 1
+
+
+def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+    """All five variants in-process, compared with what `dvc repro` built in its own process."""
+    from tasks.compress import compress
+    from tasks.config import load_params
+    from tasks.determinism import pin_everything
+
+    repo = dvc_repo["repo"]
+    params = load_params(repo / "params.yaml")
+    cfg = params.compress.model_copy(update={"variants": ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1",
+                                                          "pruned_ln")})  # fmt: skip
+    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+    out = tmp_path / "compress"
+    result = compress(cfg, params.train, params.seed, params.determinism.num_threads,
+                      repo / "artifacts/train/best.safetensors", repo / "artifacts/preprocessed", out)  # fmt: skip
+    rows = {row.variant: row for row in result.rows}
+    assert list(rows) == ["fp32", *cfg.variants]
+    # the same bytes as the stage process built (fine-tuned pruning included)
+    for name in ("fp32", "static_int8", "pruned_l1"):
+        assert sha256(out / f"models/{name}.onnx") == sha256(repo / f"artifacts/compress/models/{name}.onnx"), name
+    assert "ConvInteger" in _ops(out / "models/dynamic_int8.onnx")
+    qat_ops = _ops(out / "models/qat_int8.onnx")
+    assert "QuantizeLinear" in qat_ops and "BatchNormalization" not in qat_ops
+    assert rows["qat_int8"].size_ratio < 0.35 and rows["qat_int8"].accuracy > 0.5
+    assert set(result.history) == {"qat_int8", "pruned_l1", "pruned_ln"}
+
+    # structured: whole output channels of every conv are zero, a quarter of them
+    graph = onnx.load(str(out / "models/pruned_ln.onnx")).graph
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+    conv_weights = [weights[n.input[1]] for n in graph.node if n.op_type == "Conv"]
+    assert conv_weights
+    for w in conv_weights:
+        zero_channels = int(np.all(w.reshape(len(w), -1) == 0, axis=1).sum())
+        assert zero_channels == round(cfg.prune_channels * len(w)), w.shape
+    assert 0 < rows["pruned_ln"].sparsity < cfg.prune_channels
+
+
+def test_registry_moves_champion_only_to_an_at_least_as_accurate_challenger(dvc_repo: dict[str, Any],
+                                                                             tmp_path: Path) -> None:  # fmt: skip
+    import mlflow
+
+    from tasks.registry import decide_promotion
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.MlflowClient()
+    model = onnx.load(str(dvc_repo["repo"] / "artifacts/export/model.onnx"))
+    decisions = []
+    for accuracy in (0.90, 0.85, 0.90):
+        with mlflow.start_run():
+            info = mlflow.onnx.log_model(model, name="model", registered_model_name="m", save_as_external_data=False)
+        decisions.append(decide_promotion(client, "m", str(info.registered_model_version), accuracy))
+        aliases = client.get_registered_model("m").aliases
+        assert str(aliases["challenger"]) == str(info.registered_model_version)
+    assert [(d.promoted, d.champion_version, d.champion_accuracy) for d in decisions] == [
+        (True, None, None), (False, "1", 0.90), (True, "1", 0.90)]  # fmt: skip
+    assert {k: str(v) for k, v in client.get_registered_model("m").aliases.items()} == {"champion": "3",
+                                                                                      "challenger": "3"}
+    assert client.get_model_version("m", "2").tags["promotion"] == "kept"
