@@ -80,7 +80,7 @@ def compress(cfg: CompressConfig, train_cfg: TrainConfig, seed: int, threads: in
     def tune(epochs: int, lr: float, name: str) -> Callable[[nn.Module], object]:
         def run(module: nn.Module) -> None:
             history[name] = fine_tune(module, train_cfg, seed, pre_dir, epochs, lr)
-            module.eval()
+            module.to("cpu").eval()  # fine-tuned on train.device; exported and measured for the CPU
         return run
 
     with atomic_dir(out_dir) as staging:

@@ -22,6 +22,9 @@ TINY: dict[str, Any] = {
     # one quantized and one pruned variant; the others are built in tests/test_compress_export.py
     "compress": {"variants": ["static_int8", "pruned_l1"], "calibration_size": 128, "finetune_epochs": 1,
                  "qat_epochs": 1, "latency_runs": 20, "latency_warmup": 1},
+    # A 2-epoch model sits near decision boundaries, so int8 flips a few more of its 269 test
+    # predictions than a trained one does (failing gates: tests/test_compress_export.py).
+    "export": {"min_top1_agreement": 0.95, "max_accuracy_drop": 0.03},
 }
 
 

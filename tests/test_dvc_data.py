@@ -44,7 +44,7 @@ def test_push_pull_round_trip_reproduces_weights_and_reingest_updates_data_dvc(t
     # 1. a fresh clone restores everything from the remote: nothing left to run
     restored = tmp_path / "restored"
     run(["git", "clone", "-q", str(repo), str(restored)], tmp_path)
-    run(["dvc", "pull"], restored)
+    run(["dvc", "pull", "--with-deps", "evaluate"], restored)
     assert _ran(run(["dvc", "repro", "evaluate"], restored).stdout) == []
     assert _sha(restored / "artifacts/train/best.safetensors") == weights
 
@@ -67,4 +67,4 @@ def test_push_pull_round_trip_reproduces_weights_and_reingest_updates_data_dvc(t
     assert _data_md5(repo) != before
     assert yaml.safe_load((repo / "data" / "meta.json").read_text())["classes"] == ["a", "b", "c"]
     run(["dvc", "push"], repo)  # the new version goes to the remote like the first
-    assert "are in sync" in run(["dvc", "status", "--cloud"], repo).stdout
+    assert "are in sync" in run(["dvc", "status", "--cloud", "--with-deps", "evaluate"], repo).stdout
