@@ -9,7 +9,7 @@ beside the fp32 reference `fp32.onnx`:
 | static_int8 | ONNX Runtime `quantize_static`, QDQ, per-channel weights, calibrated on a seeded training subset |
 | qat_int8 | torchao pt2e quantization-aware fine-tuning, converted and exported as QDQ ONNX |
 | pruned_l1 | global unstructured L1 pruning of conv/linear weights, fine-tuned, made permanent |
-| pruned_ln | structured pruning of conv output channels by L-n norm, fine-tuned, made permanent |
+| pruned_ln | structured: conv output channels with the smallest L-n norm removed (torch-pruning), fine-tuned |
 
 Every model is measured in ONNX Runtime on this machine with the run's fixed thread count: test
 accuracy, top-1 agreement with fp32, file size, weight sparsity, and latency at batch 1 and 64
@@ -36,7 +36,7 @@ from torch import nn
 from tasks import prune, quantize
 from tasks.atomic import atomic_dir
 from tasks.config import CompressConfig, TrainConfig
-from tasks.onnx_model import as_pixels, export_onnx, median_latency_ms, predict, session, weight_sparsity
+from tasks.onnx_model import as_pixels, export_onnx, median_latency_ms, predict, session, weight_counts
 from tasks.preprocess import load_split
 from tasks.train import fine_tune, load_checkpoint
 
@@ -51,7 +51,7 @@ class VariantReport:
     top1_agreement: float  # with the fp32 model's predictions, test split
     size_bytes: int
     size_ratio: float  # to fp32
-    sparsity: float  # zero conv/linear weights
+    sparsity: float  # fraction of fp32's conv/linear weights that are zero or removed here
     latency_b1_ms: float
     latency_b64_ms: float
     speedup_b1: float  # fp32 latency / this latency
@@ -101,7 +101,7 @@ def compress(cfg: CompressConfig, train_cfg: TrainConfig, seed: int, threads: in
                 if name == "pruned_l1":
                     prune.global_l1(pruned, cfg.prune_amount)
                 else:
-                    prune.conv_channels_ln(pruned, cfg.prune_channels, cfg.prune_norm)
+                    prune.conv_channels_ln(pruned, cfg.prune_channels, cfg.prune_norm, example)
                 if cfg.finetune_epochs:
                     tune(cfg.finetune_epochs, cfg.finetune_lr, name)(pruned)
                 prune.make_permanent(pruned)
@@ -132,7 +132,7 @@ def _measure(paths: dict[str, Path], images: np.ndarray, labels: np.ndarray, cfg
     predicted = {name: predict(sess, images).argmax(1) for name, sess in sessions.items()}
     latency = {size: median_latency_ms(sessions, _latency_batch(images, size), cfg.latency_runs, cfg.latency_warmup)
                for size in LATENCY_BATCHES}  # fmt: skip
-    base_size = paths["fp32"].stat().st_size
+    base_size, base_weights = paths["fp32"].stat().st_size, weight_counts(paths["fp32"])[1]
     rows = []
     for name, path in paths.items():
         b1, b64 = latency[1][name], latency[64][name]
@@ -142,7 +142,7 @@ def _measure(paths: dict[str, Path], images: np.ndarray, labels: np.ndarray, cfg
             top1_agreement=float((predicted[name] == predicted["fp32"]).mean()) if len(labels) else float("nan"),
             size_bytes=path.stat().st_size,
             size_ratio=path.stat().st_size / base_size,
-            sparsity=weight_sparsity(path),
+            sparsity=1.0 - weight_counts(path)[0] / base_weights,
             latency_b1_ms=b1,
             latency_b64_ms=b64,
             speedup_b1=latency[1]["fp32"] / b1,

@@ -143,7 +143,7 @@ class CompressConfig(_Section):
     prune_amount: float = Field(0.5, gt=0, lt=1)  # pruned_l1: fraction of all conv/linear weights zeroed
     prune_channels: float = Field(0.25, gt=0, lt=1)  # pruned_ln: fraction of each conv's output channels
     prune_norm: int = Field(2, ge=1)  # pruned_ln: channels ranked by their L-n norm
-    finetune_epochs: int = Field(3, ge=0)  # after pruning, with the pruned weights held at zero
+    finetune_epochs: int = Field(3, ge=0)  # after pruning (pruned_l1: the pruned weights held at zero)
     finetune_lr: float = Field(0.005, gt=0)
     latency_runs: int = Field(30, ge=20)  # timed runs per variant and batch size; the median is reported
     latency_warmup: int = Field(5, ge=1)

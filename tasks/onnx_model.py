@@ -92,21 +92,21 @@ def median_latency_ms(sessions: dict[str, ort.InferenceSession], batch: np.ndarr
 _WEIGHTED_OPS = {"Conv", "ConvInteger", "Gemm", "MatMul", "MatMulInteger"}
 
 
-def weight_sparsity(path: Path) -> float:
-    """Fraction of exact zeros among the conv / linear weights stored in the file.
+def weight_counts(path: Path) -> tuple[int, int]:
+    """(non-zero, total) conv / linear weights stored in the file.
 
-    Read from the file itself, so float and int8 models are measured alike (int8 weights are
+    Read from the file itself, so float and int8 models are counted alike (int8 weights are
     symmetric: a stored 0 is a zero weight). Biases, scales and the normalisation constants are
     not weights and are not counted.
     """
     graph = onnx.load(str(path)).graph
     initializers = {init.name: init for init in graph.initializer}
     dequantized_from = {node.output[0]: node.input[0] for node in graph.node if node.op_type == "DequantizeLinear"}
-    zeros = total = 0
+    nonzero = total = 0
     for name in {node.input[1] for node in graph.node if node.op_type in _WEIGHTED_OPS}:
         init = initializers.get(dequantized_from.get(name, name))
         if init is not None:
             values = onnx.numpy_helper.to_array(init)
-            zeros += int(np.count_nonzero(values == 0))
+            nonzero += int(np.count_nonzero(values))
             total += values.size
-    return zeros / total if total else 0.0
+    return nonzero, total

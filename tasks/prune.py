@@ -1,12 +1,18 @@
-"""Pruning for the compress stage, with torch's own `torch.nn.utils.prune`.
+"""Pruning for the compress stage.
 
-Pruning installs a mask beside each weight (`weight = weight_orig * weight_mask`), so fine-tuning
-keeps the pruned weights at exactly zero; `make_permanent` then bakes the zeros into the plain
-weights and drops the masks, leaving an ordinary module that exports like any other.
+Unstructured (`global_l1`) uses torch's own `torch.nn.utils.prune`: a mask beside each weight
+(`weight = weight_orig * weight_mask`) keeps the pruned weights at exactly zero while fine-tuning;
+`make_permanent` then bakes the zeros into the plain weights and drops the masks.
+
+Structured (`conv_channels_ln`) removes whole conv output channels, so the model really gets
+smaller and faster (zeroed channels would still be computed by every runtime). Removing a channel
+means cutting the BatchNorm after it and the input of every layer that reads it, across residual
+additions too; torch-pruning's dependency graph does exactly that, for any torchvision-style model.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.utils import prune
 
@@ -22,13 +28,18 @@ def global_l1(model: nn.Module, amount: float) -> None:
                               amount=amount)  # fmt: skip
 
 
-def conv_channels_ln(model: nn.Module, amount: float, norm: int) -> None:
-    """Zero the `amount` fraction of each conv's output channels with the smallest L-`norm`.
+def conv_channels_ln(model: nn.Module, amount: float, norm: int, example: torch.Tensor) -> None:
+    """Remove the `amount` fraction of each conv's output channels with the smallest L-`norm`
+    (of the conv's own filter), with everything that depends on them.
 
-    The classifier's output rows are classes, so linear layers are left whole.
+    The classifier's output rows are classes, so linear layers keep their outputs.
     """
-    for conv in _weighted(model, (nn.Conv2d,)):
-        prune.ln_structured(conv, "weight", amount=amount, n=norm, dim=0)
+    import torch_pruning as tp
+
+    importance = tp.importance.GroupMagnitudeImportance(p=norm, group_reduction="first")
+    pruner = tp.pruner.MetaPruner(model, example, importance=importance, pruning_ratio=amount,
+                                  ignored_layers=_weighted(model, (nn.Linear,)))  # fmt: skip
+    pruner.step()
 
 
 def make_permanent(model: nn.Module) -> None:
