@@ -119,7 +119,7 @@ def _export(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _register(params: Params, run: StageRun, accuracy: float) -> None:
-    """Log both ONNX models (onnx flavour, signature from an example), register the shipped one and
+    """Log both ONNX models (onnx flavour, explicit signature), register the shipped one and
     decide champion/challenger (tasks/registry.py)."""
     import numpy as np
     import onnx
