@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -35,8 +36,23 @@ def pin_everything(seed: int, num_threads: int, strict: bool = True) -> dict[str
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    torch.use_deterministic_algorithms(True, warn_only=not strict)
+    _use_deterministic_algorithms(warn_only=not strict)
     return settings()
+
+
+def _use_deterministic_algorithms(warn_only: bool) -> None:
+    """`torch.use_deterministic_algorithms(True, warn_only=...)`, without its ~3.5 s import.
+
+    The public call also sets `torch._inductor.config.deterministic`, and importing that config
+    pulls in torch._dynamo: 3.5 s in every stage process, most of which never compile anything.
+    Inductor reads the same setting from TORCHINDUCTOR_DETERMINISTIC when it is first imported,
+    so set it there (and directly, if inductor is already loaded), then the flag itself.
+    """
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.deterministic = True
+    torch._C._set_deterministic_algorithms(True, warn_only=warn_only)
 
 
 def settings() -> dict[str, Any]:

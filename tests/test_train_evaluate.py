@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from tasks.evaluate import evaluate
 from tasks.preprocess import load_split, preprocess
 from tasks.stats import compute_stats
 from tasks.train import load_checkpoint, result_config, train
-from tests.conftest import ROOT, subprocess_env, write_params
+from tests.conftest import ROOT, run, subprocess_env, write_params
 
 SPLIT = SplitConfig()
 
@@ -145,3 +146,18 @@ def test_bf16_autocast_trains_on_cpu_and_fp16_and_syncbn_need_cuda(workdir: Path
         with pytest.raises(ValueError, match="train.sync_batchnorm: .* CUDA devices only"):
             train(TrainConfig(epochs=1, num_workers=0, sync_batchnorm=True, device="cpu"), 42,
                   workdir / "artifacts" / "preprocessed", tmp_path / "syncbn")  # fmt: skip
+
+
+_PIN_THEN_COMPILE = """
+import sys
+from tasks.determinism import pin_everything
+pinned = pin_everything(0, 1, strict=True)
+assert pinned["deterministic_algorithms"] and not pinned["deterministic_warn_only"], pinned
+assert "torch._inductor.config" not in sys.modules, "pinning imported inductor (3.5 s per stage)"
+import torch._inductor.config as inductor_config
+assert inductor_config.deterministic, "a later torch.compile would not be deterministic"
+"""
+
+
+def test_pinning_is_cheap_and_still_reaches_inductor() -> None:
+    run([sys.executable, "-c", _PIN_THEN_COMPILE], ROOT, PYTHONPATH=str(ROOT))
