@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from tasks import layout
-    from tasks.compress import LATENCY_BATCHES, compress, markdown_table
+    from tasks.compress import LATENCY_BATCHES, compress, latency_batch, markdown_table
     from tasks.config import load_params
     from tasks.determinism import pin_everything
-    from tasks.onnx_model import as_pixels, median_latency_ms, session
+    from tasks.onnx_model import median_latency_ms, session
     from tasks.preprocess import load_split
 
     checkpoint = ROOT / layout.TRAIN_DIR / "best.safetensors"
@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         speedups: dict[int, list[float]] = {size: [] for size in LATENCY_BATCHES}
         for _ in range(args.rounds):
             for size in LATENCY_BATCHES:
-                batch = as_pixels(np.resize(images, (size, *images.shape[1:])))
-                ms = median_latency_ms(sessions, batch, args.runs, warmup=10)
+                ms = median_latency_ms(sessions, latency_batch(images, size), args.runs, warmup=10)
                 speedups[size].append(ms["fp32"] / ms["static_int8"])
 
     fp32, static, pruned = rows["fp32"], rows["static_int8"], rows.get("pruned_l1")

@@ -120,17 +120,16 @@ def _calibration_indices(n: int, cfg: CompressConfig, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
 
 
-def _latency_batch(images: np.ndarray, size: int) -> np.ndarray:
-    # Tiles the test images when there are fewer than `size` (tiny test configs).
-    reps = -(-size // len(images))
-    return as_pixels(np.concatenate([images] * reps)[:size])
+def latency_batch(images: np.ndarray, size: int) -> np.ndarray:
+    """`size` test images as model input, repeating them when there are fewer (tiny test configs)."""
+    return as_pixels(np.resize(images, (size, *images.shape[1:])))
 
 
 def _measure(paths: dict[str, Path], images: np.ndarray, labels: np.ndarray, cfg: CompressConfig,
              threads: int) -> list[VariantReport]:  # fmt: skip
     sessions = {name: session(path, threads) for name, path in paths.items()}
     predicted = {name: predict(sess, images).argmax(1) for name, sess in sessions.items()}
-    latency = {size: median_latency_ms(sessions, _latency_batch(images, size), cfg.latency_runs, cfg.latency_warmup)
+    latency = {size: median_latency_ms(sessions, latency_batch(images, size), cfg.latency_runs, cfg.latency_warmup)
                for size in LATENCY_BATCHES}  # fmt: skip
     base_size, base_weights = paths["fp32"].stat().st_size, weight_counts(paths["fp32"])[1]
     rows = []

@@ -142,11 +142,8 @@ def _run_torch(module: torch.nn.Module, pixels: torch.Tensor) -> np.ndarray:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _model_card(result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float], table: str,

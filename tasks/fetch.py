@@ -47,11 +47,8 @@ class Checksum:
     hexdigest: str
 
     def of(self, path: Path) -> str:
-        digest = hashlib.new(self.algorithm)
         with open(path, "rb") as handle:
-            while block := handle.read(BLOCK):
-                digest.update(block)
-        return digest.hexdigest()
+            return hashlib.file_digest(handle, self.algorithm).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,13 @@ def copy_project(dest: Path, override: dict[str, Any] | None = None) -> Path:
     return dest
 
 
+def client_for(repo: Path) -> Any:
+    """An MlflowClient on a test project's sqlite store."""
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+
+
 def sha256(path: Path) -> str:
     import hashlib
 

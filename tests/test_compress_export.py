@@ -12,19 +12,14 @@ from typing import Any
 import onnx
 import pytest
 import yaml
-from mlflow import MlflowClient
 
-from tests.conftest import TINY, run, sha256
+from tests.conftest import TINY, client_for, run, sha256
 
 pytestmark = pytest.mark.slow
 
 
-def _client(repo: Path) -> MlflowClient:
-    return MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
-
-
 def _stage_runs(repo: Path, stage: str) -> list[Any]:
-    client = _client(repo)
+    client = client_for(repo)
     experiment = client.get_experiment_by_name("lockstep")
     return client.search_runs([experiment.experiment_id], filter_string=f"tags.`lockstep.stage` = '{stage}'",
                               order_by=["attributes.start_time ASC"])  # fmt: skip
@@ -83,7 +78,7 @@ def test_model_card_and_registry(dvc_repo: dict[str, Any]) -> None:
     assert tags["sha256.model.onnx"] == sha256(export_dir / "model.onnx")
     assert tags["registry.decision"] == "promoted to champion" and tags["registry.champion_version_before"] == "none"
     assert metrics["registry.challenger_accuracy"] == metrics["test_accuracy"]
-    client = _client(repo)
+    client = client_for(repo)
     aliases = client.get_registered_model("lockstep-classifier").aliases
     assert {alias: str(v) for alias, v in aliases.items()} == {"champion": "1", "challenger": "1"}
     version = client.get_model_version("lockstep-classifier", "1")
@@ -139,7 +134,7 @@ def test_a_failed_gate_fails_the_stage_and_registers_nothing(dvc_repo: dict[str,
     assert before == {p.name: sha256(p) for p in (repo / "artifacts/export").iterdir()}  # outputs untouched
     failed = _stage_runs(repo, "export")[-1]
     assert failed.info.status == "FAILED" and "registry.version" not in failed.data.tags
-    assert len(_client(repo).search_model_versions("name='lockstep-classifier'")) == 1
+    assert len(client_for(repo).search_model_versions("name='lockstep-classifier'")) == 1
 
 
 def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path: Path) -> None:

@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 import yaml
-from mlflow import MlflowClient
 
 from tasks.config import STAGES
-from tests.conftest import copy_project, run, sha256
+from tests.conftest import client_for, copy_project, run, sha256
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +50,6 @@ def comparable(lock: dict[str, Any]) -> dict[str, Any]:
 
 def ran_stages(output: str) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", output)
-
-
-def client_for(repo: Path) -> MlflowClient:
-    return MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
 
 
 def pipeline_runs(repo: Path) -> list[tuple[Any, list[Any]]]:
