@@ -11,7 +11,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-fast repro ui env clean
+.PHONY: run test test-fast repro serve ui mlflow-server reproduce env clean
 
 run: $(STAMP)  ## run the whole pipeline (Prefect flow, local ephemeral mode) on the default dataset
 	$(VENV)/bin/python -m flows.pipeline
@@ -26,8 +26,26 @@ repro: $(STAMP)  ## the same pipeline through DVC (fetches data/ first on a fres
 	test -d data || $(VENV)/bin/dvc repro download
 	$(VENV)/bin/dvc repro
 
+serve: $(STAMP)  ## Prefect server on http://127.0.0.1:4200 + the scheduled deployment 'lockstep-pipeline/nightly'
+	$(VENV)/bin/python -m flows.deployments serve
+
 ui: $(STAMP)  ## MLflow UI on the results: http://127.0.0.1:5000
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+	MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
+		--host 127.0.0.1 --port 5000
+
+# A tracking server for several users or machines: runs and the registry in a database, artifacts
+# served by the server itself (point MLFLOW_TRACKING_URI=http://<host>:5000 at it). Swap the
+# sqlite URI for postgresql://... and the folder for s3://... in production (README).
+MLFLOW_BACKEND ?= sqlite:///$(CURDIR)/mlflow-server.db
+MLFLOW_ARTIFACTS ?= $(CURDIR)/mlflow-server-artifacts
+mlflow-server: $(STAMP)  ## MLflow tracking server (database + artifact store) on http://127.0.0.1:5000
+	MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server \
+		--backend-store-uri $(MLFLOW_BACKEND) --artifacts-destination $(MLFLOW_ARTIFACTS) \
+		--host 127.0.0.1 --port 5000
+
+reproduce: $(STAMP)  ## re-run a past run's training and compare weights: make reproduce RUN=<mlflow run id>
+	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<mlflow run id>" >&2; exit 2; }
+	$(VENV)/bin/python -m tasks.reproduce $(RUN)
 
 env: $(STAMP)  ## create or update .venv from uv.lock
 
@@ -41,4 +59,4 @@ $(STAMP): pyproject.toml uv.lock | $(UV)
 	touch $@
 
 clean:  ## remove pipeline outputs and local tracking state (keeps .venv and data/)
-	rm -rf artifacts mlflow.db mlartifacts .prefect
+	rm -rf artifacts mlflow.db mlartifacts .prefect mlflow-server.db mlflow-server-artifacts

@@ -6,31 +6,38 @@ imported once, not once per stage) and records the result with `Repo.commit`, wh
 same dvc.lock entry `dvc repro` would. So a stage reproduced by one entry point is not redone by
 the other, and both give the same weights.
 
-    python -m flows.pipeline            # what `make run` does (Prefect's ephemeral mode, no server)
-    python -m flows.pipeline --force    # re-run every stage
+A run holds the project's pipeline lock (tasks/pipeline_lock.py) from start to end: an
+overlapping run, from any entry point, waits for it or is refused.
+
+    python -m flows.pipeline                 # what `make run` does (Prefect's ephemeral mode, no server)
+    python -m flows.pipeline --force         # re-run every stage
+    python -m flows.pipeline --reingest      # re-read the source first, as scheduled runs do
+    python -m flows.pipeline --set train.lr=0.01   # written into params.yaml first, like `dvc exp run -S`
+
+As a service: flows/serve.py (`make serve`) and flows/deploy.py (work pools).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
 
+from flows import prefect_env
 from tasks.layout import ROOT
 
-# Before Prefect is imported: analytics off (else sqlite "database is locked" tracebacks), a
-# longer ephemeral-server start (a cold start takes ~17 s on 2 cores; the default is 20 s), and
-# Prefect's state inside the project unless the user points PREFECT_HOME/PREFECT_API_URL elsewhere.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_HOME", str(ROOT / ".prefect"))
+prefect_env.configure()  # before Prefect is imported
 
 from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
+from prefect.tasks import exponential_backoff  # noqa: E402
 
-from tasks.config import PARAMS_FILE, STAGES, ConfigError, Params, load_params  # noqa: E402
+from tasks.config import PARAMS_FILE, STAGES, ConfigError, Params, load_params, set_params, with_overrides  # noqa: E402
 from tasks.data_format import DataError  # noqa: E402
+
+FLOW_NAME = "lockstep-pipeline"
 
 
 def _is_stale(stage: str) -> bool:
@@ -60,27 +67,100 @@ def _run_if_stale(stage: str, params: Params, force: bool) -> dict[str, Any]:
     return {"ran": True, **metrics}
 
 
+def _source_was_unreachable(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry the download task only when the source itself failed after the fetcher's own retries
+    (a mirror rebooting at 3 a.m.); bad params, 404s and checksum mismatches fail at once."""
+    from tasks.fetch import DownloadError
+
+    try:
+        state.result()
+    except DownloadError as exc:
+        return exc.transient
+    except Exception:  # any other failure is not the source's: no retry (it is re-raised by Prefect)
+        return False
+    return False
+
+
 # One Prefect task per stage, named after it. Prefect's own result cache is off on purpose: DVC is
-# the one cache, shared with `dvc repro`.
+# the one cache, shared with `dvc repro`. Download retries transient outages (tasks/fetch.py already
+# retries each file with backoff; this retries the whole stage minutes later).
 STAGE_TASKS = {
-    name: task(_run_if_stale, name=name, task_run_name=name, cache_policy=NO_CACHE, retries=0)
+    name: task(_run_if_stale, name=name, task_run_name=name, cache_policy=NO_CACHE,
+               **({"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=60),
+                   "retry_jitter_factor": 0.5, "retry_condition_fn": _source_was_unreachable}
+                  if name == "download" else {}))  # fmt: skip
     for name in STAGES
 }
 
 
-@flow(name="lockstep-pipeline", log_prints=True)
-def pipeline(params_file: str = PARAMS_FILE, force: bool = False) -> dict[str, dict[str, Any]]:
+def summarize(results: dict[str, dict[str, Any]], data_md5_before: str, data_md5_after: str) -> str:
+    """One line that says what this run did: a scheduled run must say when it retrained nothing."""
+    ran = [name for name, result in results.items() if result["ran"]]
+    retrained = [name for name in ran if name != "download"]
+    if retrained:
+        data = "new data" if data_md5_after != data_md5_before else "same data"
+        return f"stages run: {', '.join(ran)} ({data}, md5 {data_md5_after})"
+    if ran:
+        return f"stages run: download; source re-read, data unchanged (md5 {data_md5_after}): nothing retrained"
+    return "stages run: none (everything up to date): nothing retrained"
+
+
+@flow(name=FLOW_NAME, log_prints=True)
+def pipeline(params_file: str = PARAMS_FILE, force: bool = False, reingest: bool = False,
+             overrides: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Run download -> stats -> preprocess -> train -> evaluate -> compress -> export, skipping what DVC
-    finds up to date."""
-    from tasks.tracking import pipeline_run
+    finds up to date.
+
+    Args:
+        params_file: the params file, relative to the project root.
+        force: re-run every stage, stale or not.
+        reingest: re-read the data source even if its params did not change (scheduled retraining);
+            unchanged data leaves every later stage up to date.
+        overrides: dotted keys written into params.yaml before the run, e.g. {"train.lr": 0.01}.
+    """
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.runtime import flow_run
+
+    from tasks.pipeline_lock import pipeline_lock
+    from tasks.tracking import data_hash, pipeline_run, tag_run
 
     os.chdir(ROOT)
+    logger = get_run_logger()
     params = load_params(params_file)  # validated before anything is written
-    results: dict[str, dict[str, Any]] = {}
-    with pipeline_run(params.tracking, entry_point="prefect"):
-        for name in STAGES:
-            results[name] = STAGE_TASKS[name](name, params, force)
+    with pipeline_lock(f"Prefect flow run {flow_run.name or FLOW_NAME}",
+                       params.orchestration.lock_wait_s, logger=logger):  # fmt: skip
+        if overrides:
+            params = set_params(params_file, overrides)
+            logger.info("params.yaml updated: %s", json.dumps(overrides))
+        before = data_hash()
+        results: dict[str, dict[str, Any]] = {}
+        with pipeline_run(params.tracking, entry_point="prefect") as run_id:
+            for name in STAGES:
+                results[name] = STAGE_TASKS[name](name, params, force or (reingest and name == "download"))
+            summary = summarize(results, before, data_hash())
+            if run_id:
+                retrained = str(results["train"]["ran"]).lower()
+                tag_run(run_id, {"lockstep.summary": summary, "lockstep.retrained": retrained})
+    logger.info(summary)
+    create_markdown_artifact(key="pipeline-summary", markdown=_summary_table(results, summary),
+                             description="what this pipeline run did")  # fmt: skip
     return results
+
+
+def _summary_table(results: dict[str, dict[str, Any]], summary: str) -> str:
+    rows = [f"| {name} | {'ran' if r['ran'] else 'up to date'} | "
+            + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "ran")
+            + " |" for name, r in results.items()]  # fmt: skip
+    return "\n".join([f"**{summary}**", "", "| stage | | metrics |", "| --- | --- | --- |", *rows])
+
+
+def _override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. train.lr=0.01), got {text!r}")
+    import yaml
+
+    return key, yaml.safe_load(value)  # 0.01 -> float, [a, b] -> list, like `dvc exp run -S`
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,15 +168,19 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="re-run every stage, stale or not")
+    parser.add_argument("--reingest", action="store_true", help="re-read the data source first")
+    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", type=_override, action="append",
+                        default=[], help="write a value into params.yaml first (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
-    try:
-        load_params(ROOT / args.params)  # fail fast, exit 2, before Prefect starts a server
+    try:  # fail fast, exit 2, before Prefect starts a server
+        with_overrides(ROOT / args.params, dict(args.overrides))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        results = pipeline(params_file=args.params, force=args.force)
-    except DataError as exc:  # bad data or a failed download: one line naming the file or URL
+        results = pipeline(params_file=args.params, force=args.force, reingest=args.reingest,
+                           overrides=dict(args.overrides) or None)  # fmt: skip
+    except DataError as exc:  # bad data, a failed download, or another run holding the lock: one line
         print(f"error: {exc}", file=sys.stderr)
         return 1
     ran = [name for name, result in results.items() if result["ran"]]

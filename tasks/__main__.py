@@ -1,7 +1,8 @@
 """`python -m tasks <stage>`: run one stage (the command each dvc.yaml stage runs).
 
 Exit codes: 0 done, 1 the stage failed (bad data or a failed download: a one-line message naming
-the file or URL), 2 params.yaml is invalid (nothing was written).
+the file or URL; or another pipeline run held the project lock too long), 2 params.yaml is invalid
+(nothing was written).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from tasks.data_format import DataError
+    from tasks.pipeline_lock import pipeline_lock
     from tasks.stages import run_stage  # heavy imports (torch, MLflow) only after validation
 
     try:
-        metrics = run_stage(args.stage, params)
+        # one pipeline run at a time: under `dvc repro` each stage holds the project lock while it runs
+        with pipeline_lock(f"python -m tasks {args.stage}", params.orchestration.lock_wait_s):
+            metrics = run_stage(args.stage, params)
     except DataError as exc:  # expected failures get a message, not a traceback
         print(f"error: {args.stage}: {exc}", file=sys.stderr)
         return 1

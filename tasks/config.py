@@ -172,6 +172,29 @@ class TrackingConfig(_Section):
     registered_model: str = Field("lockstep-classifier", min_length=1)
 
 
+class OrchestrationConfig(_Section):
+    """How the pipeline runs as a service (flows/serve.py, flows/deploy.py); read by no stage, so
+    changing a schedule never retrains a model."""
+
+    deployment: str = Field("nightly", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # lockstep-pipeline/<deployment>
+    # Five cron fields (Prefect checks the values when the deployment is created); null: no schedule.
+    cron: str | None = Field("0 3 * * *", pattern=r"^\s*(\S+\s+){4}\S+\s*$")
+    timezone: str = "UTC"
+    reingest: bool = True  # scheduled runs re-read the source first; unchanged data means nothing retrains
+    lock_wait_s: float = Field(3600.0, ge=0)  # an overlapping run waits this long, then is refused
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, value: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError("not an IANA time zone (e.g. UTC, Europe/Berlin)") from None
+        return value
+
+
 class Params(_Section):
     seed: int = Field(42, ge=0, lt=2**32)
     data: DataConfig = DataConfig()
@@ -183,6 +206,7 @@ class Params(_Section):
     compress: CompressConfig = CompressConfig()
     export: ExportConfig = ExportConfig()
     tracking: TrackingConfig = TrackingConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
 
     @model_validator(mode="after")
     def _shipped_variant_is_built(self) -> Params:
@@ -238,6 +262,10 @@ def load_params(path: str | Path = PARAMS_FILE) -> Params:
         raise ConfigError(f"{path}: file not found") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}".replace("\n", " ")) from None
+    return _validate(raw, path)
+
+
+def _validate(raw: Any, path: Path) -> Params:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -247,3 +275,45 @@ def load_params(path: str | Path = PARAMS_FILE) -> Params:
     except ValidationError as exc:
         lines = [_format_error(path, err) for err in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
+
+
+def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Params]:
+    """params.yaml with `overrides` ({"train.lr": 0.01}, as `dvc exp run -S train.lr=0.01`) applied:
+    the new text (comments, quotes and order kept) and its validated params.
+    Raises ConfigError naming the key for an unknown key or a bad value."""
+    import io
+
+    from ruamel.yaml import YAML  # round-trip YAML (DVC's own dependency): keeps comments and order
+
+    path = Path(path)
+    params = load_params(path)  # the file as it is must be valid too
+    if not overrides:
+        return path.read_text(), params
+    rt = YAML()
+    rt.preserve_quotes = True
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    doc = rt.load(path.read_text())
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = doc
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            raise ConfigError(f"{path}: {key}: no such key (in overrides)")
+        node[leaf] = value
+    out = io.StringIO()
+    rt.dump(doc, out)
+    return out.getvalue(), _validate(yaml.safe_load(out.getvalue()), path)
+
+
+def set_params(path: str | Path, overrides: dict[str, Any]) -> Params:
+    """Write `overrides` into params.yaml, validated first (a bad one leaves the file untouched).
+
+    The file stays the one record of what ran: DVC decides staleness from it, so a run with other
+    values must write them there first, as `dvc exp run -S` does.
+    """
+    from tasks.atomic import write_text
+
+    text, params = with_overrides(path, overrides)
+    write_text(Path(path), text)
+    return params

@@ -38,7 +38,18 @@ USER_AGENT = "lockstep (+https://github.com/lockstep)"
 
 
 class DownloadError(DataError):
-    """A file could not be fetched or failed verification; the message names it."""
+    """A file could not be fetched or failed verification; the message names it.
+
+    `transient`: the source was unreachable or failing (connection errors, HTTP 5xx) on every
+    attempt, so trying again later may succeed; a 404 or a checksum mismatch will not.
+    """
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+    def __reduce__(self) -> tuple[type, tuple[str, bool]]:  # keep `transient` across pickling (Prefect states)
+        return type(self), (str(self), self.transient)
 
 
 @dataclass(frozen=True)
@@ -80,14 +91,14 @@ def fetch(urls: list[str], dest: Path, checksum: Checksum, retry: Retry = Retry(
                 log.info("%s: verified copy in %s, not downloading", dest.name, dest.parent)
                 return dest
             dest.unlink()  # wrong content under the final name (edited by hand?): fetch again
-        failures = []
+        failures: list[DownloadError] = []
         for url in urls:
             try:
                 _fetch_one(url, dest, checksum, retry)
                 return dest
             except DownloadError as exc:
-                failures.append(str(exc))
-        raise DownloadError("; ".join(failures) if len(failures) > 1 else failures[0])
+                failures.append(exc)
+        raise DownloadError("; ".join(str(f) for f in failures), transient=all(f.transient for f in failures))
 
 
 def _fetch_one(url: str, dest: Path, checksum: Checksum, retry: Retry) -> None:
@@ -104,7 +115,7 @@ def _fetch_one(url: str, dest: Path, checksum: Checksum, retry: Retry) -> None:
         except _Retryable as exc:
             last_error = str(exc)
     else:
-        raise DownloadError(f"{dest.name}: {url} failed after {retry.attempts} attempts: {last_error}")
+        raise DownloadError(f"{dest.name}: {url} failed after {retry.attempts} attempts: {last_error}", transient=True)
     try:
         verify(part, checksum, name=dest.name, origin=url)
     except DownloadError:

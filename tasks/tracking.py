@@ -208,6 +208,13 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str) -> Iterator[str | None]:
             os.environ[PARENT_ENV] = previous
 
 
+def tag_run(run_id: str, tags: dict[str, str]) -> None:
+    """Add tags to a run that is not this process's active one (the flow's parent run)."""
+    client = _mlflow().MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
 @contextmanager
 def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterator[StageRun]:
     """A nested MLflow run for one stage, with its params and lineage tags already logged."""

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from flows.deployments import wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -76,6 +82,41 @@ def copy_project(dest: Path, override: dict[str, Any] | None = None) -> Path:
     run([*git, "add", "-A"], dest)
     run([*git, "commit", "-q", "-m", "test copy"], dest)
     return dest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def service(cmd: list[str], cwd: Path, health_url: str, log: Path, timeout_s: float = 180,
+            **env: str) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
+    """A server process for the block: started in its own process group, ready when `health_url`
+    answers 200, stopped by PID (SIGTERM to the group, SIGKILL after 30 s). Its output goes to `log`."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(**env), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            try:
+                wait_until_healthy(health_url, proc, timeout_s)
+            except RuntimeError as exc:
+                raise AssertionError(f"{exc}\n--- {log}:\n{log.read_text()[-5000:]}") from None
+            yield proc
+        finally:
+            stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def client_for(repo: Path) -> Any:

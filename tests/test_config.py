@@ -49,6 +49,10 @@ def test_repository_params_are_valid_and_complete() -> None:
         ({"export": {"variant": "qat_int8"}, "compress": {"variants": ["static_int8"]}}, "export.variant",
          "'qat_int8' is not built: add it to compress.variants (now ['static_int8'])"),
         ({"export": {"min_top1_agreement": 1.5}}, "export.min_top1_agreement", "less than or equal to 1"),
+        ({"orchestration": {"cron": "every night"}}, "orchestration.cron", "should match pattern"),
+        ({"orchestration": {"timezone": "Mars/Olympus"}}, "orchestration.timezone", "not an IANA time zone"),
+        ({"orchestration": {"deployment": "night ly"}}, "orchestration.deployment", "should match pattern"),
+        ({"orchestration": {"lock_wait_s": -1}}, "orchestration.lock_wait_s", "greater than or equal to 0"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(tmp_path: Path, override, key: str, fragment: str) -> None:

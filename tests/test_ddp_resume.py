@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from tasks.download import download
 from tasks.preprocess import load_split, preprocess
 from tasks.stats import compute_stats
 from tasks.train import load_checkpoint, predict
-from tests.conftest import ROOT, run, subprocess_env, write_params
+from tests.conftest import ROOT, free_port, run, subprocess_env, write_params
 
 pytestmark = pytest.mark.slow
 EPOCHS = 6
@@ -192,16 +191,10 @@ def test_torchrun_max_restarts_recovers_a_killed_rank(data: Path, tmp_path: Path
     assert json.loads((project / "artifacts/train/train.json").read_text())["resumed_from_epoch"] >= 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_launchers_nnodes_2_match_one_launcher_with_two_processes(data: Path, tmp_path: Path,
                                                                       reference: dict[str, Any]) -> None:  # fmt: skip
     """The README's multi-node recipe, with both "machines" on 127.0.0.1 sharing one directory."""
-    port = _free_port()
+    port = free_port()
     project = _project(data, tmp_path / "p", strategy="ddp", nproc_per_node=1, nnodes=2,
                        rdzv_endpoint=f"127.0.0.1:{port}")  # fmt: skip
     # main node: the train stage, which launches its own torchrun; other node: torchrun by hand

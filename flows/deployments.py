@@ -1,0 +1,164 @@
+"""The pipeline as a service: a Prefect deployment with the retraining schedule from params.yaml.
+
+    python -m flows.deployments serve            # `make serve`: a Prefect server on 127.0.0.1:4200
+                                                 # (unless PREFECT_API_URL names one) + the deployment
+    python -m flows.deployments deploy --pool P  # for a work pool instead: workers run the flow
+
+then, from another shell (with PREFECT_API_URL=http://127.0.0.1:4200/api):
+
+    prefect deployment run 'lockstep-pipeline/nightly' --watch
+    prefect deployment run 'lockstep-pipeline/nightly' --param force=true
+    prefect deployment run 'lockstep-pipeline/nightly' --params '{"overrides": {"train.lr": 0.01}}'
+
+Both variants register the same deployment (`deployment_options`): the flow's signature is the
+parameter schema (Prefect refuses a run whose parameters do not fit it), and `reingest` from
+`orchestration`, so that every run of the deployment re-reads the source. At most one pipeline runs
+at a time: the serve process starts one flow run at a time, and every flow run holds the project's
+pipeline lock (tasks/pipeline_lock.py), so runs from workers, `make run` or `dvc repro` wait too.
+
+Prefect's own deployment concurrency limit is deliberately not used: with Prefect 3.8.8's default
+in-memory lease storage, a limited deployment's runs were cancelled on start ("Deployment
+concurrency slot lost during provisioning") on a local server with no other run in sight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from flows import prefect_env
+from tasks.config import PARAMS_FILE, ConfigError, OrchestrationConfig, load_params
+from tasks.layout import ROOT
+
+SERVER_START_TIMEOUT_S = 180  # a cold `prefect server start` (migrations) takes ~20 s on 2 cores
+
+
+def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:
+    """What the served and the work-pool deployment share."""
+    from prefect.schedules import Cron
+
+    return {
+        "schedules": [Cron(cfg.cron, timezone=cfg.timezone)] if cfg.cron else [],
+        "parameters": {"reingest": cfg.reingest},
+        "enforce_parameter_schema": True,
+        "description": "download -> stats -> preprocess -> train -> evaluate -> compress -> export; "
+                       "DVC skips what is up to date",  # fmt: skip
+        "tags": ["lockstep"],
+    }
+
+
+@contextmanager
+def local_server(host: str, port: int) -> Iterator[str]:
+    """`prefect server start` on host:port for the block; yields its API URL. Stopped on exit."""
+    env = {**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(ROOT / ".prefect"))}
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
+                              env=env, start_new_session=True)  # fmt: skip
+    api = f"http://{host}:{port}/api"
+    try:
+        wait_until_healthy(f"{api}/health", server, SERVER_START_TIMEOUT_S)
+        yield api
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # its own process group: uvicorn and the services
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def wait_until_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """Return once `url` answers 200; raise if `proc` (the server) exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with code {proc.returncode} before {url} "
+                               "answered (is the port in use?)")  # fmt: skip
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:g} s")
+
+
+def serve(cfg: OrchestrationConfig) -> None:
+    """Serve the deployment from this process until interrupted (runs execute in subprocesses)."""
+    from prefect import serve as prefect_serve
+
+    from flows.pipeline import pipeline
+
+    # limit=1: a second run waits in Prefect (Scheduled, then Late) instead of starting a process
+    # that would only wait for the pipeline lock.
+    prefect_serve(pipeline.to_deployment(name=cfg.deployment, **deployment_options(cfg)), limit=1)
+
+
+def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None) -> str:
+    """Register the deployment with a work pool (created as a `process` pool if missing); its
+    workers run the flow from this checkout. Returns the deployment's full name."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    from flows.pipeline import FLOW_NAME, pipeline
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+            print(f"created work pool {pool!r} (type process)")
+    name = name or cfg.deployment
+    # From this checkout's path: a process worker on this machine (or one with the same path
+    # mounted) changes into it and imports the flow from there.
+    source = pipeline.from_source(source=str(ROOT), entrypoint="flows/pipeline.py:pipeline")
+    # the stages' log lines in Prefect's run log (the serve process passes its own environment on)
+    env = {"PREFECT_LOGGING_EXTRA_LOGGERS": os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"]}
+    source.deploy(name=name, work_pool_name=pool, build=False, push=False, print_next_steps=False,
+                  job_variables={"env": env}, **deployment_options(cfg))  # fmt: skip
+    return f"{FLOW_NAME}/{name}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.deployments", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_cmd = commands.add_parser("serve", help="serve the deployment (starting a local server if needed)")
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="the local server's address (default: %(default)s)")
+    serve_cmd.add_argument("--port", type=int, default=4200, help="the local server's port (default: %(default)s)")
+    deploy_cmd = commands.add_parser("deploy", help="register the deployment with a work pool")
+    deploy_cmd.add_argument("--pool", required=True, help="work pool name (created as type process if missing)")
+    deploy_cmd.add_argument("--name", help="deployment name (default: orchestration.deployment)")
+    args = parser.parse_args(argv)
+    prefect_env.configure()  # before Prefect is imported, and inherited by the server we start
+    try:
+        cfg = load_params(ROOT / args.params).orchestration
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    if args.command == "deploy":
+        print(f"deployed {deploy(cfg, args.pool, args.name)}; start a worker: prefect worker start --pool {args.pool}")
+        return 0
+    if os.environ.get("PREFECT_API_URL"):
+        serve(cfg)
+        return 0
+    with local_server(args.host, args.port) as api:
+        os.environ["PREFECT_API_URL"] = api
+        print(f"Prefect server: {api.removesuffix('/api')}  (stopped with this process)", flush=True)
+        serve(cfg)  # returns on Ctrl-C / SIGTERM; the server is stopped after it, never before
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The pipeline as a service, with real servers on loopback: a Prefect server and the served
+deployment (`python -m flows.deployments serve`, what `make serve` runs), a process work pool with
+a real worker, an MLflow tracking server the runs log to over HTTP, and headless Chromium on the
+MLflow UI.
+
+The tests run in file order on one module-wide stack, like a user's week: a first run, an unchanged
+source (nothing retrains), new data (retrains, champion/challenger), a failing stage, a changed
+parameter, two overlapping runs on a worker, the schedule, the UI; finally `serve` is stopped and
+must take its server down with it. The data source is a local image folder (sklearn's digits
+written as PNGs), so that a test can change the data the way a real source changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import yaml
+from PIL import Image
+
+from tasks.pipeline_lock import pipeline_lock
+from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+DEPLOYMENT = "lockstep-pipeline/nightly"
+FIRST_IMAGES = 1200  # of digits' 1797; the rest arrive later as "new data"
+SCREENSHOT = ROOT / "test-artifacts" / "mlflow-run-page.png"
+
+
+@dataclass
+class Stack:
+    repo: Path
+    images: Path
+    api: str  # Prefect REST API
+    mlflow: str  # MLflow tracking server
+    serve: subprocess.Popen[bytes]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def write_digits(folder: Path, indices: range) -> None:
+    """sklearn's digits as an image folder: <folder>/<label>/<index>.png, 8x8 greyscale."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for i in indices:
+        path = folder / str(digits.target[i]) / f"{i:04d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((digits.images[i] * 255 / 16).round().astype(np.uint8), mode="L").save(path)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    base = tmp_path_factory.mktemp("service")
+    images = base / "digits-folder"
+    write_digits(images, range(FIRST_IMAGES))
+    repo = copy_project(base / "repo", {"data": {"source": "imagefolder", "path": str(images), "channels": 1},
+                                        "compress": {"variants": ["static_int8"]}})  # fmt: skip
+    mlflow_port, prefect_port = free_port(), free_port()
+    mlflow = f"http://127.0.0.1:{mlflow_port}"
+    api = f"http://127.0.0.1:{prefect_port}/api"
+    mlflow_server = ["mlflow", "server", "--backend-store-uri", f"sqlite:///{base / 'mlflow-server.db'}",
+                     "--artifacts-destination", str(base / "mlflow-artifacts"),
+                     "--host", "127.0.0.1", "--port", str(mlflow_port)]  # fmt: skip
+    with service(mlflow_server, base, f"{mlflow}/health", base / "mlflow-server.log",
+                 MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", MLFLOW_DISABLE_TELEMETRY="true"):  # fmt: skip
+        # what `make serve` runs: it starts its own Prefect server, then serves the deployment
+        serve = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(prefect_port)]
+        with service(serve, repo, f"{api}/deployments/name/{DEPLOYMENT}", base / "serve.log",
+                     MLFLOW_TRACKING_URI=mlflow) as serve_proc:  # fmt: skip
+            yield Stack(repo, images, api, mlflow, serve_proc)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def deployment_run(stack: Stack, name: str = DEPLOYMENT, *args: str, check: bool = True) -> tuple[str, Any]:
+    """`prefect deployment run NAME --watch`, as a user types it; returns (flow run id, result)."""
+    started = time.monotonic()
+    done = run(["prefect", "deployment", "run", name, "--watch", "--watch-timeout", "600", *args], stack.repo,
+               check=check, PREFECT_API_URL=stack.api)  # fmt: skip
+    stack.timings[name + " ".join(args)] = time.monotonic() - started
+    found = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout)
+    assert found, done.stdout
+    return found.group(1), done
+
+
+def api(stack: Stack, path: str, body: dict[str, Any] | None = None) -> Any:
+    """One call to Prefect's REST API (POST when there is a body)."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{stack.api}{path}", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def flow_run_logs(stack: Stack, flow_run_id: str) -> list[dict[str, Any]]:
+    return api(stack, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200,
+                                       "sort": "TIMESTAMP_ASC"})  # fmt: skip
+
+
+def mlflow_client(stack: Stack) -> Any:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=stack.mlflow)
+
+
+def executions(stack: Stack) -> list[tuple[Any, dict[str, Any]]]:
+    """(parent run, {stage: child run}) for every pipeline execution logged to the server, oldest first."""
+    client = mlflow_client(stack)
+    experiment = client.get_experiment_by_name("lockstep")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    return [(p, {r.data.tags["lockstep.stage"]: r for r in runs
+                 if r.data.tags.get("mlflow.parentRunId") == p.info.run_id}) for p in parents]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the tests, in order
+
+
+def test_deployment_run_completes_and_logs_to_the_mlflow_server(stack: Stack) -> None:
+    flow_run_id, done = deployment_run(stack)
+    assert "Completed" in done.stdout
+    (parent, children), = executions(stack)  # fmt: skip
+    assert set(children) == {"download", "stats", "preprocess", "train", "evaluate", "compress", "export"}
+    assert parent.data.tags["lockstep.entry_point"] == "prefect" and parent.info.status == "FINISHED"
+    assert all(child.info.status == "FINISHED" for child in children.values())
+    # logged over HTTP: the server holds the artifacts too
+    artifacts = {a.path for a in mlflow_client(stack).list_artifacts(children["train"].info.run_id)}
+    assert {"checkpoints", "history.json", "train.json"} <= artifacts
+    assert "test_accuracy" in children["evaluate"].data.metrics
+    version = mlflow_client(stack).get_model_version_by_alias("lockstep-classifier", "champion")
+    assert version.run_id == children["export"].info.run_id
+    # the stages' own log lines reach Prefect's run log
+    messages = [entry["message"] for entry in flow_run_logs(stack, flow_run_id)]
+    assert any(m.startswith("train: {") for m in messages), messages
+    print(f"prefect deployment run -> completed pipeline: {stack.timings[DEPLOYMENT]:.1f} s")
+
+
+def test_unchanged_source_retrains_nothing_and_says_so(stack: Stack) -> None:
+    lock_before = (stack.repo / "dvc.lock").read_text()
+    flow_run_id, _ = deployment_run(stack)  # the deployment's reingest=true: the source is read again
+    parent, children = executions(stack)[-1]
+    assert set(children) == {"download"}
+    assert parent.data.tags["lockstep.retrained"] == "false"
+    assert "nothing retrained" in parent.data.tags["lockstep.summary"]
+    messages = [entry["message"] for entry in flow_run_logs(stack, flow_run_id)]
+    assert any("data unchanged" in m and "nothing retrained" in m for m in messages), messages
+    assert (stack.repo / "dvc.lock").read_text() == lock_before
+
+
+def test_new_data_retrains_and_goes_through_the_promotion_gate(stack: Stack) -> None:
+    write_digits(stack.images, range(FIRST_IMAGES, 1797))
+    deployment_run(stack)
+    parent, children = executions(stack)[-1]
+    assert set(children) == {"download", "stats", "preprocess", "train", "evaluate", "compress", "export"}
+    assert parent.data.tags["lockstep.retrained"] == "true" and "new data" in parent.data.tags["lockstep.summary"]
+    assert children["train"].data.tags["data.md5"] != executions(stack)[0][1]["train"].data.tags["data.md5"]
+    export = children["export"].data.tags
+    assert export["registry.version"] == "2" and export["registry.champion_version_before"] == "1"
+    client = mlflow_client(stack)
+    assert client.get_model_version_by_alias("lockstep-classifier", "challenger").version == "2"
+    champion = client.get_model_version_by_alias("lockstep-classifier", "champion").version
+    assert export["registry.decision"] == ("promoted to champion" if champion == "2" else "kept current champion")
+
+
+def test_a_failed_stage_is_visible_in_prefect_with_its_log(stack: Stack) -> None:
+    # an impossible export gate: the export stage fails after compress
+    impossible = {"overrides": {"export.max_abs_diff": 1e-12}}
+    flow_run_id, done = deployment_run(stack, DEPLOYMENT, "--params", json.dumps(impossible), check=False)
+    assert done.returncode != 0 and "Failed" in done.stdout, done.stdout
+    task_runs = api(stack, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    states = {t["name"]: t["state"]["type"] for t in task_runs}
+    assert states["export"] == "FAILED", states
+    assert states["compress"] == "COMPLETED"
+    messages = [entry["message"] for entry in flow_run_logs(stack, flow_run_id)]
+    assert any("export gate(s) failed" in m and "allowed 1e-12" in m for m in messages), messages
+    assert executions(stack)[-1][1]["export"].info.status == "FAILED"
+
+
+def test_a_changed_parameter_reruns_from_the_stage_that_reads_it(stack: Stack) -> None:
+    # a value the flow's signature does not accept is refused by Prefect before any run starts
+    refused = run(["prefect", "deployment", "run", DEPLOYMENT, "--param", "force=maybe"], stack.repo, check=False,
+                  PREFECT_API_URL=stack.api)  # fmt: skip
+    assert refused.returncode != 0 and "force" in refused.stdout + refused.stderr
+    before = len(executions(stack))
+    overrides = {"overrides": {"train.lr": 0.03, "export.max_abs_diff": 1e-4}}
+    deployment_run(stack, DEPLOYMENT, "--params", json.dumps(overrides))
+    assert len(executions(stack)) == before + 1  # the refused run never started
+    parent, children = executions(stack)[-1]
+    assert set(children) == {"download", "train", "evaluate", "compress", "export"}
+    assert children["train"].data.params["train.lr"] == "0.03"
+    # written into params.yaml like `dvc exp run -S`, comments kept; DVC agrees the pipeline is done
+    params_text = (stack.repo / "params.yaml").read_text()
+    assert yaml.safe_load(params_text)["train"]["lr"] == 0.03
+    status = run(["dvc", "status"], stack.repo).stdout
+    assert "Data and pipelines are up to date" in status, status
+
+
+def test_overlapping_runs_on_a_process_worker_wait_for_each_other(stack: Stack) -> None:
+    deployed = run([sys.executable, "-m", "flows.deployments", "deploy", "--pool", "lockstep-test", "--name", "pooled"],
+                   stack.repo, PREFECT_API_URL=stack.api, MLFLOW_TRACKING_URI=stack.mlflow)  # fmt: skip
+    assert "lockstep-pipeline/pooled" in deployed.stdout
+    log = stack.repo.parent / "worker.log"
+    env = subprocess_env(PREFECT_API_URL=stack.api, MLFLOW_TRACKING_URI=stack.mlflow)
+    worker = subprocess.Popen(["prefect", "worker", "start", "--pool", "lockstep-test", "--type", "process"],
+                              cwd=stack.repo, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                              env=env)  # fmt: skip
+    try:
+        # Two runs at once, while a third party (this test) holds the pipeline lock, so that they
+        # overlap for sure: both wait, then run one after the other.
+        with pipeline_lock("the test", wait_s=0, root=stack.repo):
+            started = [run(["prefect", "deployment", "run", "lockstep-pipeline/pooled"], stack.repo,
+                           PREFECT_API_URL=stack.api).stdout for _ in range(2)]  # fmt: skip
+            ids = [re.search(r"UUID: ([0-9a-f-]{36})", out).group(1) for out in started]
+            _wait_until(lambda: all(_waited(stack, i) for i in ids), timeout_s=180)
+        final = _wait_for_final_states(stack, ids, timeout_s=300)
+    finally:
+        stop_group(worker)
+    assert final == ["COMPLETED", "COMPLETED"], (final, log.read_text()[-3000:])
+    holders = [[e["message"] for e in flow_run_logs(stack, i) if "waiting up to" in e["message"]] for i in ids]
+    assert all("the test (pid" in waits[0] for waits in holders), holders
+    # one after the other: neither MLflow execution overlaps the other
+    (first, _), (second, _) = executions(stack)[-2:]
+    assert second.info.start_time >= first.info.end_time
+    for parent, children in executions(stack)[-2:]:
+        assert parent.data.tags["lockstep.retrained"] == "false" and set(children) == {"download"}
+    assert "Data and pipelines are up to date" in run(["dvc", "status"], stack.repo).stdout
+
+
+def _waited(stack: Stack, flow_run_id: str) -> bool:
+    return any("waiting up to" in e["message"] for e in flow_run_logs(stack, flow_run_id))
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not true after {timeout_s} s"
+        time.sleep(1)
+
+
+def _wait_for_final_states(stack: Stack, ids: list[str], timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = [api(stack, f"/flow_runs/{i}")["state"]["type"] for i in ids]
+        if all(s in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED") for s in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(2)
+
+
+def test_the_schedule_created_upcoming_runs(stack: Stack) -> None:
+    deployment = api(stack, f"/deployments/name/{DEPLOYMENT}")
+    assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
+    assert deployment["parameters"] == {"reingest": True}
+    upcoming = {"deployment_id": {"any_": [deployment["id"]]}, "state": {"type": {"any_": ["SCHEDULED"]}}}
+    scheduled = api(stack, "/flow_runs/filter", {"flow_runs": upcoming})
+    starts = sorted(datetime.fromisoformat(r["expected_start_time"].replace("Z", "+00:00")) for r in scheduled)
+    assert len(starts) >= 3, scheduled
+    assert all((t.hour, t.minute, t.utcoffset().total_seconds()) == (3, 0, 0) for t in starts)
+    assert starts[0] > datetime.now(starts[0].tzinfo)
+
+
+def test_the_mlflow_ui_shows_the_run_in_headless_chromium(stack: Stack, tmp_path: Path) -> None:
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    parent, children = executions(stack)[0]
+    evaluate = children["evaluate"]
+    url = f"{stack.mlflow}/#/experiments/{evaluate.info.experiment_id}/runs/{evaluate.info.run_id}"
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000",
+             "--window-size=1400,1800"]  # fmt: skip
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert evaluate.info.run_id in dom and "evaluate" in dom  # the run's page, not the landing page
+    assert "test_accuracy" in dom
+    shown = f"{evaluate.data.metrics['test_accuracy']:.4g}"[:5]
+    assert shown in dom, shown
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    SCREENSHOT.unlink(missing_ok=True)
+    subprocess.run([*flags, f"--screenshot={SCREENSHOT}", url], capture_output=True, timeout=120, check=True)
+    assert SCREENSHOT.stat().st_size > 10_000  # kept for a human: test-artifacts/mlflow-run-page.png
+
+
+def test_stopping_serve_stops_its_prefect_server(stack: Stack) -> None:
+    children = psutil.Process(stack.serve.pid).children(recursive=True)
+    server = [p for p in children if "server" in p.cmdline() and "start" in p.cmdline()]
+    assert server, [p.cmdline() for p in children]
+    stop_group(stack.serve)  # SIGTERM to `serve`, by PID, as `make serve` gets Ctrl-C
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{stack.api}/health", timeout=2)
