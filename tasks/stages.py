@@ -7,9 +7,13 @@ and the Prefect flow's tasks — so a stage behaves the same whichever ran it.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tasks import layout
 from tasks.atomic import write_text
@@ -74,6 +78,17 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
                   "train.amp": result.amp, "train.resumed_from_epoch": result.resumed_from_epoch})
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
         run.log_artifact(layout.TRAIN_DIR / name, "checkpoints" if name.endswith(".safetensors") else None)
+    # What `python -m tasks.reproduce <run id>` rebuilds this run from: the resolved params, the data
+    # version and the upstream stages' output hashes. This run must carry them itself: DVC may have
+    # skipped preprocess, whose run (with the split params) then belongs to an earlier execution.
+    # Staged in a temp dir, not artifacts/train (a DVC output: a stray file would change its hash).
+    if run.enabled:
+        with tempfile.TemporaryDirectory(prefix="lockstep-train-") as tmp:
+            resolved = Path(tmp) / "params.yaml"
+            resolved.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+            for path in (resolved, layout.DATA_DVC, Path("dvc.lock")):  # dvc.lock: absent before the first run
+                if path.exists():
+                    run.log_artifact(path, "reproduce")
     return {"best_epoch": result.best_epoch, "best_val_accuracy": result.best_val_accuracy}
 
 

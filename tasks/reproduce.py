@@ -1,0 +1,512 @@
+"""`python -m tasks.reproduce RUN_ID`: re-run a past training run and check its weights byte for byte.
+
+RUN_ID is a train stage run, or the pipeline run it belongs to. The run carries what it was made
+from (tasks/stages.py logs it under `reproduce/`): the resolved params, `data.dvc` and `dvc.lock`,
+with the git commit as a tag. In a temporary workspace this rebuilds it — the code at that commit,
+those params (tracking off), that data version from the project's DVC cache or default remote —
+runs stats → preprocess → train, and compares the sha256 of the new best/last weights with the
+logged checkpoints. On the same kind of machine they must be identical; the library versions,
+device and determinism settings are compared too, since a difference there explains a mismatch.
+The outcome is one MLflow run in the same experiment (tag `reproduce.of`).
+
+    python -m tasks.reproduce RUN_ID [--workdir DIR] [--keep] [--json PATH]
+
+Exit codes: 0 byte-identical; 1 the weights differ, or a stage failed (its output tail is shown);
+2 refused: an unknown run, not a train or pipeline run, a run logged without `reproduce/`, or a
+data version neither in the DVC cache nor fetchable from the remote. The project is left as it was,
+except for data a remote fetch adds to the DVC cache and the MLflow run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tasks import layout, tracking
+from tasks.atomic import write_text
+
+log = logging.getLogger("tasks.reproduce")  # not __name__: that is "__main__" under -m
+
+LOGGED_DIR = "reproduce"  # the train run's artifact dir with what it was made from
+WEIGHTS = ("best.safetensors", "last.safetensors")
+# download is not re-run: the data comes from DVC by hash, the source may have changed since.
+STAGES = ("stats", "preprocess", "train")
+UPSTREAM = ("stats", "preprocess")  # their outputs are checked against the run's dvc.lock
+# Tags that describe the machine rather than the run's inputs; a difference explains different bytes.
+MACHINE_TAG_PREFIXES = ("version.", "determinism.", "device")
+TAIL_LINES = 25
+
+# Run in the workspace, by its code and with the stages' environment: what the rebuilt train saw.
+_PROBE = """
+import json
+from tasks.config import load_params
+from tasks.determinism import pin_everything
+from tasks.tracking import lineage_tags
+params = load_params()
+settings = pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+tags = {k: v for k, v in lineage_tags().items() if k.startswith("version.")}
+print(json.dumps({**tags, **{f"determinism.{k}": str(v) for k, v in settings.items()}}))
+"""
+
+
+class ReproduceError(Exception):
+    """The run cannot be reproduced (exit 2); the message says which run and why."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One file's digest as the run logged it and as the rebuild made it (None: not made)."""
+
+    name: str
+    algorithm: str
+    logged: str
+    rebuilt: str | None
+
+    @property
+    def identical(self) -> bool:
+        return self.rebuilt == self.logged
+
+
+@dataclass
+class ReproduceReport:
+    requested_run_id: str
+    run_id: str  # the train stage run that was rebuilt
+    experiment_id: str
+    code: str  # where the rebuilt code came from
+    data_md5: str
+    data_from: str = ""  # "DVC cache" or "DVC remote '<name>'"
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    failed_stage: str | None = None
+    failure_tail: list[str] = field(default_factory=list)
+    weights: list[Comparison] = field(default_factory=list)
+    upstream: list[Comparison] = field(default_factory=list)  # vs the run's dvc.lock: informative
+    machine_now: dict[str, str] = field(default_factory=dict)
+    machine_differences: dict[str, dict[str, str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    workspace: str | None = None  # kept for inspection (--keep / --workdir)
+    reproduce_run_id: str | None = None
+
+    @property
+    def identical(self) -> bool:
+        return self.failed_stage is None and bool(self.weights) and all(c.identical for c in self.weights)
+
+    @property
+    def verdict(self) -> str:
+        if self.failed_stage is not None:
+            return "stage_failed"
+        return "identical" if self.identical else "different"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.identical else 1
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        for key in ("weights", "upstream"):
+            data[key] = [{**asdict(c), "identical": c.identical} for c in getattr(self, key)]
+        return json.dumps({"verdict": self.verdict, "identical": self.identical, "exit_code": self.exit_code,
+                           **data}, indent=2) + "\n"  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the run and its record
+
+
+def _client(tracking_uri: str) -> Any:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # three tiny files: noise
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def find_train_run(client: Any, run_id: str) -> Any:
+    """The train stage run `run_id` names: itself, or the one train child of a pipeline run."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise ReproduceError(f"run {run_id}: no such run in the tracking store {client.tracking_uri}") from None
+    tags = run.data.tags
+    stage = tags.get("lockstep.stage")
+    if stage == "train":
+        return run
+    if stage is not None:
+        raise ReproduceError(f"run {run_id} is a {stage!r} stage run, not a train run: pass its pipeline run "
+                             f"({tags.get('mlflow.parentRunId', '?')}) or that pipeline's train run")  # fmt: skip
+    entry_point = tags.get("lockstep.entry_point")
+    if entry_point == "reproduce":
+        raise ReproduceError(f"run {run_id} is a reproduce run (of {tags.get('reproduce.of', '?')}), not a train run")
+    if entry_point is None or "mlflow.parentRunId" in tags:
+        raise ReproduceError(f"run {run_id} is not a lockstep train or pipeline run (it has no lockstep.stage "
+                             "or lockstep.entry_point tag)")  # fmt: skip
+    children = client.search_runs([run.info.experiment_id], filter_string=(
+        f"tags.`mlflow.parentRunId` = '{run_id}' and tags.`lockstep.stage` = 'train'"))  # fmt: skip
+    if len(children) == 1:
+        return children[0]
+    if not children:
+        raise ReproduceError(f"run {run_id} is a pipeline run in which the train stage did not run (DVC skips "
+                             "up-to-date stages): pass the pipeline or train run that trained")  # fmt: skip
+    ids = ", ".join(c.info.run_id for c in children)
+    raise ReproduceError(f"run {run_id} is a pipeline run with {len(children)} train stage runs ({ids}): pass one")
+
+
+def _download_record(client: Any, run: Any, dest: Path) -> Path:
+    """Download what the run logged for reproduction, and its checkpoints, into `dest`."""
+    from mlflow.artifacts import download_artifacts
+
+    run_id = run.info.run_id
+    logged = {Path(a.path).name for a in client.list_artifacts(run_id, LOGGED_DIR)}
+    missing = sorted({"params.yaml", "data.dvc"} - logged)
+    if missing:
+        raise ReproduceError(f"run {run_id}: lacks the artifacts {', '.join(f'{LOGGED_DIR}/{m}' for m in missing)} "
+                             "(logged before train runs recorded their inputs): cannot reproduce it")  # fmt: skip
+    checkpoints = {Path(a.path).name for a in client.list_artifacts(run_id, "checkpoints")}
+    if not set(WEIGHTS) <= checkpoints:
+        raise ReproduceError(f"run {run_id}: its checkpoints ({', '.join(WEIGHTS)}) were not logged: "
+                             "nothing to compare with")  # fmt: skip
+    for path in (LOGGED_DIR, "checkpoints"):
+        download_artifacts(run_id=run_id, artifact_path=path, dst_path=str(dest), tracking_uri=client.tracking_uri)
+    return dest
+
+
+def _data_md5(data_dvc: Path) -> str:
+    outs = (yaml.safe_load(data_dvc.read_text()) or {}).get("outs") or [{}]
+    return str(outs[0].get("md5", "none"))
+
+
+# --------------------------------------------------------------------------- the workspace
+
+
+def _has_commit(project: Path, commit: str) -> bool:
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):  # e.g. "none (not a git repository)"
+        return False
+    found = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=project, capture_output=True)
+    return found.returncode == 0
+
+
+def _checkout_code(project: Path, run: Any, workspace: Path, warnings: list[str]) -> str:
+    """Put the run's code in `workspace`; return where it came from (and warn where it may differ)."""
+    tags = run.data.tags
+    commit = tags.get("git.commit", "none")
+    if shutil.which("git") and _has_commit(project, commit):
+        archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=project, capture_output=True,
+                                 check=True).stdout  # fmt: skip
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(workspace, filter="data")
+        if tags.get("git.dirty") == "true":
+            warnings.append(f"the run was made with uncommitted changes to commit {commit[:12]}: they were not "
+                            "recorded, so the rebuild used the commit as committed")  # fmt: skip
+        return f"git commit {commit}"
+    # Without the commit the best we have is the code here now; the stages need only tasks/.
+    shutil.copytree(project / "tasks", workspace / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    warnings.append(f"the run's commit ({commit}) is not in the repository at {project}: rebuilt with the "
+                    "current tasks/ code, which may differ from the run's")  # fmt: skip
+    return f"current tasks/ in {project} (commit {commit} not found)"
+
+
+def _write_inputs(record: Path, workspace: Path) -> None:
+    """The run's params (tracking off: the rebuild logs no stage runs), data.dvc and dvc.lock."""
+    params = yaml.safe_load((record / LOGGED_DIR / "params.yaml").read_text())
+    params.setdefault("tracking", {})["enabled"] = False
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.copyfile(record / LOGGED_DIR / "data.dvc", workspace / layout.DATA_DVC)
+    lock = record / LOGGED_DIR / "dvc.lock"
+    if lock.exists():
+        shutil.copyfile(lock, workspace / "dvc.lock")
+    else:  # the commit's dvc.lock would describe some other pipeline state
+        (workspace / "dvc.lock").unlink(missing_ok=True)
+
+
+def _configure_dvc(project: Path, workspace: Path) -> tuple[str, str | None]:
+    """Make the workspace a DVC repo on the project's cache and remotes; return (cache dir, default remote)."""
+    from dvc.config import Config, merge
+
+    # The project's config as it is now (not the commit's): remotes and the cache may have moved.
+    source = Config(dvc_dir=str(project / ".dvc"), validate=False)
+    cache_dir = str(source["cache"].get("dir") or project / ".dvc" / "cache")
+    dvc_dir = workspace / ".dvc"
+    shutil.rmtree(dvc_dir, ignore_errors=True)
+    dvc_dir.mkdir()
+    config = Config.init(str(dvc_dir))
+    with config.edit("repo") as conf:
+        for level in ("repo", "local"):  # local: credentials that are not committed
+            merge(conf, source.load_one(level))
+        conf["core"]["no_scm"] = True  # the workspace is no git repository
+        conf["cache"]["dir"] = cache_dir
+        # DVC's per-repo state and index: inside the workspace, so they go with it
+        conf["core"]["site_cache_dir"] = str(dvc_dir / "tmp" / "site")
+    return cache_dir, source["core"].get("remote")
+
+
+def _bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> str:
+    """Check the run's data version out of the DVC cache, else pull it from the default remote."""
+    from dvc.exceptions import CheckoutError, DvcException
+    from dvc.repo import Repo
+
+    cache_dir, remote = _configure_dvc(project, workspace)
+    target = [str(workspace / layout.DATA_DVC)]
+    with Repo(str(workspace)) as repo:
+        try:
+            repo.checkout(targets=target)
+            return "DVC cache"
+        except CheckoutError:
+            pass  # not (all) in the cache: fetch it
+        named = repr(remote) if remote else "(none configured)"
+        refusal = (f"run {run_id}: data version {data_md5} is not in the DVC cache ({cache_dir}) and could not be "
+                   f"fetched from remote {named}: cannot reproduce")  # fmt: skip
+        if remote is None:
+            raise ReproduceError(refusal)
+        try:
+            repo.pull(targets=target)
+        except CheckoutError:  # the remote does not have it either (DVC has logged which objects)
+            raise ReproduceError(refusal) from None
+        except DvcException as exc:  # e.g. unreachable remote, credentials: say so
+            cause = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # DVC colours its messages
+            raise ReproduceError(f"{refusal} (dvc: {cause})") from None
+    return f"DVC remote {remote!r}"
+
+
+# --------------------------------------------------------------------------- the rebuild
+
+
+def _stage_env() -> dict[str, str]:
+    # The rebuild must not nest under, or log into, a run of whatever launched us.
+    return {k: v for k, v in os.environ.items() if k not in (tracking.PARENT_ENV, "MLFLOW_RUN_ID")}
+
+
+def _run_stage(stage: str, workspace: Path, env: dict[str, str]) -> tuple[int, list[str]]:
+    """`python -m tasks <stage>` in the workspace, its output passed on to our log; (exit code, output tail)."""
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    with subprocess.Popen([sys.executable, "-m", "tasks", stage], cwd=workspace, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:  # fmt: skip
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            log.info("  %s | %s", stage, tail[-1])
+    return proc.returncode, list(tail)
+
+
+def _rebuild(workspace: Path, report: ReproduceReport, env: dict[str, str]) -> None:
+    for stage in STAGES:
+        log.info("reproduce: running %s", stage)
+        start = time.monotonic()
+        code, tail = _run_stage(stage, workspace, env)
+        report.stage_seconds[stage] = round(time.monotonic() - start, 2)
+        if code != 0:
+            report.failed_stage, report.failure_tail = stage, [f"(exit {code})", *tail]
+            return
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _compare_weights(record: Path, workspace: Path) -> list[Comparison]:
+    rebuilt = workspace / layout.TRAIN_DIR
+    return [Comparison(name, "sha256", _sha256(record / "checkpoints" / name),
+                       _sha256(rebuilt / name) if (rebuilt / name).exists() else None) for name in WEIGHTS]  # fmt: skip
+
+
+def _compare_upstream(workspace: Path, data_md5: str, warnings: list[str]) -> list[Comparison]:
+    """Stats and preprocess outputs vs the md5s in the run's dvc.lock, where it describes this data."""
+    lock_file = workspace / "dvc.lock"
+    if not lock_file.exists():
+        return []
+    from dvc.repo import Repo
+    from dvc_data.hashfile.build import build
+
+    stages = (yaml.safe_load(lock_file.read_text()) or {}).get("stages", {})
+    found: list[Comparison] = []
+    with Repo(str(workspace)) as repo:
+        for name in UPSTREAM:
+            entry = stages.get(name) or {}
+            if not any(dep["path"] == "data" and dep.get("md5") == data_md5 for dep in entry.get("deps", [])):
+                warnings.append(f"the run's dvc.lock has no {name} entry for data {data_md5}: its outputs not checked")
+                continue
+            for out in entry.get("outs", []):
+                path = workspace / out["path"]
+                digest = None
+                if path.exists():  # DVC's own md5 (a directory's is over its listing): the lock's algorithm
+                    _, _, obj = build(repo.cache.local, str(path), repo.fs, "md5", dry_run=True, ignore=repo.dvcignore)
+                    digest = obj.hash_info.value
+                found.append(Comparison(out["path"], "md5", out["md5"], digest))
+    return found
+
+
+def _machine_now(workspace: Path, env: dict[str, str], warnings: list[str]) -> dict[str, str]:
+    """The rebuild's library versions, device and determinism settings, named like the run's tags."""
+    probe = subprocess.run([sys.executable, "-c", _PROBE], cwd=workspace, env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        warnings.append(f"could not read this machine's versions and determinism settings: {last}")
+        return {}
+    now = json.loads(probe.stdout.strip().splitlines()[-1])
+    train_json = workspace / layout.TRAIN_DIR / "train.json"
+    if train_json.exists():
+        now["device"] = str(json.loads(train_json.read_text()).get("device"))
+    return now
+
+
+def _machine_differences(run_tags: dict[str, str], now: dict[str, str]) -> dict[str, dict[str, str]]:
+    return {key: {"run": run_tags[key], "now": value} for key, value in sorted(now.items())
+            if key.startswith(MACHINE_TAG_PREFIXES) and key in run_tags and run_tags[key] != value}  # fmt: skip
+
+
+def _log_outcome(client: Any, report: ReproduceReport, workdir: Path) -> str:
+    """One MLflow run in the original's experiment (not nested: it belongs to no pipeline execution)."""
+    tags = {
+        "lockstep.entry_point": "reproduce",
+        "reproduce.of": report.run_id,
+        "reproduce.identical": str(report.identical).lower(),
+        "reproduce.verdict": report.verdict,
+        "data.md5": report.data_md5,
+        **{f"reproduce.logged_sha256.{c.name}": c.logged for c in report.weights},
+        **{f"reproduce.sha256.{c.name}": str(c.rebuilt) for c in report.weights},
+        **report.machine_now,
+    }
+    run = client.create_run(report.experiment_id, run_name=f"reproduce {report.run_id[:8]}", tags=tags)
+    report.reproduce_run_id = run.info.run_id
+    for stage, seconds in report.stage_seconds.items():
+        client.log_metric(run.info.run_id, f"{stage}_seconds", seconds)
+    path = workdir / "reproduce.json"
+    path.write_text(report.to_json())
+    client.log_artifact(run.info.run_id, str(path))
+    client.set_terminated(run.info.run_id, "FAILED" if report.failed_stage else "FINISHED")
+    return run.info.run_id
+
+
+def _workdir(workdir: Path | None) -> Path:
+    if workdir is None:
+        return Path(tempfile.mkdtemp(prefix="lockstep-reproduce-"))
+    workdir = Path(workdir).resolve()
+    if workdir.exists() and any(workdir.iterdir()):
+        raise ReproduceError(f"--workdir {workdir} is not empty: give a new or empty directory")
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
+def reproduce(run_id: str, workdir: Path | None = None, *, keep: bool = False, tracking_uri: str | None = None,
+              project: Path | None = None, log_run: bool = True) -> ReproduceReport:  # fmt: skip
+    """Rebuild train run `run_id` (or a pipeline run's one train stage) and compare its weights.
+
+    `workdir` (kept afterwards) holds `record/` (what the run logged) and `workspace/` (the rebuild);
+    by default a temporary directory, removed at the end unless `keep`. Raises ReproduceError when
+    the run cannot be reproduced; a failed stage or different weights are in the report.
+    """
+    client = _client(tracking_uri or tracking.tracking_uri())
+    project = (project or layout.project_root()).resolve()
+    run = find_train_run(client, run_id)
+    root = _workdir(workdir)
+    log.info("reproduce %s: working in %s", run_id, root)
+    try:
+        record = _download_record(client, run, root / "record")
+        workspace = root / "workspace"
+        workspace.mkdir()
+        train_id = run.info.run_id
+        report = ReproduceReport(requested_run_id=run_id, run_id=train_id, experiment_id=run.info.experiment_id,
+                                 code="", data_md5=_data_md5(record / LOGGED_DIR / "data.dvc"))  # fmt: skip
+        report.code = _checkout_code(project, run, workspace, report.warnings)
+        _write_inputs(record, workspace)
+        log.info("reproduce %s: data %s, code from %s", train_id, report.data_md5, report.code)
+        report.data_from = _bring_data(project, workspace, train_id, report.data_md5)
+        env = _stage_env()
+        _rebuild(workspace, report, env)
+        if report.failed_stage is None:
+            report.weights = _compare_weights(record, workspace)
+            report.upstream = _compare_upstream(workspace, report.data_md5, report.warnings)
+            report.machine_now = _machine_now(workspace, env, report.warnings)
+            report.machine_differences = _machine_differences(run.data.tags, report.machine_now)
+        if workdir is not None or keep:
+            report.workspace = str(workspace)
+        if log_run:
+            _log_outcome(client, report, root)
+        return report
+    finally:
+        if workdir is None and not keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def format_report(report: ReproduceReport) -> str:
+    """A few lines for a human; the first is the verdict."""
+    run_id = report.run_id
+    if report.failed_stage is not None:
+        lines = [f"reproduce {run_id}: stage {report.failed_stage} failed: weights not compared",
+                 *(f"  | {line}" for line in report.failure_tail)]  # fmt: skip
+    else:
+        lines = []
+        for c in report.weights:
+            said = (f"byte-identical (sha256 {c.logged})" if c.identical
+                    else f"DIFFERS (logged sha256 {c.logged}, rebuilt {c.rebuilt})")  # fmt: skip
+            lines.append(f"reproduce {run_id}: {c.name} {said}" if not lines else f"  {c.name}: {said}")
+    for c in report.upstream:
+        lines.append(f"  {c.name}: md5 {'matches' if c.identical else 'differs from'} the run's dvc.lock")
+    seconds = sum(report.stage_seconds.values())
+    lines.append(f"  rebuilt from {report.code}, data {report.data_md5} ({report.data_from}); "
+                 f"{', '.join(report.stage_seconds)} in {seconds:.1f} s")  # fmt: skip
+    if report.machine_differences:
+        lines.append("  this machine differs from the run's "
+                     "(on a different machine kind byte-identity is not expected):")  # fmt: skip
+        lines += [f"    {key}: run {d['run']}, now {d['now']}" for key, d in report.machine_differences.items()]
+    elif report.machine_now:
+        same = "same library versions, device and determinism settings as the run"
+        lines.append(f"  {same}" + ("" if report.identical or report.failed_stage else
+                                    ": the weights should have been identical (a reproducibility bug?)"))  # fmt: skip
+    lines += [f"  warning: {w}" for w in report.warnings]
+    if report.reproduce_run_id:
+        lines.append(f"  logged as MLflow run {report.reproduce_run_id} (experiment {report.experiment_id})")
+    if report.workspace:
+        lines.append(f"  workspace kept: {report.workspace}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tasks.reproduce", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("run_id", help="an MLflow train stage run id, or its pipeline run id")
+    parser.add_argument("--workdir", type=Path, help="rebuild here (new or empty; kept) instead of a temp dir")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary workspace")
+    parser.add_argument("--json", type=Path, help="also write the report as JSON here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("tasks").setLevel(logging.INFO)
+    try:
+        report = reproduce(args.run_id, args.workdir, keep=args.keep)
+    except ReproduceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if args.json:
+            refused = {"verdict": "refused", "identical": False, "exit_code": 2, "requested_run_id": args.run_id,
+                       "error": str(exc)}  # fmt: skip
+            write_text(args.json, json.dumps(refused, indent=2) + "\n")
+        return 2
+    print(format_report(report))
+    if args.json:
+        write_text(args.json, report.to_json())
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
