@@ -7,11 +7,14 @@ UV := .uv/bin/uv
 VENV := .venv
 STAMP := $(VENV)/.synced
 export UV_PYTHON_DOWNLOADS := never
+# Precompiled .pyc for every package: with PYTHONDONTWRITEBYTECODE set (as on these machines)
+# Python would otherwise recompile torch, MLflow and Prefect from source in every process (~3-5 s each).
+export UV_COMPILE_BYTECODE := 1
 export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-fast repro serve ui mlflow-server reproduce env clean
+.PHONY: run test test-fast bench repro serve ui mlflow-server reproduce env clean
 
 run: $(STAMP)  ## run the whole pipeline (Prefect flow, local ephemeral mode) on the default dataset
 	$(VENV)/bin/python -m flows.pipeline
@@ -21,6 +24,9 @@ test: $(STAMP)  ## run the whole test suite
 
 test-fast: $(STAMP)  ## unit tests only (no end-to-end pipeline runs)
 	$(VENV)/bin/python -m pytest -m "not slow"
+
+bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/bench.json (minutes)
+	$(VENV)/bin/python -m benchmarks
 
 repro: $(STAMP)  ## the same pipeline through DVC (fetches data/ first on a fresh clone)
 	test -d data || $(VENV)/bin/dvc repro download

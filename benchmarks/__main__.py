@@ -1,0 +1,83 @@
+"""`make bench` = `python -m benchmarks`: lockstep measured against what users would otherwise run.
+
+    python -m benchmarks                 # every benchmark, full size (minutes)
+    python -m benchmarks --only B1 B4    # some of them
+    python -m benchmarks --smoke         # tiny sizes, one round: checks they run (CI), not timings
+
+Prints the table, writes benchmarks/results/bench.json (and bench.md, the table as in the README)
+with the machine it ran on. Exits 1 if a target with a verdict was missed (not with --smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.harness import RESULTS, Figure, machine
+
+
+def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
+    from benchmarks import train_epoch
+
+    if smoke:  # one round, no warm-up, one epoch: that everything runs, not how fast
+        return {"B1": lambda work: train_epoch.b1_b8(work, rounds=1, warmup=0),
+                "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1)}  # fmt: skip
+    return {
+        "B1": lambda work: train_epoch.b1_b8(work, rounds=5),  # B8 too: the same set-up
+        "B4": lambda work: train_epoch.b4(work, rounds=3),
+    }
+
+
+def markdown(figures: list[Figure], host: dict[str, object]) -> str:
+    lines = [f"Measured on {host['cpu']} ({host['cores']} cores), Python {host['python']}, torch {host['torch']}.",
+             "", "| # | measure | lockstep | baseline | ratio | target | met |",
+             "| --- | --- | ---: | ---: | ---: | --- | --- |"]  # fmt: skip
+    for f in sorted(figures, key=lambda f: f.id):
+        met = {True: "yes", False: "**no**", None: "report"}[f.met]
+        lines.append(f"| {f.id} | {f.measure} | {f.lockstep:.4g} {f.unit} | {f.baseline:.4g} {f.unit} | "
+                     f"{f.ratio:.3f}x | {f.target} | {met} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--only", nargs="+", metavar="B#", help="run only these benchmarks")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round, no verdicts")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where bench.json/bench.md go")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars of the stages would drown the table
+    suites = _suites(args.smoke)
+    unknown = set(args.only or []) - set(suites)
+    if unknown:
+        parser.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {sorted(suites)}")
+    figures: list[Figure] = []
+    with tempfile.TemporaryDirectory(prefix="lockstep-bench-") as tmp:
+        for name, suite in suites.items():
+            if args.only and name not in args.only:
+                continue
+            start = time.perf_counter()
+            figures += suite(Path(tmp))
+            print(f"{name}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    host = machine()
+    table = markdown(figures, host)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"machine": host, "smoke": args.smoke, "figures": [f.row() for f in figures]}
+    (args.out / "bench.json").write_text(json.dumps(record, indent=2) + "\n")
+    (args.out / "bench.md").write_text(table)
+    missed = [f.id for f in figures if f.met is False]
+    if missed and not args.smoke:
+        print(f"targets missed: {', '.join(missed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

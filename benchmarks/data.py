@@ -1,0 +1,61 @@
+"""Benchmark data: the default dataset (digits), and larger generated versions of it.
+
+`raw(work, scale)` writes a raw snapshot (the download stage's format) of digits repeated `scale`
+times, each copy shifted by up to a pixel and with a little noise, so that a larger dataset is not
+just the same bytes again; `prepared(work, scale)` runs stats and preprocess on it as the stages do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.harness import ROOT
+from tasks.config import DataConfig, Params, load_params
+from tasks.data_format import RawDataset, read_raw, write_raw
+from tasks.download import download
+from tasks.preprocess import preprocess
+from tasks.stats import compute_stats
+
+
+def params() -> Params:
+    """The repository's params.yaml: benchmarks measure the defaults users get."""
+    return load_params(ROOT / "params.yaml")
+
+
+def raw(work: Path, scale: int = 1, seed: int = 0) -> Path:
+    """`work/data-x<scale>`: digits, `scale` times over; returns the snapshot's folder."""
+    out = work / f"data-x{scale}"
+    if (out / "meta.json").exists():
+        return out
+    base = work / "data-x1"
+    if not (base / "meta.json").exists():
+        download(DataConfig(source="digits"), base, work / "cache")
+    if scale == 1:
+        return base
+    digits = read_raw(base)
+    rng = np.random.default_rng(seed)
+    copies = [np.asarray(digits.images)]
+    for _ in range(scale - 1):
+        shifted = np.roll(np.asarray(digits.images), tuple(rng.integers(-1, 2, size=2)), axis=(1, 2)).astype(np.int16)
+        noisy = shifted + rng.integers(-8, 9, size=shifted.shape, dtype=np.int16)
+        copies.append(np.clip(noisy, 0, 255).astype(np.uint8))
+    labels = np.tile(digits.labels, scale)
+    write_raw(RawDataset(np.concatenate(copies), labels, digits.classes, f"digits-x{scale}"), out)
+    return out
+
+
+def prepared(work: Path, scale: int = 1) -> Path:
+    """`work/pre-x<scale>`: stats + preprocess of `raw(work, scale)` with the default params."""
+    out = work / f"pre-x{scale}"
+    if (out / "meta.json").exists():
+        return out
+    p = params()
+    data = raw(work, scale)
+    stats = compute_stats(data, p.split, p.seed, p.stats.chunk_size)
+    (work / f"stats-x{scale}.json").write_text(json.dumps(asdict(stats)))
+    preprocess(data, stats, p.split, p.seed, out)
+    return out

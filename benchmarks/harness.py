@@ -1,0 +1,99 @@
+"""What every benchmark shares: timing by alternation, the figure it reports, the machine it ran on.
+
+Every figure is a ratio of two things measured in the same run: the cases take turns (A, B, A,
+B, ...) after untimed warm-up rounds, so a slow moment of the machine hits both, and the median of
+each is reported. Thread counts are fixed by the caller (`fixed_threads`) before anything is timed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@dataclass
+class Figure:
+    """One row of the benchmark table: lockstep's measure against the baseline's."""
+
+    id: str  # B1 ... B8
+    measure: str
+    lockstep: float  # seconds (or the unit in `unit`), median
+    baseline: float
+    target: str  # as the issue words it, e.g. "<= 0.33x"
+    met: bool | None  # None: reported only (no target on this machine)
+    unit: str = "s"
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.lockstep / self.baseline if self.baseline else float("inf")
+
+    def row(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio}
+
+
+def alternate(cases: dict[str, Callable[[], float | None]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Run the cases in turn, `warmup` untimed rounds then `rounds` timed ones; seconds per case.
+
+    A case may return its own measurement in seconds (to leave out set-up it needs each time);
+    if it returns None, the whole call is timed.
+    """
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(warmup + rounds):
+        for name, case in cases.items():
+            start = time.perf_counter()
+            measured = case()
+            elapsed = time.perf_counter() - start if measured is None else measured
+            if i >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def fixed_threads(threads: int) -> None:
+    """Pin the thread pools of this process (and of the processes it starts) to `threads`."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def run_python(code_or_args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None) -> float:
+    """Wall seconds of a fresh `python <args>` process (which must succeed)."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, *code_or_args], cwd=cwd, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"python {' '.join(code_or_args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return elapsed
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    from importlib.metadata import version
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": version("torch"), "os": platform.platform()}  # fmt: skip

@@ -1,0 +1,182 @@
+"""B1, B4, B8: what one training epoch and the train stage cost.
+
+B1  the train stage's epoch (uint8 tensors in memory, whole-batch fetches, persistent workers,
+    normalisation on the device) vs the loop tutorials teach: a torchvision-style dataset that
+    turns each sample into a PIL image, then `ToTensor` + `Normalize`, through a `DataLoader`.
+    Same model, data, batch size, optimiser, worker count and threads.
+B4  the train stage (`python -m tasks train`, a fresh process each time) with MLflow tracking on
+    (sqlite store: params, per-epoch metrics, checkpoints as artifacts) vs `tracking.enabled: false`.
+B8  the stage's epoch with the deterministic settings (`tasks.determinism.pin_everything`) vs fast
+    ones (nondeterministic algorithms allowed, `cudnn.benchmark`); a report on CPU, a target on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks.data import params, prepared
+from benchmarks.harness import ROOT, Figure, alternate, fixed_threads, median, run_python
+
+
+class TutorialDigits(Dataset):
+    """What torchvision's MNIST/FashionMNIST datasets do per sample: array -> PIL -> transform."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform) -> None:
+        self.images, self.labels, self.transform = images[:, 0], labels, transform  # (N, H, W) greyscale
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.images[i], mode="L")), int(self.labels[i])
+
+
+def _stage_epoch(pre: Path, deterministic: bool = True):
+    """One epoch of the train stage's own loop (tasks/train.py), as a callable returning nothing."""
+    from tasks import train as stage
+    from tasks.determinism import pin_everything
+    from tasks.models import build_model
+
+    p = params()
+    cfg = p.train
+    pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
+    if not deterministic:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.deterministic = False
+    split = stage.load_split(pre, "train")
+    device = stage.resolve_device(cfg.device)
+    model = build_model(cfg.model, len(split.classes), split.mean, split.std).to(device)
+    optimizer = stage._make_optimizer(cfg, model)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    ranks = stage.Distributed()
+    sampler, loader = stage._train_loader(split, cfg, p.seed, ranks, device)
+    epoch = [0]
+
+    def one_epoch() -> None:
+        epoch[0] += 1
+        sampler.set_epoch(epoch[0])
+        stage._run_epoch(model, loader, criterion, optimizer, scaler, stage._autocast("none", device), device, ranks)
+
+    return one_epoch
+
+
+def _tutorial_epoch(pre: Path):
+    from torchvision import transforms
+
+    from tasks.models import build_model
+    from tasks.preprocess import load_split
+
+    p = params()
+    cfg = p.train
+    torch.manual_seed(p.seed)
+    split = load_split(pre, "train")
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(split.mean, split.std)])
+    dataset = TutorialDigits(np.asarray(split.images), np.asarray(split.labels), transform)
+    # the same network; its built-in normalisation set to identity (the transform normalises)
+    model = build_model(cfg.model, len(split.classes), [0.0] * len(split.mean), [1.0] * len(split.std))
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+    def one_epoch() -> None:
+        model.train()
+        loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.num_workers)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()
+            optimizer.step()
+
+    return one_epoch
+
+
+def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
+    p = params()
+    fixed_threads(p.determinism.num_threads)
+    pre = prepared(work)
+    times = alternate({"stage": _stage_epoch(pre), "tutorial": _tutorial_epoch(pre)}, rounds=rounds, warmup=warmup)
+    b1 = Figure("B1", "train epoch: stage loop vs tutorial (PIL + ToTensor + Normalize + DataLoader)",
+                median(times["stage"]), median(times["tutorial"]), "<= 0.33x", None,
+                details={"runs": times, "batch_size": p.train.batch_size, "num_workers": p.train.num_workers,
+                         "threads": p.determinism.num_threads})  # fmt: skip
+    b1.met = b1.ratio <= 0.33
+    times = alternate({"deterministic": _stage_epoch(pre, True), "fast": _stage_epoch(pre, False)},
+                      rounds=rounds, warmup=warmup)  # fmt: skip
+    on_gpu = torch.cuda.is_available()
+    b8 = Figure("B8", "train epoch: deterministic vs fast settings" + (" (GPU)" if on_gpu else " (CPU: report)"),
+                median(times["deterministic"]), median(times["fast"]), "<= 1.3x on a GPU",
+                None, details={"runs": times, "device": "cuda" if on_gpu else "cpu"})  # fmt: skip
+    if on_gpu:
+        b8.met = b8.ratio <= 1.3
+    return [b1, b8]
+
+
+def _b4_project(work: Path, epochs: int | None) -> Path:
+    """A project folder with the preprocessed digits and two params files: tracking on and off
+    (`epochs`: fewer than params.yaml's, for the smoke run)."""
+    project = work / "b4-project"
+    shutil.rmtree(project, ignore_errors=True)
+    (project / "artifacts").mkdir(parents=True)
+    shutil.copytree(prepared(work), project / "artifacts" / "preprocessed")
+    text = (ROOT / "params.yaml").read_text()
+    if epochs is not None:
+        text = re.sub(r"(?m)^(  epochs: )\d+", rf"\g<1>{epochs}", text)
+    (project / "on.yaml").write_text(text)
+    (project / "off.yaml").write_text(text.replace("  enabled: true ", "  enabled: false"))
+    if "enabled: false" not in (project / "off.yaml").read_text():
+        raise RuntimeError(f"{ROOT / 'params.yaml'}: tracking.enabled: true not found to switch off")
+    return project
+
+
+def b4(work: Path, rounds: int, epochs: int | None = None) -> list[Figure]:
+    """Tracking on vs off, the train stage as the flow runs it (in one process: MLflow imported
+    once per pipeline) and as `dvc repro` runs it (a fresh process: the import paid every time)."""
+    from tasks.config import load_params
+    from tasks.stages import run_stage
+
+    project = _b4_project(work, epochs)
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": uri}
+    previous = (Path.cwd(), os.environ.get("MLFLOW_TRACKING_URI"))
+    os.chdir(project)  # the stage's paths are relative to the project root
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        on, off = load_params("on.yaml"), load_params("off.yaml")
+        cases = {"on": lambda: run_stage("train", on) and None, "off": lambda: run_stage("train", off) and None}
+        flow = alternate(cases, rounds=rounds, warmup=1)
+    finally:
+        os.chdir(previous[0])
+        if previous[1] is None:
+            os.environ.pop("MLFLOW_TRACKING_URI")
+
+    def stage(params_file: str):
+        return lambda: run_python(["-m", "tasks", "train", "--params", params_file], cwd=project, env=env)
+
+    fresh = alternate({"on": stage("on.yaml"), "off": stage("off.yaml")}, rounds=rounds, warmup=1)
+    in_flow = Figure("B4", "train stage: MLflow tracking on vs off (in the flow's process)", median(flow["on"]),
+                     median(flow["off"]), "<= 1.05x", None, details={"runs": flow})  # fmt: skip
+    in_flow.met = in_flow.ratio <= 1.05
+    per_process = Figure("B4-dvc", "train stage: tracking on vs off (`python -m tasks train`, fresh process)",
+                         median(fresh["on"]), median(fresh["off"]), "report (MLflow import per process)", None,
+                         details={"runs": fresh})  # fmt: skip
+    return [in_flow, per_process]
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for fig in [*b1_b8(Path(tmp), rounds=int(sys.argv[1]) if len(sys.argv) > 1 else 3), *b4(Path(tmp), 2)]:
+            print(fig.id, f"{fig.lockstep:.3f} vs {fig.baseline:.3f}: {fig.ratio:.3f}x", fig.target, fig.met)
