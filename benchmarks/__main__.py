@@ -23,13 +23,15 @@ from benchmarks.harness import RESULTS, Figure, machine
 
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
-    from benchmarks import train_epoch
+    from benchmarks import pipeline_overhead, train_epoch
 
     if smoke:  # one round, no warm-up, one epoch: that everything runs, not how fast
         return {"B1": lambda work: train_epoch.b1_b8(work, rounds=1, warmup=0),
+                "B3": lambda work: pipeline_overhead.b3(work, rounds=1, smoke=True),
                 "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1)}  # fmt: skip
     return {
         "B1": lambda work: train_epoch.b1_b8(work, rounds=5),  # B8 too: the same set-up
+        "B3": lambda work: pipeline_overhead.b3(work, rounds=5),
         "B4": lambda work: train_epoch.b4(work, rounds=3),
     }
 

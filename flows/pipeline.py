@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 from flows import prefect_env
@@ -154,6 +155,11 @@ def _summary_table(results: dict[str, dict[str, Any]], summary: str) -> str:
     return "\n".join([f"**{summary}**", "", "| stage | | metrics |", "| --- | --- | --- |", *rows])
 
 
+def _warm_imports() -> None:
+    import dvc.repo  # noqa: F401
+    import mlflow  # noqa: F401
+
+
 def _override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -177,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # While Prefect starts its ephemeral server (seconds of waiting on a subprocess), import what the
+    # flow needs next: a no-op run is mostly this start-up.
+    threading.Thread(target=_warm_imports, daemon=True).start()
     try:
         results = pipeline(params_file=args.params, force=args.force, reingest=args.reingest,
                            overrides=dict(args.overrides) or None)  # fmt: skip

@@ -73,28 +73,35 @@ def data_hash() -> str:
 
 
 def lineage_tags() -> dict[str, str]:
-    """Where a run came from: code, data, pipeline state and library versions."""
-    from importlib.metadata import version
+    """Where a run came from: code, data, pipeline state and library versions.
 
-    import torch
+    The CUDA/cuDNN versions need torch imported; a stage has imported it by now, the flow's parent
+    run (which computes nothing) records the installed torch version without importing it (~1 s
+    of every no-op flow run).
+    """
+    import sys
+    from importlib.metadata import version
 
     commit = _git("rev-parse", "HEAD")
     # dvc.lock and data.dvc are rewritten by the pipeline itself and are recorded by hash below;
     # counting them would mark every run after the first stage as dirty.
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock", ":!data.dvc")
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return {
+    tags = {
         "git.commit": commit or "none (not a git repository)",
         "git.dirty": "unknown" if status is None else str(bool(status)).lower(),
         "data.md5": data_hash(),
         "dvc_lock.sha256": _sha256(Path("dvc.lock")),
         "version.python": platform.python_version(),
-        "version.torch": torch.__version__,
+        "version.torch": version("torch"),
         "version.torchvision": version("torchvision"),  # not imported: ~3.5 s
-        "version.cuda": str(torch.version.cuda),
-        "version.cudnn": str(cudnn),
         "host": platform.node(),
     }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        tags.update({"version.torch": torch.__version__, "version.cuda": str(torch.version.cuda),
+                     "version.cudnn": str(cudnn)})  # fmt: skip
+    return tags
 
 
 # --------------------------------------------------------------------------- stage runs
