@@ -23,16 +23,20 @@ from benchmarks.harness import RESULTS, Figure, machine
 
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
-    from benchmarks import pipeline_overhead, train_epoch
+    from benchmarks import pipeline_overhead, scaling, stats_loop, train_epoch
 
     if smoke:  # one round, no warm-up, one epoch: that everything runs, not how fast
         return {"B1": lambda work: train_epoch.b1_b8(work, rounds=1, warmup=0),
                 "B3": lambda work: pipeline_overhead.b3(work, rounds=1, smoke=True),
-                "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1)}  # fmt: skip
+                "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1),
+                "B5": lambda work: [stats_loop.b5(work, rounds=1, scale=1)],
+                "B7": lambda work: scaling.b7(work, smoke=True)}  # fmt: skip
     return {
         "B1": lambda work: train_epoch.b1_b8(work, rounds=5),  # B8 too: the same set-up
         "B3": lambda work: pipeline_overhead.b3(work, rounds=5),
         "B4": lambda work: train_epoch.b4(work, rounds=3),
+        "B5": lambda work: [stats_loop.b5(work, rounds=5)],
+        "B7": lambda work: scaling.b7(work),
     }
 
 
