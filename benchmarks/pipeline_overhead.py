@@ -15,9 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from benchmarks.harness import ROOT, Figure, alternate, median
+from tasks.config import set_params
 
 BUDGET_S = {"dvc": 2.0, "flow": 10.0}
 
@@ -31,12 +30,10 @@ def project_copy(work: Path, smoke: bool) -> tuple[Path, dict[str, str]]:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dest / rel)
         if smoke:  # the no-op costs the same after a tiny run; the smoke run only checks it works
-            params = yaml.safe_load((dest / "params.yaml").read_text())
-            params["train"].update(epochs=1, num_workers=0)
-            params["compress"].update(variants=["static_int8"], calibration_size=64, latency_runs=20,
-                                      latency_warmup=1)  # fmt: skip
-            params["export"].update(min_top1_agreement=0.0, max_accuracy_drop=1.0)
-            (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+            set_params(dest / "params.yaml", {
+                "train.epochs": 1, "train.num_workers": 0, "compress.variants": ["static_int8"],
+                "compress.calibration_size": 64, "compress.latency_runs": 20, "compress.latency_warmup": 1,
+                "export.min_top1_agreement": 0.0, "export.max_accuracy_drop": 1.0})  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "DVC_", "LOCKSTEP_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     if not (dest / "dvc.lock").exists():

@@ -13,7 +13,6 @@ B8  the stage's epoch with the deterministic settings (`tasks.determinism.pin_ev
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.data import params, prepared
 from benchmarks.harness import ROOT, Figure, alternate, fixed_threads, median, run_python
+from tasks.config import with_overrides
 
 
 class TutorialDigits(Dataset):
@@ -130,13 +130,11 @@ def _b4_project(work: Path, epochs: int | None) -> Path:
     shutil.rmtree(project, ignore_errors=True)
     (project / "artifacts").mkdir(parents=True)
     shutil.copytree(prepared(work), project / "artifacts" / "preprocessed")
-    text = (ROOT / "params.yaml").read_text()
-    if epochs is not None:
-        text = re.sub(r"(?m)^(  epochs: )\d+", rf"\g<1>{epochs}", text)
-    (project / "on.yaml").write_text(text)
-    (project / "off.yaml").write_text(text.replace("  enabled: true ", "  enabled: false"))
-    if "enabled: false" not in (project / "off.yaml").read_text():
-        raise RuntimeError(f"{ROOT / 'params.yaml'}: tracking.enabled: true not found to switch off")
+    # tasks.config.with_overrides: validated, comments kept, an unknown key named
+    shorter = {"train.epochs": epochs} if epochs is not None else {}
+    for name, enabled in (("on.yaml", True), ("off.yaml", False)):
+        text, _ = with_overrides(ROOT / "params.yaml", {**shorter, "tracking.enabled": enabled})
+        (project / name).write_text(text)
     return project
 
 

@@ -22,7 +22,6 @@ was. Registering the model (MLflow) is the stage wrapper's next step, so nothing
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ import torch
 from tasks.atomic import atomic_dir
 from tasks.config import ExportConfig
 from tasks.data_format import DataError
+from tasks.fetch import file_digest
 from tasks.onnx_model import as_pixels, predict, session
 from tasks.preprocess import load_split
 from tasks.train import load_checkpoint
@@ -125,7 +125,7 @@ def export(cfg: ExportConfig, threads: int, checkpoint: Path, pre_dir: Path, com
         if failed:
             raise GateError(f"{len(failed)} export gate(s) failed: " + "; ".join(g.describe() for g in failed))
 
-        digests = {name: _sha256(staging / name) for name in (SHIPPED, FP32, PT2, TORCHSCRIPT)}
+        digests = {name: file_digest(staging / name) for name in (SHIPPED, FP32, PT2, TORCHSCRIPT)}
         result = ExportResult(variant=cfg.variant, fp32_accuracy=fp32_acc, accuracy=acc, gates=gates, sha256=digests)
         gate_report = {"variant": cfg.variant, "fp32_accuracy": fp32_acc, "accuracy": acc,
                        "gates": [{**asdict(g), "passed": g.passed} for g in gates]}  # fmt: skip
@@ -139,11 +139,6 @@ def export(cfg: ExportConfig, threads: int, checkpoint: Path, pre_dir: Path, com
 @torch.no_grad()
 def _run_torch(module: torch.nn.Module, pixels: torch.Tensor) -> np.ndarray:
     return module(pixels).numpy()
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _model_card(result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float], table: str,

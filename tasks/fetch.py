@@ -52,14 +52,19 @@ class DownloadError(DataError):
         return type(self), (str(self), self.transient)
 
 
+def file_digest(path: Path, algorithm: str = "sha256") -> str:
+    """The hex digest of a file, read in blocks: the project's one way to hash a file."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, algorithm).hexdigest()
+
+
 @dataclass(frozen=True)
 class Checksum:
     algorithm: str  # "md5" (what torchvision publishes) or "sha256"
     hexdigest: str
 
     def of(self, path: Path) -> str:
-        with open(path, "rb") as handle:
-            return hashlib.file_digest(handle, self.algorithm).hexdigest()
+        return file_digest(path, self.algorithm)
 
 
 @dataclass(frozen=True)

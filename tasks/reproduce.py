@@ -20,7 +20,6 @@ except for data a remote fetch adds to the DVC cache and the MLflow run.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import logging
@@ -41,6 +40,7 @@ import yaml
 
 from tasks import layout, tracking
 from tasks.atomic import write_text
+from tasks.fetch import file_digest
 
 log = logging.getLogger("tasks.reproduce")  # not __name__: that is "__main__" under -m
 
@@ -317,15 +317,11 @@ def _rebuild(workspace: Path, report: ReproduceReport, env: dict[str, str]) -> N
             return
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
 def _compare_weights(record: Path, workspace: Path) -> list[Comparison]:
     rebuilt = workspace / layout.TRAIN_DIR
-    return [Comparison(name, "sha256", _sha256(record / "checkpoints" / name),
-                       _sha256(rebuilt / name) if (rebuilt / name).exists() else None) for name in WEIGHTS]  # fmt: skip
+    return [Comparison(name, "sha256", file_digest(record / "checkpoints" / name),
+                       file_digest(rebuilt / name) if (rebuilt / name).exists() else None)
+            for name in WEIGHTS]  # fmt: skip
 
 
 def _compare_upstream(workspace: Path, data_md5: str, warnings: list[str]) -> list[Comparison]:

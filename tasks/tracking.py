@@ -15,7 +15,6 @@ MLflow is imported lazily: a GPU box with torch alone can still run the train st
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import subprocess
@@ -28,6 +27,7 @@ from typing import Any
 import psutil
 
 from tasks.config import TrackingConfig
+from tasks.fetch import file_digest
 from tasks.layout import DATA_DVC, project_root
 
 PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
@@ -59,7 +59,7 @@ def _git(*args: str) -> str | None:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "none"
+    return file_digest(path) if path.exists() else "none"
 
 
 def data_hash() -> str:
