@@ -111,7 +111,7 @@ class TrainConfig(_Section):
     gamma: float = Field(0.1, gt=0, le=1)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     random_shift: int = Field(1, ge=0)
-    num_workers: int = Field(2, ge=0)
+    num_workers: int = Field(0, ge=0)
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_batches: int | None = Field(None, ge=1)
     # Distributed data parallel: the train stage launches torchrun itself (tasks/ddp.py).

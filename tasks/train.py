@@ -255,7 +255,11 @@ def _autocast(amp: str, device: torch.device):
 def _run_epoch(model, batches, criterion, optimizer, scaler, autocast, device,
                ranks: Distributed) -> tuple[float, float]:  # fmt: skip
     model.train()
-    loss_sum, correct, seen = 0.0, 0, 0
+    # Sums stay on the device and are read once per epoch: a per-step `.item()` would make the
+    # host wait for every step's kernels on a GPU instead of queueing the next batch's.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    seen = 0
     for images, labels in batches:
         x, y = to_float(images, device), labels.to(device)
         optimizer.zero_grad(set_to_none=True)
@@ -265,11 +269,11 @@ def _run_epoch(model, batches, criterion, optimizer, scaler, autocast, device,
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        loss_sum += loss.item() * len(y)
-        correct += (logits.argmax(1) == y).sum().item()
+        loss_sum += loss.detach().double() * len(y)
+        correct += (logits.argmax(1) == y).sum()
         seen += len(y)
-    loss_sum, correct, seen = ranks.all_reduce([loss_sum, correct, seen])
-    return loss_sum / seen, correct / seen
+    total_loss, total_correct, seen = ranks.all_reduce([loss_sum.item(), float(correct.item()), seen])
+    return total_loss / seen, total_correct / seen
 
 
 def _train_loader(split: Preprocessed, cfg: TrainConfig, seed: int, ranks: Distributed,
