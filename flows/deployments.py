@@ -25,11 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,8 +33,6 @@ from typing import Any
 from flows import prefect_env
 from tasks.config import PARAMS_FILE, ConfigError, OrchestrationConfig, load_params
 from tasks.layout import ROOT
-
-SERVER_START_TIMEOUT_S = 180  # a cold `prefect server start` (migrations) takes ~20 s on 2 cores
 
 
 def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:
@@ -58,37 +52,11 @@ def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:
 @contextmanager
 def local_server(host: str, port: int) -> Iterator[str]:
     """`prefect server start` on host:port for the block; yields its API URL. Stopped on exit."""
-    env = {**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(ROOT / ".prefect"))}
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)],
-                              env=env, start_new_session=True)  # fmt: skip
-    api = f"http://{host}:{port}/api"
+    server = prefect_env.LocalServer(host, port)
     try:
-        wait_until_healthy(f"{api}/health", server, SERVER_START_TIMEOUT_S)
-        yield api
+        yield server.wait()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # its own process group: uvicorn and the services
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-
-
-def wait_until_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> None:
-    """Return once `url` answers 200; raise if `proc` (the server) exits first or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with code {proc.returncode} before {url} "
-                               "answered (is the port in use?)")  # fmt: skip
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:g} s")
+        server.stop()
 
 
 def serve(cfg: OrchestrationConfig) -> None:

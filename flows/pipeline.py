@@ -20,10 +20,12 @@ As a service: flows/serve.py (`make serve`) and flows/deploy.py (work pools).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
 import threading
+from contextlib import nullcontext
 from typing import Any
 
 from flows import prefect_env
@@ -56,12 +58,12 @@ def _commit(stage: str) -> None:
 
 
 def _run_if_stale(stage: str, params: Params, force: bool) -> dict[str, Any]:
-    from tasks.stages import run_stage
-
     logger = get_run_logger()
     if not force and not _is_stale(stage):
         logger.info("%s: up to date (dvc.lock), skipped", stage)
         return {"ran": False}
+    from tasks.stages import run_stage  # imports torch (~1.7 s): only once a stage has to run
+
     metrics = run_stage(stage, params)
     _commit(stage)
     logger.info("%s: %s", stage, metrics)
@@ -160,6 +162,28 @@ def _warm_imports() -> None:
     import mlflow  # noqa: F401
 
 
+def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The flow, against PREFECT_API_URL if set, else against a server of its own.
+
+    Prefect's ephemeral mode would start that server too, but only once the flow is called, after
+    importing Prefect's server code into this process (~2.5 s) and then waiting ~3 s for it. Started
+    here instead, it comes up while this process imports DVC and MLflow: a no-op run is mostly
+    start-up (B3 in benchmarks/: 11.6 s -> see the README's table).
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    server = None
+    if not os.environ.get("PREFECT_API_URL"):
+        server = prefect_env.LocalServer(ui=False, scheduler=False, quiet=True, die_with_parent=True)
+        # Stopped at exit, as Prefect stops its ephemeral server: exit handlers run last-in first-out,
+        # so Prefect's log and event workers (registered later) have sent what they hold by then.
+        atexit.register(server.stop)
+    threading.Thread(target=_warm_imports, daemon=True).start()
+    with temporary_settings({PREFECT_API_URL: server.wait()}) if server else nullcontext():
+        return pipeline(params_file=args.params, force=args.force, reingest=args.reingest,
+                        overrides=dict(args.overrides) or None)  # fmt: skip
+
+
 def _override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -183,12 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # While Prefect starts its ephemeral server (seconds of waiting on a subprocess), import what the
-    # flow needs next: a no-op run is mostly this start-up.
-    threading.Thread(target=_warm_imports, daemon=True).start()
     try:
-        results = pipeline(params_file=args.params, force=args.force, reingest=args.reingest,
-                           overrides=dict(args.overrides) or None)  # fmt: skip
+        results = _run_with_local_api(args)
     except DataError as exc:  # bad data, a failed download, or another run holding the lock: one line
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,4 +1,5 @@
-"""Prefect's settings for this project, applied before Prefect is imported (it reads them then).
+"""Prefect's settings for this project, applied before Prefect is imported (it reads them then),
+and the local Prefect server the project's commands start.
 
 Every default yields to what the user has set: PREFECT_HOME / PREFECT_API_URL elsewhere, say.
 """
@@ -6,8 +7,19 @@ Every default yields to what the user has set: PREFECT_HOME / PREFECT_API_URL el
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
 
 from tasks.layout import ROOT
+
+# a cold `prefect server start` (database migrations) takes ~20 s on 2 cores; a warm one ~3 s
+SERVER_START_TIMEOUT_S = 180
 
 
 def configure() -> None:
@@ -20,3 +32,88 @@ def configure() -> None:
     # the stages' own log lines (download retries, epochs, gates, lock waits) in Prefect's run logs;
     # inherited by the processes that serve and run deployments
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the server may still lose a race for it: it then exits)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalServer:
+    """`prefect server start` on `host:port` (127.0.0.1 unless asked), in its own process group.
+
+    Started on construction and not waited for, so that callers can do their own start-up (imports)
+    while it comes up; `wait()` returns its API URL once it answers. `ui=False, scheduler=False`:
+    the server one flow run needs, as Prefect's ephemeral mode starts it (no UI, no scheduling of
+    deployments, which is `make serve`'s server's job), but started before, not after, the imports.
+    `die_with_parent`: it never outlives the process that started it, however that one ends.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, *, ui: bool = True,
+                 scheduler: bool = True, quiet: bool = False, die_with_parent: bool = False) -> None:  # fmt: skip
+        self.host, self.port = host, port or free_port(host)
+        flags = [*([] if ui else ["--no-ui"]), *([] if scheduler else ["--no-scheduler", "--no-late-runs"])]
+        # quiet: its output goes to a file (shown if it fails to start), not a pipe, which a chatty
+        # server would fill and block on
+        self._log = tempfile.TemporaryFile(mode="w+", prefix="lockstep-prefect-server-") if quiet else None
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(self.port), *flags],
+            env={**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(ROOT / ".prefect"))},
+            stdout=self._log, stderr=subprocess.STDOUT if quiet else None, start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,
+        )  # fmt: skip
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.host}:{self.port}/api"
+
+    def wait(self, timeout_s: float = SERVER_START_TIMEOUT_S) -> str:
+        """Block until the server answers; its API URL. Raises (with its output) if it exits first."""
+        try:
+            wait_until_healthy(f"{self.api_url}/health", self.proc, timeout_s)
+        except RuntimeError as exc:
+            if self._log is None:
+                raise
+            self._log.seek(0)
+            raise RuntimeError(f"{exc}\nserver output:\n{self._log.read()[-3000:]}") from None
+        return self.api_url
+
+    def stop(self) -> None:
+        """SIGTERM its process group (uvicorn and the services), SIGKILL after 30 s."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the process that started it dies, even by SIGKILL
+    (Linux; `prefect server start` with one worker is a single process, so this reaches uvicorn)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def wait_until_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """Return once `url` answers 200; raise if `proc` (the server) exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with code {proc.returncode} before {url} "
+                               "answered (is the port in use?)")  # fmt: skip
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:g} s")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from flows.deployments import wait_until_healthy
+from flows.prefect_env import wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
