@@ -1,100 +1,68 @@
-"""Compression targets on this machine: static int8 vs ONNX Runtime fp32, and 50% pruning.
+"""B6: the compression table from the compress stage, and the compression issue's targets.
 
-    make run                              # trains the default model first (artifacts/train/)
-    .venv/bin/python benchmarks/compression.py [--rounds 5] [--runs 50]
-
-Builds every variant with the compress stage's own function and params.yaml (in a temporary
-directory; artifacts/ is not touched), then times fp32 and static int8 again for `--rounds` more
-rounds, the two taking turns run by run, and reports the median speed-up over the rounds. Targets
-(the compression issue): static int8 <= 0.3x the fp32 file, >= 1.3x faster at batch 64, accuracy
-drop <= 1 point; global L1 pruning of 50% loses <= 1 point after fine-tuning.
-
-Prints the table, writes JSON (default benchmarks/results/compression.json) and exits 1 if a
-target is missed.
+The train stage's function trains the default model on digits (params.yaml) in the benchmark's
+folder (artifacts/ is not touched); the compress stage's function builds every variant in
+`compress.variants` from it and measures them (size, latency at batch 1 and 64 in ONNX Runtime,
+test accuracy). Its latencies are medians of `latency_runs` alternating runs; fp32 and static
+int8 at batch 64, the speed-up target, are then re-timed for `rounds` more rounds, taking turns
+run by run, and the median over rounds is the figure. Targets (the compression issue): static int8
+<= 0.3x the fp32 file, >= 1.3x faster at batch 64 (a ratio <= 1/1.3), accuracy drop <= 1 point;
+global L1 pruning of 50% loses <= 1 point after fine-tuning.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import sys
-import tempfile
+import statistics
 from pathlib import Path
 
-import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.data import params, prepared
+from benchmarks.harness import Figure, fixed_threads
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="extra timing rounds of fp32 vs static int8")
-    parser.add_argument("--runs", type=int, default=50, help="timed runs per model, batch size and round")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/compression.json")
-    args = parser.parse_args(argv)
-
-    from tasks import layout
-    from tasks.compress import LATENCY_BATCHES, compress, latency_batch, markdown_table
-    from tasks.config import load_params
+def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
+    from tasks.compress import compress, latency_batch, markdown_table
     from tasks.determinism import pin_everything
     from tasks.onnx_model import median_latency_ms, session
     from tasks.preprocess import load_split
+    from tasks.train import train
 
-    checkpoint = ROOT / layout.TRAIN_DIR / "best.safetensors"
-    if not checkpoint.exists():
-        print(f"error: {checkpoint} not found: run `make run` first", file=sys.stderr)
-        return 2
-    params = load_params(ROOT / "params.yaml")
-    threads = params.determinism.num_threads
-    pin_everything(params.seed, threads, params.determinism.strict)
-    cfg = params.compress.model_copy(update={"latency_runs": max(args.runs, 20)})
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "compress"
-        result = compress(cfg, params.train, params.seed, threads, checkpoint, ROOT / layout.PREPROCESSED_DIR, out)
-        rows = {row.variant: row for row in result.rows}
-        print(markdown_table(result.rows))
-        sessions = {name: session(out / "models" / f"{name}.onnx", threads) for name in ("fp32", "static_int8")}
-        images = load_split(ROOT / layout.PREPROCESSED_DIR, "test").images
-        speedups: dict[int, list[float]] = {size: [] for size in LATENCY_BATCHES}
-        for _ in range(args.rounds):
-            for size in LATENCY_BATCHES:
-                ms = median_latency_ms(sessions, latency_batch(images, size), args.runs, warmup=10)
-                speedups[size].append(ms["fp32"] / ms["static_int8"])
+    p = params()
+    threads = p.determinism.num_threads
+    fixed_threads(threads)
+    pre = prepared(work)
+    train_cfg = p.train.model_copy(update={"epochs": 1, "max_batches": 3}) if smoke else p.train
+    cfg = p.compress
+    if smoke:
+        cfg = cfg.model_copy(update={"qat_epochs": 1, "finetune_epochs": 1, "calibration_size": 64,
+                                     "latency_runs": 20, "latency_warmup": 1})  # fmt: skip
+    pin_everything(p.seed, threads, p.determinism.strict)
+    train(train_cfg, p.seed, pre, work / "b6-train")
+    pin_everything(p.seed, threads, p.determinism.strict)
+    result = compress(cfg, train_cfg, p.seed, threads, work / "b6-train" / "best.safetensors", pre, work / "b6")
+    rows = {row.variant: row for row in result.rows}
+    fp32, static = rows["fp32"], rows["static_int8"]
 
-    fp32, static, pruned = rows["fp32"], rows["static_int8"], rows.get("pruned_l1")
-    b64 = float(np.median(speedups[64]))
-    targets = [
-        ("static int8 size / fp32", static.size_ratio, "<=", 0.3),
-        ("static int8 speed-up vs ORT fp32, batch 64", b64, ">=", 1.3),
-        ("static int8 accuracy drop (points)", 100 * (fp32.accuracy - static.accuracy), "<=", 1.0),
-    ]
-    if pruned is not None:
-        targets.append((f"pruned_l1 ({cfg.prune_amount:.0%}) accuracy drop (points)",
-                        100 * (fp32.accuracy - pruned.accuracy), "<=", 1.0))  # fmt: skip
-    print(f"speed-up of static int8 over fp32, median of {args.rounds} rounds x {args.runs} runs: "
-          f"batch 1 {np.median(speedups[1]):.2f}x, batch 64 {b64:.2f}x "
-          f"(rounds: {', '.join(f'{s:.2f}' for s in speedups[64])})")  # fmt: skip
-    print("\n| target | measured | wanted | ok |\n| --- | ---: | ---: | --- |")
-    met = []
-    for name, value, op, limit in targets:
-        ok = value <= limit if op == "<=" else value >= limit
-        met.append(ok)
-        print(f"| {name} | {value:.3f} | {op} {limit} | {'yes' if ok else 'NO'} |")
-    report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads,
-                    "python": platform.python_version()},  # fmt: skip
-        "table": [vars(row) for row in result.rows],
-        "speedup_rounds": {str(k): v for k, v in speedups.items()},
-        "targets": [{"name": n, "measured": v, "op": o, "limit": lim, "met": ok}
-                    for (n, v, o, lim), ok in zip(targets, met, strict=True)],  # fmt: skip
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwritten: {args.json}")
-    return 0 if all(met) else 1
+    sessions = {name: session(work / "b6" / "models" / f"{name}.onnx", threads) for name in ("fp32", "static_int8")}
+    batch = latency_batch(load_split(pre, "test").images, 64)
+    speed = [median_latency_ms(sessions, batch, runs, warmup=10) for _ in range(rounds)]
+    b64 = {name: statistics.median(r[name] for r in speed) for name in sessions}
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    table = markdown_table(result.rows)
+    figures = [
+        Figure("B6-size", "static int8 ONNX file vs fp32", static.size_bytes, fp32.size_bytes, "<= 0.3x",
+               static.size_ratio <= 0.3, unit="B", details={"table_md": table, "rows": [vars(r) for r in result.rows]}),
+        Figure("B6-speed", "static int8 latency vs fp32 (ONNX Runtime, batch 64)", b64["static_int8"] / 1000,
+               b64["fp32"] / 1000, ">= 1.3x faster (<= 0.769x)", b64["static_int8"] * 1.3 <= b64["fp32"],
+               details={"runs": {name: [r[name] / 1000 for r in speed] for name in sessions}, "runs_per_round": runs}),
+        Figure("B6-acc", "static int8 test accuracy vs fp32", static.accuracy, fp32.accuracy,
+               "drop <= 1 point", fp32.accuracy - static.accuracy <= 0.01, unit=""),
+    ]  # fmt: skip
+    if "pruned_l1" in rows:
+        pruned = rows["pruned_l1"]
+        figures.append(Figure("B6-pruned", f"pruned_l1 ({cfg.prune_amount:.0%} of weights, fine-tuned) accuracy "
+                              "vs fp32", pruned.accuracy, fp32.accuracy, "drop <= 1 point",
+                              fp32.accuracy - pruned.accuracy <= 0.01, unit=""))  # fmt: skip
+    if smoke:  # one epoch on three batches: the verdicts would judge an untrained model
+        for figure in figures:
+            figure.met = None
+    return figures

@@ -1,9 +1,18 @@
-"""B3: what a run costs when nothing changed — a no-op `dvc repro` and a no-op Prefect flow run.
+"""B2 and B3: what orchestration (Prefect, DVC, MLflow) costs on top of the stages' own work.
 
-A scheduled retraining run finds nothing new most nights, so its fixed cost is what users pay most
-often. Both are timed as users start them (fresh processes, wall clock) in a copy of the
-repository whose pipeline has run once; the two take turns. The targets are absolute budgets (2 s
-and 10 s), so each figure's baseline is its budget and the ratio is the share of it used.
+B2  the whole default pipeline through the Prefect flow (`python -m flows.pipeline --force`: every
+    stage, DVC hashing and committing each, MLflow logging runs, artifacts and the registry) vs the
+    same stage functions called in one plain Python process (benchmarks/plain_pipeline.py), on
+    digits and on a generated dataset 20x its size. Both sides are fresh processes timed by wall
+    clock, as users start them, and take turns. The 20x dataset has no source to download from,
+    so there both start from the snapshot in data/: the flow re-runs stats .. export (their
+    outputs deleted first, so DVC finds them stale), the plain process skips download.
+B3  a run when nothing changed: a no-op `dvc repro` and a no-op flow run. A scheduled retraining
+    run finds nothing new most nights, so its fixed cost is what users pay most often. The targets
+    are absolute budgets (2 s and 10 s), so each figure's baseline is its budget and the ratio is
+    the share of it used.
+
+Both run in copies of the repository (its tracked files) in which the pipeline has run once.
 """
 
 from __future__ import annotations
@@ -15,54 +24,103 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.data import raw
 from benchmarks.harness import ROOT, Figure, alternate, median
-from tasks.config import set_params
+from tasks import layout
+from tasks.config import STAGES, set_params
 
 BUDGET_S = {"dvc": 2.0, "flow": 10.0}
+B2_TARGETS = {1: 1.5, 20: 1.1}  # dataset scale -> the most the flow may cost, as a multiple of plain
+# The smoke run's params: the pipeline's cost after a tiny run is not what it checks, only that it runs.
+SMOKE = {"train.epochs": 1, "compress.variants": ["static_int8"], "compress.calibration_size": 64,
+         "compress.latency_runs": 20, "compress.latency_warmup": 1, "export.min_top1_agreement": 0.0,
+         "export.max_accuracy_drop": 1.0}  # fmt: skip
 
 
-def project_copy(work: Path, smoke: bool) -> tuple[Path, dict[str, str]]:
-    """The repository's tracked files in `work/project`, the pipeline run once there; (path, env)."""
-    dest = work / "project"
-    if not (dest / "dvc.lock").exists():
-        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
-        for rel in filter(None, listed.stdout.split("\0")):
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, dest / rel)
-        if smoke:  # the no-op costs the same after a tiny run; the smoke run only checks it works
-            set_params(dest / "params.yaml", {
-                "train.epochs": 1, "train.num_workers": 0, "compress.variants": ["static_int8"],
-                "compress.calibration_size": 64, "compress.latency_runs": 20, "compress.latency_warmup": 1,
-                "export.min_top1_agreement": 0.0, "export.max_accuracy_drop": 1.0})  # fmt: skip
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], expect: str = "") -> float:
+    """Wall seconds of `cmd`, which must succeed and print `expect`."""
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0 or expect not in done.stdout:
+        raise RuntimeError(f"{' '.join(cmd)} (exit {done.returncode}, expected {expect!r}) in {cwd}:\n"
+                           f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")  # fmt: skip
+    return elapsed
+
+
+def _env(work: Path) -> dict[str, str]:
+    """The user's environment without lockstep/MLflow/Prefect/DVC settings, with the venv on PATH."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "DVC_", "LOCKSTEP_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    if not (dest / "dvc.lock").exists():
-        git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@lockstep.invalid"]
-        for cmd in (["git", "init", "-q"], [*git, "add", "-A"], [*git, "commit", "-qm", "bench copy"],
-                    ["dvc", "repro", "download"], ["dvc", "repro"]):  # fmt: skip
-            done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode} in {dest}:\n{done.stderr[-3000:]}")
+    env["LOCKSTEP_DOWNLOAD_CACHE"] = str(work / "cache")
+    return env
+
+
+def project_copy(work: Path, smoke: bool, scale: int = 1) -> tuple[Path, dict[str, str]]:
+    """The repository's tracked files in `work/project-x<scale>`, its pipeline run once there on
+    digits `scale` times over (benchmarks/data.py); (path, env)."""
+    dest, env = work / f"project-x{scale}", _env(work)
+    if (dest / "dvc.lock").exists():
+        return dest, env
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
+    for rel in filter(None, listed.stdout.split("\0")):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
+    if smoke:
+        set_params(dest / "params.yaml", SMOKE)
+    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@lockstep.invalid"]
+    for cmd in (["git", "init", "-q"], [*git, "add", "-A"], [*git, "commit", "-qm", "bench copy"],
+                ["dvc", "repro", "download"]):  # fmt: skip
+        _run(cmd, dest, env)
+    if scale > 1:  # the generated snapshot replaces the downloaded one, tracked as download tracks it
+        shutil.rmtree(dest / "data")
+        shutil.copytree(raw(work, scale), dest / "data")
+        _run(["dvc", "add", "data"], dest, env)
+    _run(["dvc", "repro"], dest, env)
     return dest, env
+
+
+def b2(work: Path, rounds: int, rounds_large: int, smoke: bool = False) -> list[Figure]:
+    """`rounds` timed pairs on digits, `rounds_large` on the 20x dataset (minutes each)."""
+    return [_b2_at(work, 1, rounds, smoke), _b2_at(work, 2 if smoke else 20, rounds_large, smoke)]
+
+
+def _b2_at(work: Path, scale: int, rounds: int, smoke: bool) -> Figure:
+    project, env = project_copy(work, smoke, scale)
+    plain = work / f"plain-x{scale}"
+    if not plain.exists():
+        shutil.copytree(project / "data", plain / "data")
+    after = STAGES if scale == 1 else STAGES[1:]
+    derived = [layout.STATS_FILE.parent, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, layout.EVALUATE_DIR,
+               layout.COMPRESS_DIR, layout.EXPORT_DIR]  # fmt: skip
+
+    def flow() -> float:
+        if scale > 1:  # stale outputs, not --force (that would download digits over the snapshot)
+            for path in derived:
+                shutil.rmtree(project / path)
+        cmd = [sys.executable, "-m", "flows.pipeline", *(["--force"] if scale == 1 else [])]
+        return _run(cmd, project, env, expect=f"stages run: {', '.join(after)}\n")
+
+    def baseline() -> float:
+        cmd = [sys.executable, "-m", "benchmarks.plain_pipeline", "--params", str(project / "params.yaml"),
+               *(["--skip-download"] if scale > 1 else [])]  # fmt: skip
+        return _run(cmd, plain, {**env, "PYTHONPATH": str(ROOT)}, expect="test accuracy:")
+
+    # the set-up above ran the pipeline once (caches warm): at 20x a warm-up pair would cost minutes
+    times = alternate({"flow": flow, "plain": baseline}, rounds=rounds, warmup=1 if scale == 1 else 0)
+    target = B2_TARGETS[1 if scale == 1 else 20]
+    figure = Figure(f"B2-x{scale}", f"whole pipeline ({'digits' if scale == 1 else f'digits x{scale}'}): "
+                    "Prefect flow vs plain stage calls", median(times["flow"]), median(times["plain"]),
+                    f"<= {target:g}x", None, details={"runs": times, "stages": list(after)})  # fmt: skip
+    figure.met = figure.ratio <= target
+    return figure
 
 
 def b3(work: Path, rounds: int, smoke: bool = False) -> list[Figure]:
     project, env = project_copy(work, smoke)
-
-    def timed(cmd: list[str], expect: str):
-        def case() -> float:
-            start = time.perf_counter()
-            done = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
-            elapsed = time.perf_counter() - start
-            if done.returncode != 0 or expect not in done.stdout:
-                raise RuntimeError(f"{' '.join(cmd)} (exit {done.returncode}) was not a no-op:\n{done.stdout[-2000:]}"
-                                   f"\n{done.stderr[-2000:]}")  # fmt: skip
-            return elapsed
-
-        return case
-
-    times = alternate({"dvc": timed(["dvc", "repro"], "Data and pipelines are up to date"),
-                       "flow": timed([sys.executable, "-m", "flows.pipeline"], "none (everything up to date)")},
+    times = alternate({"dvc": lambda: _run(["dvc", "repro"], project, env, "Data and pipelines are up to date"),
+                       "flow": lambda: _run([sys.executable, "-m", "flows.pipeline"], project, env,
+                                            "none (everything up to date)")},
                       rounds=rounds, warmup=1)  # fmt: skip
     figures = []
     for name, measure in (("dvc", "no-op `dvc repro`"), ("flow", "no-op Prefect flow run (`make run`)")):
@@ -71,4 +129,3 @@ def b3(work: Path, rounds: int, smoke: bool = False) -> list[Figure]:
         figure.met = figure.lockstep <= BUDGET_S[name]
         figures.append(figure)
     return figures
-

@@ -1,9 +1,12 @@
 """B1, B4, B8: what one training epoch and the train stage cost.
 
-B1  the train stage's epoch (uint8 tensors in memory, whole-batch fetches, persistent workers,
+B1  the train stage's epoch (uint8 tensors in memory, whole-batch fetches, augmentation per batch,
     normalisation on the device) vs the loop tutorials teach: a torchvision-style dataset that
-    turns each sample into a PIL image, then `ToTensor` + `Normalize`, through a `DataLoader`.
-    Same model, data, batch size, optimiser, worker count and threads.
+    turns each sample into a PIL image, then `RandomCrop(padding)` (the stage's random shift),
+    `ToTensor` + `Normalize`, through a `DataLoader`. Same model, data, batch size, optimiser and
+    threads; the tutorial with the stage's worker count and with 2 (what tutorials write), the
+    faster of the two as the baseline. Also timed: the model alone over pre-stacked batches (the
+    floor no loop can go under) and each loop's data path without the model (B1-data).
 B4  the train stage (`python -m tasks train`, a fresh process each time) with MLflow tracking on
     (sqlite store: params, per-epoch metrics, checkpoints as artifacts) vs `tracking.enabled: false`.
 B8  the stage's epoch with the deterministic settings (`tasks.determinism.pin_everything`) vs fast
@@ -73,7 +76,10 @@ def _stage_epoch(pre: Path, deterministic: bool = True):
     return one_epoch
 
 
-def _tutorial_epoch(pre: Path):
+def _tutorial_epoch(pre: Path, num_workers: int):
+    """The tutorial loop: PIL per sample, `RandomCrop(padding)` for the stage's random shift (the
+    same augmentation: a translation by up to `random_shift` pixels, zero-filled), `ToTensor`,
+    `Normalize`, a `DataLoader` built per epoch as tutorials write it."""
     from torchvision import transforms
 
     from tasks.models import build_model
@@ -83,35 +89,109 @@ def _tutorial_epoch(pre: Path):
     cfg = p.train
     torch.manual_seed(p.seed)
     split = load_split(pre, "train")
-    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(split.mean, split.std)])
+    steps = [transforms.RandomCrop(split.images.shape[-2:], padding=cfg.random_shift)] if cfg.random_shift else []
+    transform = transforms.Compose([*steps, transforms.ToTensor(), transforms.Normalize(split.mean, split.std)])
     dataset = TutorialDigits(np.asarray(split.images), np.asarray(split.labels), transform)
     # the same network; its built-in normalisation set to identity (the transform normalises)
     model = build_model(cfg.model, len(split.classes), [0.0] * len(split.mean), [1.0] * len(split.std))
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
+    def loader() -> DataLoader:
+        return DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=num_workers)
+
     def one_epoch() -> None:
         model.train()
-        loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=cfg.num_workers)
-        for x, y in loader:
+        for x, y in loader():
             optimizer.zero_grad()
             loss = criterion(model(x), y)
             loss.backward()
             optimizer.step()
 
+    def data_only() -> None:
+        for _ in loader():
+            pass
+
+    return one_epoch, data_only
+
+
+def _compute_floor(pre: Path):
+    """What any loop pays: the model's forward + backward + step over batches already stacked as
+    normalised floats (no sampling, no augmentation, no conversion)."""
+    from tasks import train as stage
+    from tasks.models import build_model
+
+    p = params()
+    cfg = p.train
+    torch.manual_seed(p.seed)
+    split = stage.load_split(pre, "train")
+    model = build_model(cfg.model, len(split.classes), split.mean, split.std)
+    optimizer = stage._make_optimizer(cfg, model)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    images, labels = torch.from_numpy(np.asarray(split.images)).float() / 255, torch.from_numpy(split.labels)
+    batches = [(images[i : i + cfg.batch_size], labels[i : i + cfg.batch_size])
+               for i in range(0, len(labels), cfg.batch_size)]  # fmt: skip
+
+    def one_epoch() -> None:
+        model.train()
+        for x, y in batches:
+            optimizer.zero_grad(set_to_none=True)
+            criterion(model(x), y).backward()
+            optimizer.step()
+
     return one_epoch
+
+
+def _stage_data_only(pre: Path):
+    """The stage's data path alone: its loader (same settings) and the conversion to floats."""
+    from tasks import train as stage
+
+    p = params()
+    split = stage.load_split(pre, "train")
+    device = stage.resolve_device(p.train.device)
+    sampler, loader = stage._train_loader(split, p.train, p.seed, stage.Distributed(), device)
+    epoch = [0]
+
+    def data_only() -> None:
+        epoch[0] += 1
+        sampler.set_epoch(epoch[0])
+        for images, _ in loader:
+            stage.to_float(images, device)
+
+    return data_only
+
+
+# Above this share of the stage's epoch, the data path (not the model) is what B1 measures.
+DATA_SHARE_FOR_A_VERDICT = 0.10
 
 
 def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
     p = params()
     fixed_threads(p.determinism.num_threads)
     pre = prepared(work)
-    times = alternate({"stage": _stage_epoch(pre), "tutorial": _tutorial_epoch(pre)}, rounds=rounds, warmup=warmup)
+    tutorial, tutorial_data = _tutorial_epoch(pre, p.train.num_workers)
+    # what tutorials write (PyTorch's CIFAR-10 tutorial: num_workers=2): the baseline is the faster
+    tutorial_2w, tutorial_2w_data = _tutorial_epoch(pre, 2)
+    times = alternate({"stage": _stage_epoch(pre), "tutorial": tutorial, "tutorial_2_workers": tutorial_2w,
+                       "compute_floor": _compute_floor(pre)}, rounds=rounds, warmup=warmup)  # fmt: skip
+    data = alternate({"stage": _stage_data_only(pre), "tutorial": tutorial_data,
+                      "tutorial_2_workers": tutorial_2w_data}, rounds=rounds, warmup=warmup)  # fmt: skip
+    baseline = min(("tutorial", "tutorial_2_workers"), key=lambda k: median(times[k]))
+    stage, floor, tut = median(times["stage"]), median(times["compute_floor"]), median(times[baseline])
     b1 = Figure("B1", "train epoch: stage loop vs tutorial (PIL + ToTensor + Normalize + DataLoader)",
-                median(times["stage"]), median(times["tutorial"]), "<= 0.33x", None,
-                details={"runs": times, "batch_size": p.train.batch_size, "num_workers": p.train.num_workers,
-                         "threads": p.determinism.num_threads})  # fmt: skip
-    b1.met = b1.ratio <= 0.33
+                stage, tut, "<= 0.33x", stage / tut <= 0.33,
+                details={"runs": times, "baseline": baseline, "batch_size": p.train.batch_size,
+                         "num_workers": p.train.num_workers, "threads": p.determinism.num_threads,
+                         "compute_floor_ratio": floor / tut, "stage_over_floor": stage / floor})  # fmt: skip
+    if not b1.met and floor / tut > 0.33:
+        # Measured, not assumed: the model's own forward/backward is more than a third of the
+        # tutorial's epoch, so no data path can reach the target on this model and machine.
+        b1.argued = (f"out of reach: the model's forward+backward alone takes {floor:.3g} s, "
+                     f"{floor / tut:.2f}x the tutorial's epoch; the stage's epoch is {stage / floor:.2f}x that floor")
+    data_base = min(("tutorial", "tutorial_2_workers"), key=lambda k: median(data[k]))
+    b1_data = Figure("B1-data", "train epoch's data path alone (no model): stage loader vs tutorial loader",
+                     median(data["stage"]), median(data[data_base]), "report (where B1's difference is)", None,
+                     details={"runs": data, "baseline": data_base})  # fmt: skip
     times = alternate({"deterministic": _stage_epoch(pre, True), "fast": _stage_epoch(pre, False)},
                       rounds=rounds, warmup=warmup)  # fmt: skip
     on_gpu = torch.cuda.is_available()
@@ -120,7 +200,7 @@ def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
                 None, details={"runs": times, "device": "cuda" if on_gpu else "cpu"})  # fmt: skip
     if on_gpu:
         b8.met = b8.ratio <= 1.3
-    return [b1, b8]
+    return [b1, b1_data, b8]
 
 
 def _b4_project(work: Path, epochs: int | None) -> Path:

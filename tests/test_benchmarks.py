@@ -9,21 +9,42 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.__main__ import markdown, unargued_misses
+from benchmarks.harness import Figure
 from tests.conftest import ROOT, run
 
-pytestmark = pytest.mark.slow
+
+def test_a_missed_target_fails_the_run_unless_the_run_measured_it_out_of_reach() -> None:
+    met = Figure("B4", "tracking on vs off", 1.0, 1.0, "<= 1.05x", True)
+    missed = Figure("B3-flow", "no-op flow", 12.0, 10.0, "<= 10 s", False)
+    argued = Figure("B1", "epoch", 0.16, 0.29, "<= 0.33x", False, argued="the model alone takes 0.57x")
+    report = Figure("B8", "deterministic vs fast", 1.0, 1.0, "report", None)
+    assert unargued_misses([met, missed, argued, report]) == ["B3-flow"]
+    assert unargued_misses([met, argued, report]) == []
+    table = markdown([met, missed, argued, report], {"cpu": "x", "cores": 2, "python": "3.11", "torch": "2"})
+    rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| B")}
+    assert rows["B1"].endswith("| no (1) |") and rows["B3-flow"].endswith("| **no** |")
+    assert rows["B4"].endswith("| yes |") and rows["B8"].endswith("| report |")
+    assert "1. B1: the model alone takes 0.57x" in table
 
 
+@pytest.mark.slow
 def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     done = run(["python", "-m", "benchmarks", "--smoke", "--out", str(tmp_path)], ROOT)
     record = json.loads((tmp_path / "bench.json").read_text())
     assert record["smoke"] is True and record["machine"]["cores"] >= 1
     figures = {f["id"]: f for f in record["figures"]}
-    assert {"B1", "B3-dvc", "B3-flow", "B4", "B4-dvc", "B5", "B8"} <= set(figures)
+    assert {"B1", "B1-data", "B2-x1", "B2-x2", "B3-dvc", "B3-flow", "B4", "B4-dvc", "B5", "B6-size", "B6-speed",
+            "B6-acc", "B6-pruned", "B8"} <= set(figures)
     assert any(name.startswith("B7") for name in figures)
     for figure in figures.values():
-        assert figure["lockstep"] > 0 and figure["baseline"] > 0 and math.isfinite(figure["ratio"])
-        timed = figure["details"].get("runs") or {row["scale"]: row for row in figure["details"]["rows"]}  # B7: rows
-        assert timed and all(timed.values()), figure
+        assert figure["lockstep"] > 0 and figure["baseline"] > 0 and math.isfinite(figure["ratio"]), figure
+    timed = {name: f["details"]["runs"] for name, f in figures.items() if "runs" in f["details"]}
+    assert set(figures) - set(timed) == {"B6-size", "B6-acc", "B6-pruned"} | {n for n in figures if n.startswith("B7")}
+    assert all(times and all(times.values()) for times in timed.values()), timed  # every case timed
+    for name in (n for n in figures if n.startswith("B7")):
+        assert figures[name]["details"]["rows"], name
+    assert {row["variant"] for row in figures["B6-size"]["details"]["rows"]} >= {"fp32", "static_int8", "pruned_l1"}
     table = (tmp_path / "bench.md").read_text()
     assert table in done.stdout and "| B1 |" in table
+    assert "B6: the compress stage's table" in table and "| static_int8 |" in table
