@@ -151,7 +151,12 @@ def _register(params: Params, run: StageRun, accuracy: float) -> None:
     example = as_pixels(test.images[:1])  # float32 in [0, 1], (N, C, H, W)
     signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *example.shape[1:]), INPUT)]),
                                outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, len(test.classes)), OUTPUT)]))
-    logged = {"save_as_external_data": False, "signature": signature, "input_example": example}
+    # What serving an ONNX model needs, pinned to what was measured here (MLflow adds itself). Left
+    # to infer them, MLflow would record the whole project lock (`uv export`: torch, Prefect, DVC...)
+    # and spend ~0.5 s per model doing it.
+    requirements = [*mlflow.onnx.get_default_pip_requirements(), f"numpy=={np.__version__}"]
+    logged = {"save_as_external_data": False, "signature": signature, "input_example": example,
+              "pip_requirements": requirements}  # fmt: skip
     mlflow.onnx.log_model(onnx.load(str(layout.EXPORT_DIR / FP32)), name="model_fp32", **logged)
     info = mlflow.onnx.log_model(onnx.load(str(layout.EXPORT_DIR / SHIPPED)), name="model",
                                  registered_model_name=name, **logged)  # fmt: skip

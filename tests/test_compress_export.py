@@ -90,6 +90,10 @@ def test_model_card_and_registry(dvc_repo: dict[str, Any]) -> None:
     info = mlflow.models.get_model_info("models:/lockstep-classifier@champion")
     assert "onnx" in info.flavors
     assert tuple(info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 1, 8, 8)
+    # serving the ONNX model needs its runtime, pinned, not the training stack
+    requirements = Path(mlflow.pyfunc.get_model_dependencies("models:/lockstep-classifier@champion")).read_text()
+    names = {line.split("==")[0] for line in requirements.split()}
+    assert {"mlflow", "onnx", "onnxruntime", "numpy"} <= names and not names & {"torch", "prefect", "dvc"}, names
 
 
 # Run as a separate program: nothing of lockstep or torch, only numpy and onnxruntime.
