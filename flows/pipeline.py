@@ -174,7 +174,7 @@ def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
     server = None
     if not os.environ.get("PREFECT_API_URL"):
-        server = prefect_env.LocalServer(ui=False, scheduler=False, quiet=True, die_with_parent=True)
+        server = prefect_env.LocalServer(ephemeral=True, quiet=True, die_with_parent=True)
         # Stopped at exit, as Prefect stops its ephemeral server: exit handlers run last-in first-out,
         # so Prefect's log and event workers (registered later) have sent what they hold by then.
         atexit.register(server.stop)

@@ -45,22 +45,26 @@ class LocalServer:
     """`prefect server start` on `host:port` (127.0.0.1 unless asked), in its own process group.
 
     Started on construction and not waited for, so that callers can do their own start-up (imports)
-    while it comes up; `wait()` returns its API URL once it answers. `ui=False, scheduler=False`:
-    the server one flow run needs, as Prefect's ephemeral mode starts it (no UI, no scheduling of
-    deployments, which is `make serve`'s server's job), but started before, not after, the imports.
+    while it comes up; `wait()` returns its API URL once it answers. `ephemeral`: the server one
+    flow run needs, as Prefect's own ephemeral mode runs it (no UI; of the background services only
+    those that record task runs, events and logs: no scheduling, late-run marking or cleanup loops,
+    which are `make serve`'s server's job), but started before, not after, the caller's imports.
     `die_with_parent`: it never outlives the process that started it, however that one ends.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, *, ui: bool = True,
-                 scheduler: bool = True, quiet: bool = False, die_with_parent: bool = False) -> None:  # fmt: skip
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, *, ephemeral: bool = False,
+                 quiet: bool = False, die_with_parent: bool = False) -> None:  # fmt: skip
         self.host, self.port = host, port or free_port(host)
-        flags = [*([] if ui else ["--no-ui"]), *([] if scheduler else ["--no-scheduler", "--no-late-runs"])]
+        env = {**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(ROOT / ".prefect"))}
+        if ephemeral:  # what Prefect sets for its own ephemeral server (prefect/server/api/server.py)
+            env["PREFECT__SERVER_EPHEMERAL"] = "1"
         # quiet: its output goes to a file (shown if it fails to start), not a pipe, which a chatty
         # server would fill and block on
         self._log = tempfile.TemporaryFile(mode="w+", prefix="lockstep-prefect-server-") if quiet else None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(self.port), *flags],
-            env={**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(ROOT / ".prefect"))},
+            [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(self.port),
+             *(["--no-ui"] if ephemeral else [])],
+            env=env,
             stdout=self._log, stderr=subprocess.STDOUT if quiet else None, start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent else None,
         )  # fmt: skip

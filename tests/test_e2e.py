@@ -4,6 +4,8 @@ copies of the repository, checked through DVC's own commands and MLflow's client
 from __future__ import annotations
 
 import re
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +126,13 @@ def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(dvc_repo: dict
     repo = copy_project(tmp_path / "repo")
     first = run(["python", "-m", "flows.pipeline"], repo)
     assert f"stages run: download, {', '.join(AFTER_DOWNLOAD)}" in first.stdout, first.stdout
+    # recorded in the project's Prefect database by the server the command started for itself
+    with closing(sqlite3.connect(repo / ".prefect/prefect.db")) as db:
+        assert db.execute("select state_type from flow_run").fetchall() == [("COMPLETED",)]
+        tasks = db.execute("select name from task_run where state_type = 'COMPLETED'").fetchall()
+        logged = db.execute("select message from log").fetchall()
+    assert sorted(name for (name,) in tasks) == sorted(STAGES)
+    assert any("train: {'best_epoch'" in message for (message,) in logged), logged[-5:]
     # the same dvc.lock entries and the same weights and models as `dvc repro` in the other copy
     assert comparable(yaml.safe_load((repo / "dvc.lock").read_text())) == comparable(dvc_repo["lock"])
     assert sha256(repo / "artifacts/train/last.safetensors") == dvc_repo["weights"]
