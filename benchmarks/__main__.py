@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.harness import RESULTS, Figure, machine
+from tasks.atomic import write_text
 
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
@@ -87,13 +88,16 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             figures += suite(Path(tmp))
             print(f"{name}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    if args.smoke:  # toy sizes and one round: the figures show the code runs, not whether targets hold
+        for figure in figures:
+            figure.met = None
     host = machine()
     table = markdown(figures, host)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"machine": host, "smoke": args.smoke, "figures": [f.row() for f in figures]}
-    (args.out / "bench.json").write_text(json.dumps(record, indent=2) + "\n")
-    (args.out / "bench.md").write_text(table)
+    write_text(args.out / "bench.json", json.dumps(record, indent=2) + "\n")
+    write_text(args.out / "bench.md", table)
     missed = unargued_misses(figures)
     if missed and not args.smoke:
         print(f"targets missed: {', '.join(missed)}", file=sys.stderr)

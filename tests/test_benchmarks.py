@@ -39,6 +39,7 @@ def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     assert any(name.startswith("B7") for name in figures)
     for figure in figures.values():
         assert figure["lockstep"] > 0 and figure["baseline"] > 0 and math.isfinite(figure["ratio"]), figure
+        assert figure["met"] is None, figure  # toy sizes: no verdicts (and no failed run over one)
     timed = {name: f["details"]["runs"] for name, f in figures.items() if "runs" in f["details"]}
     assert set(figures) - set(timed) == {"B6-size", "B6-acc", "B6-pruned"} | {n for n in figures if n.startswith("B7")}
     assert all(times and all(times.values()) for times in timed.values()), timed  # every case timed
