@@ -161,10 +161,6 @@ def _stage_data_only(pre: Path):
     return data_only
 
 
-# Above this share of the stage's epoch, the data path (not the model) is what B1 measures.
-DATA_SHARE_FOR_A_VERDICT = 0.10
-
-
 def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
     p = params()
     fixed_threads(p.determinism.num_threads)
