@@ -31,6 +31,7 @@ from tasks.fetch import file_digest
 from tasks.layout import DATA_DVC, project_root
 
 PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
+METRICS_WRITE_EVERY_S = 1.0
 SESSION_TAG = "lockstep.session"
 
 
@@ -113,6 +114,8 @@ class StageRun:
     def __init__(self, mlflow_module: Any | None = None, run_id: str | None = None) -> None:
         self._mlflow = mlflow_module
         self.run_id = run_id
+        self._pending: list[Any] = []  # mlflow Metric entities not yet written
+        self._written_at = float("-inf")  # time.monotonic() of the last write
 
     @property
     def enabled(self) -> bool:
@@ -123,8 +126,30 @@ class StageRun:
             self._mlflow.log_params(params)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if self._mlflow:
-            self._mlflow.log_metrics(metrics, step=step)
+        """Metrics stamped now, written at most every METRICS_WRITE_EVERY_S (and by `flush`).
+
+        One write to the sqlite store takes ~11 ms: once per epoch it cost 6% of training digits
+        (B4 in benchmarks/). Batched by time instead, a short epoch's curve reaches the UI a second
+        late and a long one's at once. (MLflow's own `synchronous=False` queue was slower still:
+        its logging thread competes with training for the 2 cores, 1.25x.)
+        """
+        if not self._mlflow:
+            return
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        self._pending += [Metric(key, float(value), stamp, step or 0) for key, value in metrics.items()]
+        if time.monotonic() - self._written_at >= METRICS_WRITE_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the metrics logged so far; raises if MLflow cannot."""
+        if self._mlflow and self._pending:
+            client = self._mlflow.MlflowClient()
+            for start in range(0, len(self._pending), 1000):  # MLflow's limit per batch
+                client.log_batch(self.run_id, metrics=self._pending[start : start + 1000])
+            self._pending = []
+        self._written_at = time.monotonic()
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if self._mlflow:
@@ -240,7 +265,11 @@ def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterat
         with mlflow.start_run(run_name=stage, experiment_id=experiment_id, parent_run_id=parent_id) as active:
             mlflow.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})
             mlflow.log_params(params)
-            yield StageRun(mlflow, active.info.run_id)
+            run = StageRun(mlflow, active.info.run_id)
+            try:
+                yield run
+            finally:  # a failed stage's curve up to the failure is what its user needs to see
+                run.flush()
         status = "FINISHED"
     finally:
         if owns_parent:

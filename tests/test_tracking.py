@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from tasks.config import TrackingConfig
 from tasks.layout import ROOT, project_root
-from tasks.tracking import StageRun, tracking_uri
+from tasks.tracking import PARENT_ENV, StageRun, stage_run, tracking_uri
 
 
 def test_default_store_is_absolute_and_project_rooted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,3 +33,20 @@ def test_disabled_tracking_logs_nothing_and_says_so() -> None:
     assert not run.enabled
     with pytest.raises(RuntimeError, match="tracking.enabled: false"):
         _ = run.mlflow
+
+
+def test_metrics_are_batched_and_a_failed_stage_still_writes_its_curve(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv(PARENT_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)  # lineage tags read dvc.lock / data.dvc relative to here: absent
+    with pytest.raises(FloatingPointError), stage_run("train", TrackingConfig(), {"lr": 0.1}) as run:
+        for epoch in range(1, 4):
+            run.log_metrics({"train_loss": 1.0 / epoch}, step=epoch)
+        # the first epoch is written at once, the next ones wait for the batch (1 s)
+        history = run.mlflow.MlflowClient().get_metric_history(run.run_id, "train_loss")
+        assert [m.step for m in history] == [1]
+        raise FloatingPointError("loss is nan at epoch 4")
+    client = run.mlflow.MlflowClient()
+    assert [m.step for m in client.get_metric_history(run.run_id, "train_loss")] == [1, 2, 3]
+    assert client.get_run(run.run_id).info.status == "FAILED"
