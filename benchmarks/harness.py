@@ -76,14 +76,20 @@ def fixed_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def run_python(code_or_args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None) -> float:
-    """Wall seconds of a fresh `python <args>` process (which must succeed)."""
+def run_timed(cmd: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None, expect: str = "") -> float:
+    """Wall seconds of `cmd` as a fresh process, which must succeed and print `expect`."""
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, *code_or_args], cwd=cwd, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"python {' '.join(code_or_args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    if done.returncode != 0 or expect not in done.stdout:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} (exit {done.returncode}, expected {expect!r}) in {cwd}:\n"
+                           f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")  # fmt: skip
     return elapsed
+
+
+def run_python(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None) -> float:
+    """Wall seconds of a fresh `python <args>` process (which must succeed)."""
+    return run_timed([sys.executable, *args], cwd, env)
 
 
 def machine() -> dict[str, Any]:

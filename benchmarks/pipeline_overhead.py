@@ -21,11 +21,10 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmarks.data import raw
-from benchmarks.harness import ROOT, Figure, alternate, median
+from benchmarks.harness import ROOT, Figure, alternate, median, run_timed
 from tasks import layout
 from tasks.config import STAGES, set_params
 
@@ -35,17 +34,6 @@ B2_TARGETS = {1: 1.5, 20: 1.1}  # dataset scale -> the most the flow may cost, a
 SMOKE = {"train.epochs": 1, "compress.variants": ["static_int8"], "compress.calibration_size": 64,
          "compress.latency_runs": 20, "compress.latency_warmup": 1, "export.min_top1_agreement": 0.0,
          "export.max_accuracy_drop": 1.0}  # fmt: skip
-
-
-def _run(cmd: list[str], cwd: Path, env: dict[str, str], expect: str = "") -> float:
-    """Wall seconds of `cmd`, which must succeed and print `expect`."""
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    if done.returncode != 0 or expect not in done.stdout:
-        raise RuntimeError(f"{' '.join(cmd)} (exit {done.returncode}, expected {expect!r}) in {cwd}:\n"
-                           f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")  # fmt: skip
-    return elapsed
 
 
 def _env(work: Path) -> dict[str, str]:
@@ -70,14 +58,14 @@ def project_copy(work: Path, smoke: bool, scale: int = 1) -> tuple[Path, dict[st
         set_params(dest / "params.yaml", SMOKE)
     git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@lockstep.invalid"]
     for cmd in (["git", "init", "-q"], [*git, "add", "-A"], [*git, "commit", "-qm", "bench copy"]):
-        _run(cmd, dest, env)
+        run_timed(cmd, dest, env)
     if scale > 1:  # the generated snapshot replaces the downloaded one, tracked as download tracks it
-        _run(["dvc", "repro", "download"], dest, env)
+        run_timed(["dvc", "repro", "download"], dest, env)
         shutil.rmtree(dest / "data")
         shutil.copytree(raw(work, scale), dest / "data")
-        _run(["dvc", "add", "data"], dest, env)
+        run_timed(["dvc", "add", "data"], dest, env)
     # through the flow (one process, not one per stage as under `dvc repro`): also its warm-up
-    _run([sys.executable, "-m", "flows.pipeline"], dest, env, expect="stages run:")
+    run_timed([sys.executable, "-m", "flows.pipeline"], dest, env, expect="stages run:")
     return dest, env
 
 
@@ -100,12 +88,12 @@ def _b2_at(work: Path, scale: int, rounds: int, smoke: bool) -> Figure:
             for path in derived:
                 shutil.rmtree(project / path)
         cmd = [sys.executable, "-m", "flows.pipeline", *(["--force"] if scale == 1 else [])]
-        return _run(cmd, project, env, expect=f"stages run: {', '.join(after)}\n")
+        return run_timed(cmd, project, env, expect=f"stages run: {', '.join(after)}\n")
 
     def baseline() -> float:
         cmd = [sys.executable, "-m", "benchmarks.plain_pipeline", "--params", str(project / "params.yaml"),
                *(["--skip-download"] if scale > 1 else [])]  # fmt: skip
-        return _run(cmd, plain, {**env, "PYTHONPATH": str(ROOT)}, expect="test accuracy:")
+        return run_timed(cmd, plain, {**env, "PYTHONPATH": str(ROOT)}, expect="test accuracy:")
 
     # The set-up above ran the flow once (caches warm). A warm-up pair on digits only, where one
     # costs seconds: at 20x it would cost minutes, and in the smoke run it would time nothing.
@@ -120,8 +108,8 @@ def _b2_at(work: Path, scale: int, rounds: int, smoke: bool) -> Figure:
 
 def b3(work: Path, rounds: int, smoke: bool = False) -> list[Figure]:
     project, env = project_copy(work, smoke)
-    times = alternate({"dvc": lambda: _run(["dvc", "repro"], project, env, "Data and pipelines are up to date"),
-                       "flow": lambda: _run([sys.executable, "-m", "flows.pipeline"], project, env,
+    times = alternate({"dvc": lambda: run_timed(["dvc", "repro"], project, env, "Data and pipelines are up to date"),
+                       "flow": lambda: run_timed([sys.executable, "-m", "flows.pipeline"], project, env,
                                             "none (everything up to date)")},
                       rounds=rounds, warmup=1)  # fmt: skip
     figures = []

@@ -168,7 +168,7 @@ def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     Prefect's ephemeral mode would start that server too, but only once the flow is called, after
     importing Prefect's server code into this process (~2.5 s) and then waiting ~3 s for it. Started
     here instead, it comes up while this process imports DVC and MLflow: a no-op run is mostly
-    start-up (B3 in benchmarks/: 11.6 s -> see the README's table).
+    start-up (B3 in benchmarks/: 11.6 -> 7.7 s on 2 cores).
     """
     from prefect.settings import PREFECT_API_URL, temporary_settings
 

@@ -31,8 +31,8 @@ from tasks.fetch import file_digest
 from tasks.layout import DATA_DVC, project_root
 
 PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
-METRICS_WRITE_EVERY_S = 1.0
 SESSION_TAG = "lockstep.session"
+METRICS_WRITE_EVERY_S = 1.0  # how stale a stage's metrics in the store may get (StageRun.log_metrics)
 
 
 def tracking_uri() -> str:

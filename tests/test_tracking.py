@@ -35,8 +35,9 @@ def test_disabled_tracking_logs_nothing_and_says_so() -> None:
         _ = run.mlflow
 
 
-def test_metrics_are_batched_and_a_failed_stage_still_writes_its_curve(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_metrics_are_batched_and_a_failed_stage_still_writes_its_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv(PARENT_ENV, raising=False)
     monkeypatch.chdir(tmp_path)  # lineage tags read dvc.lock / data.dvc relative to here: absent
