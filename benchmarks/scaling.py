@@ -194,7 +194,8 @@ def _epoch(pre: Path, p: Params, cfg: TrainConfig) -> tuple[Callable[[], None], 
         s = state
         s["sampler"].set_epoch(s["epoch"])
         stage._run_epoch(s["model"], stage._limited(s["loader"], cfg.max_batches), s["criterion"], s["optimizer"],
-                         s["scaler"], stage._autocast(cfg.amp, s["device"]), s["device"], s["ranks"])  # fmt: skip
+                         s["scaler"], stage._autocast(cfg.amp, s["device"]), s["device"], s["ranks"],
+                         s["epoch"])  # fmt: skip
 
     def held() -> int:
         return int(state["split"].images.nbytes + state["split"].labels.nbytes)

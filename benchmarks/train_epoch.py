@@ -71,7 +71,8 @@ def _stage_epoch(pre: Path, deterministic: bool = True):
     def one_epoch() -> None:
         epoch[0] += 1
         sampler.set_epoch(epoch[0])
-        stage._run_epoch(model, loader, criterion, optimizer, scaler, stage._autocast("none", device), device, ranks)
+        stage._run_epoch(model, loader, criterion, optimizer, scaler, stage._autocast("none", device), device, ranks,
+                         epoch[0])
 
     return one_epoch
 

@@ -71,9 +71,9 @@ def compress(cfg: CompressConfig, train_cfg: TrainConfig, seed: int, threads: in
 
     `out_dir` is replaced in one step at the end: a failure leaves the previous one as it was.
     """
-    model, _ = load_checkpoint(checkpoint)
-    model.eval()
     train, test = load_split(pre_dir, "train"), load_split(pre_dir, "test")
+    model, _ = load_checkpoint(checkpoint, test)
+    model.eval()
     example = torch.from_numpy(as_pixels(train.images[:64]))
     history: dict[str, list[dict]] = {}
 

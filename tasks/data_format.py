@@ -24,16 +24,10 @@ import numpy as np
 
 from tasks.atomic import atomic_dir
 from tasks.config import SplitConfig
+from tasks.errors import DataError  # re-exported: stages import it from here
 
 FORMAT = "lockstep-raw/1"
 SPLITS = ("train", "val", "test")
-
-
-class DataError(RuntimeError):
-    """Data that cannot be used as it is: the message names the file or URL and what is wrong.
-
-    Entry points print it as one line (no traceback) and exit 1; nothing in data/ has changed.
-    """
 
 
 class NpyWriter:
@@ -170,10 +164,14 @@ def read_meta(folder: Path, expected_format: str, producer: str) -> dict[str, An
     """`folder/meta.json`, checked to be of `expected_format`; errors say which stage makes it."""
     meta_path = Path(folder) / "meta.json"
     if not meta_path.exists():
-        raise FileNotFoundError(f"{meta_path}: missing; run {producer} first")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != expected_format:
-        raise ValueError(f"{meta_path}: format is {meta.get('format')!r}, expected {expected_format!r}")
+        raise DataError(f"{meta_path}: missing; run {producer} first")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, OSError) as exc:
+        raise DataError(f"{meta_path}: unreadable ({exc}); run {producer} again") from None
+    if not isinstance(meta, dict) or meta.get("format") != expected_format:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise DataError(f"{meta_path}: format is {found!r}, expected {expected_format!r}; run {producer} again")
     return meta
 
 

@@ -20,12 +20,18 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from tasks import layout
 from tasks.config import PARAMS_FILE, Params, load_params
+from tasks.errors import DataError
 from tasks.train import TrainResult
 
 PARAMS_ENV = "LOCKSTEP_PARAMS_JSON"  # the launcher's validated params, passed to every rank
+# Where a rank that fails with an expected error (DataError: diverged, a refused checkpoint, a full
+# disk) leaves its one-line message, so the stage can report it instead of "torchrun exited 1".
+ERRORS_ENV = "LOCKSTEP_RANK_ERRORS_DIR"
 RDZV_ID = "lockstep-train"
 
 
@@ -43,10 +49,14 @@ def torchrun_command(params: Params) -> list[str]:
 
 def launch(params: Params) -> TrainResult:
     """Run the training job under torchrun and return rank 0's result."""
-    env = {**os.environ, PARAMS_ENV: params.model_dump_json(),
-           # torchrun would otherwise set 1 and warn; each rank pins its own count anyway
-           "OMP_NUM_THREADS": str(params.determinism.num_threads)}  # fmt: skip
-    done = subprocess.run(torchrun_command(params), env=env, check=False)
+    with tempfile.TemporaryDirectory(prefix="lockstep-ranks-") as errors:
+        env = {**os.environ, PARAMS_ENV: params.model_dump_json(), ERRORS_ENV: errors,
+               # torchrun would otherwise set 1 and warn; each rank pins its own count anyway
+               "OMP_NUM_THREADS": str(params.determinism.num_threads)}  # fmt: skip
+        done = subprocess.run(torchrun_command(params), env=env, check=False)
+        reported = sorted(Path(errors).glob("rank*.txt"), key=lambda path: int(path.stem[4:]))
+        if done.returncode != 0 and reported:
+            raise DataError(reported[0].read_text())  # the lowest failing rank's message
     if done.returncode != 0:
         raise RuntimeError(f"torchrun exited with code {done.returncode}; the failing rank's error is printed above")
     summary = layout.TRAIN_DIR / "train.json"
@@ -70,7 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.train import train
 
     pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
-    train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, resume_dir=layout.TRAIN_RESUME_DIR)
+    try:
+        train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR,
+              resume_dir=layout.TRAIN_RESUME_DIR)  # fmt: skip
+    except DataError as exc:  # the launching stage reports it (one line); torchrun stops the other ranks
+        logging.getLogger("tasks.ddp").error("%s", exc)
+        if os.environ.get(ERRORS_ENV):
+            (Path(os.environ[ERRORS_ENV]) / f"rank{rank}.txt").write_text(str(exc))
+        return 1
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -85,9 +85,9 @@ class ExportResult:
 def export(cfg: ExportConfig, threads: int, checkpoint: Path, pre_dir: Path, compress_dir: Path,
            evaluate_metrics: Path, out_dir: Path, card: CardContext) -> ExportResult:  # fmt: skip
     """Write the shipped files to `out_dir` if every gate passes; raise GateError otherwise."""
-    model, meta = load_checkpoint(checkpoint)
-    model.eval()
     test = load_split(pre_dir, "test")
+    model, meta = load_checkpoint(checkpoint, test)
+    model.eval()
     parity = torch.from_numpy(as_pixels(test.images[: cfg.parity_batch]))
     with torch.no_grad():
         eager = model(parity).numpy()

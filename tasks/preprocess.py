@@ -1,10 +1,11 @@
 """Stage 3 — preprocess: split the raw snapshot and store it ready for fast training.
 
-Output (`artifacts/preprocessed/`), format `lockstep-preprocessed/1`:
+Output (`artifacts/preprocessed/`), format `lockstep-preprocessed/2`:
 
     {split}_images.npy   uint8, (N, C, H, W): channels-first, as torch wants them
     {split}_labels.npy   int64, (N,)
-    meta.json            classes, image shape, split sizes, and the normalisation (mean, std)
+    meta.json            classes, image shape, split sizes, the normalisation (mean, std), and the
+                         sha256 of every array file, checked by `load_split` before any use
 
 Images stay uint8 (4x smaller than float32, no per-sample decoding): training normalises whole
 batches on the device with the mean/std recorded here, which come from the stats stage.
@@ -20,10 +21,11 @@ import numpy as np
 
 from tasks.atomic import atomic_dir
 from tasks.config import SplitConfig
-from tasks.data_format import SPLITS, NpyRows, NpyWriter, open_raw, read_meta, split_indices
+from tasks.data_format import SPLITS, DataError, NpyRows, NpyWriter, open_raw, read_meta, split_indices
+from tasks.fetch import file_digest
 from tasks.stats import ChannelStats
 
-FORMAT = "lockstep-preprocessed/1"
+FORMAT = "lockstep-preprocessed/2"
 CHUNK = 4096  # images copied per step, so peak memory stays at one chunk plus the output
 
 
@@ -55,7 +57,8 @@ def preprocess(data_dir: Path, stats: ChannelStats, split: SplitConfig, seed: in
             idx = indices[name]
             _write_channels_first(raw.rows, idx, staging / f"{name}_images.npy")
             np.save(staging / f"{name}_labels.npy", raw.labels[idx], allow_pickle=False)
-        meta = {"format": FORMAT, "classes": raw.classes, **asdict(result)}
+        digests = {path.name: file_digest(path) for path in sorted(staging.glob("*.npy"))}
+        meta = {"format": FORMAT, "classes": raw.classes, **asdict(result), "sha256": digests}
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return result
 
@@ -86,9 +89,26 @@ def load_split(pre_dir: Path, name: str) -> Preprocessed:
     """Read one split written by `preprocess`; errors name the file that is missing or wrong."""
     pre_dir = Path(pre_dir)
     meta = read_meta(pre_dir, FORMAT, "the preprocess stage")
-    images = np.load(pre_dir / f"{name}_images.npy", allow_pickle=False)
-    labels = np.load(pre_dir / f"{name}_labels.npy", allow_pickle=False)
+    images, labels = (_load_verified(pre_dir / f"{name}_{kind}.npy", meta) for kind in ("images", "labels"))
     expected = (meta["split_sizes"][name], *meta["image_shape"])
     if images.shape != expected or labels.shape != expected[:1]:
-        raise ValueError(f"{pre_dir / f'{name}_images.npy'}: shape {images.shape}, expected {expected} (meta.json)")
+        raise DataError(f"{pre_dir / f'{name}_images.npy'}: shape {images.shape}, expected {expected} (meta.json)")
     return Preprocessed(images, labels, list(meta["classes"]), list(meta["mean"]), list(meta["std"]))
+
+
+def _load_verified(path: Path, meta: dict) -> np.ndarray:
+    """An array file of the preprocessed set, refused unless its bytes are the ones preprocess wrote.
+
+    Shape checks catch a truncated file; only the digest catches a changed byte (a disk error, a
+    copy cut short, a hand edit), which would otherwise train a model on silently different data.
+    """
+    expected = meta.get("sha256", {}).get(path.name)
+    if not path.exists():
+        raise DataError(f"{path}: missing; run the preprocess stage again")
+    if expected is None or file_digest(path) != expected:
+        raise DataError(f"{path}: its sha256 does not match meta.json (corrupt or changed since preprocess wrote "
+                        "it); run the preprocess stage again (`dvc repro` does so by itself)")  # fmt: skip
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise DataError(f"{path}: not a readable array: {exc}") from None

@@ -34,15 +34,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+from safetensors.torch import save as serialize
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 
-from tasks.atomic import atomic_file, write_text
+from tasks.atomic import atomic_files, write_bytes
 from tasks.config import TrainConfig
 from tasks.data_format import DataError
 from tasks.determinism import loader_kwargs, rng_state, set_rng_state
@@ -52,6 +53,18 @@ from tasks.tracking import StageRun
 
 log = logging.getLogger(__name__)
 RESUME_FILE = "resume.safetensors"
+# How often a GPU run reads back whether a loss was non-finite: each read makes the host wait for the
+# queued kernels, so it is amortised over steps (a diverged run wastes at most this many). On the CPU
+# there is nothing to wait for: every step is checked, before its update.
+FINITE_CHECK_EVERY_CUDA = 50
+
+
+class TrainingDiverged(DataError):
+    """The loss became NaN or infinite; nothing of the failing epoch was written."""
+
+
+class CheckpointError(DataError):
+    """A checkpoint that cannot be used: not safetensors, truncated, or from another model or run."""
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -138,27 +151,61 @@ def _make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
 
 
-def save_checkpoint(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, Any]) -> None:
-    """Weights (a CPU state dict) as safetensors (no pickle), metadata as JSON, written atomically."""
+def checkpoint_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> bytes:
+    """Tensors (CPU) as safetensors (no pickle), `metadata` as JSON in its header."""
     # One metadata key holding sorted JSON: safetensors stores the metadata map in hash order,
     # so several keys would make the file bytes (and their sha256) differ from run to run.
-    header = {"lockstep": json.dumps(metadata, sort_keys=True)}
-    with atomic_file(path) as tmp:
-        save_file(state, str(tmp), metadata=header)
+    # Serialised in memory and written by Python (not `save_file`, which writes from Rust): a full
+    # disk then raises an OSError with its errno, which tasks.atomic reports naming the file.
+    return serialize(tensors, metadata={"lockstep": json.dumps(metadata, sort_keys=True)})
 
 
-def load_checkpoint(path: Path) -> tuple[Classifier, dict[str, Any]]:
-    """Rebuild a `Classifier` from a checkpoint written by `save_checkpoint`."""
-    with safe_open(str(path), framework="pt") as handle:
-        header = handle.metadata() or {}
-    if "lockstep" not in header:
-        raise ValueError(f"{path}: not a lockstep checkpoint (no 'lockstep' metadata)")
-    metadata = json.loads(header["lockstep"])
-    model = build_model(metadata["model"], metadata["num_classes"], metadata["mean"], metadata["std"])
+def save_checkpoint(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, Any]) -> None:
+    """Weights (a CPU state dict) as safetensors, metadata as JSON, written atomically."""
+    write_bytes(path, checkpoint_bytes(state, metadata))
+
+
+def read_safetensors(path: Path, tensors: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The lockstep metadata and (if `tensors`) the tensors of a safetensors file written here.
+
+    Only safetensors is ever read: a pickle (`torch.save`, with or without a payload) renamed to
+    .safetensors is refused by its header, before a byte of it is interpreted as Python objects.
+    A truncated file is refused too (the header names more bytes than there are).
+    """
+    path = Path(path)
     try:
-        model.load_state_dict(load_file(str(path)))
-    except RuntimeError as exc:
-        raise ValueError(f"{path}: weights do not fit model {metadata['model']!r}: {exc}") from None
+        with safe_open(str(path), framework="pt") as handle:
+            header = handle.metadata() or {}
+        loaded = load_file(str(path)) if tensors else {}
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file (truncated, corrupt, or another format such "
+                              f"as a pickle, which is never loaded): {exc}") from None  # fmt: skip
+    try:
+        return json.loads(header["lockstep"]), loaded
+    except (KeyError, ValueError):
+        raise CheckpointError(f"{path}: not a lockstep checkpoint (no valid 'lockstep' metadata)") from None
+
+
+def load_checkpoint(path: Path, data: Preprocessed | None = None) -> tuple[Classifier, dict[str, Any]]:
+    """Rebuild a `Classifier` from a checkpoint written by `save_checkpoint`.
+
+    With `data`, the checkpoint must have been trained on data like it (same classes, same
+    normalisation): a model from another dataset is refused by name rather than scored on this one.
+    """
+    metadata, state = read_safetensors(path)
+    if data is not None:
+        for key, here in (("classes", data.classes), ("mean", data.mean), ("std", data.std)):
+            if metadata.get(key) != here:
+                raise CheckpointError(f"{path}: trained on other data ({key} {metadata.get(key)!r}, the preprocessed "
+                                      f"data has {here!r}); run the train stage again")  # fmt: skip
+    try:
+        model = build_model(metadata["model"], metadata["num_classes"], metadata["mean"], metadata["std"])
+        model.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: weights do not fit model {metadata.get('model')!r}: "
+                              f"{str(exc).splitlines()[0]}") from None  # fmt: skip
     return model, metadata
 
 
@@ -179,6 +226,15 @@ class Distributed:
         tensor = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(tensor)
         return tensor.tolist()
+
+    def minimum(self, value: float) -> float:
+        """The smallest `value` over ranks."""
+        if self.world_size == 1:
+            return value
+        device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        tensor = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return tensor.item()
 
     def share_buffers(self, model: nn.Module) -> None:
         """Give every rank rank 0's buffers (BatchNorm running stats), as the saved model has them.
@@ -252,28 +308,56 @@ def _autocast(amp: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
-def _run_epoch(model, batches, criterion, optimizer, scaler, autocast, device,
-               ranks: Distributed) -> tuple[float, float]:  # fmt: skip
+def _run_epoch(model, batches, criterion, optimizer, scaler, autocast, device, ranks: Distributed,
+               epoch: int) -> tuple[float, float]:  # fmt: skip
     model.train()
     # Sums stay on the device and are read once per epoch: a per-step `.item()` would make the
     # host wait for every step's kernels on a GPU instead of queueing the next batch's.
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
-    seen = 0
-    for images, labels in batches:
+    # The first step whose loss was not finite, and that loss, recorded on the device (no sync).
+    bad_step = torch.full((), -1, dtype=torch.int64, device=device)
+    bad_loss = torch.zeros((), dtype=torch.float32, device=device)
+    check_every = FINITE_CHECK_EVERY_CUDA if device.type == "cuda" else 1
+    seen, step = 0, 0
+    for step, (images, labels) in enumerate(batches, start=1):
         x, y = to_float(images, device), labels.to(device)
         optimizer.zero_grad(set_to_none=True)
         with autocast:
             logits = model(x)
             loss = criterion(logits, y)
+        first = (bad_step < 0) & ~torch.isfinite(loss.detach())
+        bad_step = torch.where(first, step, bad_step)
+        bad_loss = torch.where(first, loss.detach().float(), bad_loss)
+        if step % check_every == 0:
+            _stop_if_diverged(bad_step, bad_loss, epoch, ranks)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         loss_sum += loss.detach().double() * len(y)
         correct += (logits.argmax(1) == y).sum()
         seen += len(y)
+    if step % check_every:
+        _stop_if_diverged(bad_step, bad_loss, epoch, ranks)
     total_loss, total_correct, seen = ranks.all_reduce([loss_sum.item(), float(correct.item()), seen])
     return total_loss / seen, total_correct / seen
+
+
+def _stop_if_diverged(bad_step: torch.Tensor, bad_loss: torch.Tensor, epoch: int, ranks: Distributed) -> None:
+    """Raise `TrainingDiverged` on every rank if any rank has seen a NaN/inf loss this epoch.
+
+    A collective under DDP (all ranks check at the same steps), so the ranks stop together instead
+    of the healthy ones waiting forever for a gradient all-reduce the failed one never joins.
+    """
+    never = float(2**62)
+    step = int(bad_step.item())
+    first = ranks.minimum(step if step >= 0 else never)
+    if first == never:
+        return
+    shown = f" ({bad_loss.item()})" if step == first else ""  # the rank that saw it knows the value
+    raise TrainingDiverged(f"training diverged: the loss is not finite{shown} at epoch {epoch}, step {int(first)}; "
+                           f"nothing of epoch {epoch} was written, earlier checkpoints are kept. Lower train.lr, "
+                           "or check the data and its mean/std")  # fmt: skip
 
 
 def _train_loader(split: Preprocessed, cfg: TrainConfig, seed: int, ranks: Distributed,
@@ -362,9 +446,7 @@ def _save_resume(path: Path, ranks: Distributed, *, model: nn.Module, optimizer,
                 scalars.setdefault(str(index), {})[name] = value
     meta = {**state, "world_size": ranks.world_size, "rng": rng_states, "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(), "optim_groups": optim["param_groups"], "optim_scalars": scalars}
-    header = {"lockstep": json.dumps(meta, sort_keys=True)}
-    with atomic_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata=header)
+    write_bytes(path, checkpoint_bytes(tensors, meta))
 
 
 Resumed = tuple[dict[str, Any], dict[str, torch.Tensor]]  # (metadata, tensors) of a resume checkpoint
@@ -374,16 +456,17 @@ def _load_resume(path: Path, signature: str, ranks: Distributed) -> Resumed | No
     """The checkpoint at `path` if it belongs to this run; refuses a different world size."""
     if not path.exists():
         return None
-    with safe_open(str(path), framework="pt") as handle:
-        meta = json.loads((handle.metadata() or {}).get("lockstep", "{}"))
+    # A corrupt or foreign file is an error, not a reason to start over silently: it may be the
+    # only copy of a night's training (a disk error, a copy cut short) and deserves a look.
+    meta, _ = read_safetensors(path, tensors=False)
     if meta.get("signature") != signature:
         log.warning("%s: from another config, seed or data; starting from scratch", path)
         return None
     if meta["world_size"] != ranks.world_size:
-        raise DataError(f"{path}: written by {meta['world_size']} process(es), this run has {ranks.world_size}; "
+        raise CheckpointError(f"{path}: written by {meta['world_size']} process(es), this run has {ranks.world_size}; "
                          "a different world size would not reproduce the run. Delete the file to start over, or "
                          "resume with the same train.nproc_per_node x train.nnodes")  # fmt: skip
-    return meta, load_file(str(path))
+    return meta, read_safetensors(path)[1]
 
 
 def _restore_optimizer(optimizer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -453,7 +536,7 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
     for epoch in bar:
         sampler.set_epoch(epoch)
         batches = _limited(loader, cfg.max_batches)
-        train_loss, train_acc = _run_epoch(net, batches, criterion, optimizer, scaler, autocast, device, ranks)
+        train_loss, train_acc = _run_epoch(net, batches, criterion, optimizer, scaler, autocast, device, ranks, epoch)
         scheduler.step()
         val_loss, val_acc = _validate(model, val_split, cfg.label_smoothing, device, ranks)
         row = {"epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc, "val_loss": val_loss,
@@ -475,13 +558,16 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
     result = TrainResult(best_epoch=best_epoch, best_val_accuracy=best_acc, final=final, device=str(device),
                          world_size=ranks.world_size, backend=ranks.backend, amp=cfg.amp,
                          resumed_from_epoch=start - 1 if resumed else None)  # fmt: skip
-    if main:
+    if main:  # all four outputs replaced together: a kill or a full disk leaves the previous four
         best_meta = {**metadata, "epoch": best_epoch, "val_accuracy": best_acc}
-        save_checkpoint(best_state, out_dir / "best.safetensors", best_meta)
         last = {**metadata, "epoch": cfg.epochs, "val_accuracy": history[-1]["val_accuracy"]}
-        save_checkpoint(_cpu_state(model), out_dir / "last.safetensors", last)
-        write_text(out_dir / "history.json", json.dumps(history, indent=2) + "\n")
-        write_text(out_dir / "train.json", json.dumps(asdict(result), indent=2) + "\n")
+        contents = {"best.safetensors": checkpoint_bytes(best_state, best_meta),
+                    "last.safetensors": checkpoint_bytes(_cpu_state(model), last),
+                    "history.json": (json.dumps(history, indent=2) + "\n").encode(),
+                    "train.json": (json.dumps(asdict(result), indent=2) + "\n").encode()}  # fmt: skip
+        with atomic_files([out_dir / name for name in contents]) as temporaries:
+            for tmp, data in zip(temporaries, contents.values(), strict=True):
+                tmp.write_bytes(data)
         if resume_path is not None:
             resume_path.unlink(missing_ok=True)  # finished: a later run starts fresh
     if ranks.world_size > 1:
@@ -510,7 +596,8 @@ def fine_tune(model: nn.Module, cfg: TrainConfig, seed: int, pre_dir: Path, epoc
     for epoch in range(1, epochs + 1):
         sampler.set_epoch(epoch)
         batches = _limited(loader, cfg.max_batches)
-        train_loss, train_acc = _run_epoch(model, batches, criterion, optimizer, scaler, nullcontext(), device, ranks)
+        train_loss, train_acc = _run_epoch(model, batches, criterion, optimizer, scaler, nullcontext(), device, ranks,
+                                           epoch)  # fmt: skip
         scheduler.step()
         val_loss, val_acc = _validate(model, val_split, cfg.label_smoothing, device, ranks)
         history.append({"epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc,

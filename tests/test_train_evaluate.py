@@ -19,7 +19,7 @@ from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.preprocess import load_split, preprocess
 from tasks.stats import compute_stats
-from tasks.train import load_checkpoint, result_config, train
+from tasks.train import CheckpointError, load_checkpoint, result_config, train
 from tests.conftest import ROOT, run, subprocess_env, write_params
 
 SPLIT = SplitConfig()
@@ -111,7 +111,7 @@ def test_checkpoint_of_another_architecture_is_refused(workdir: Path, tmp_path: 
     meta["model"] = "resnet18"
     forged = {"lockstep": json.dumps(meta)}
     save_file(load_file(str(tmp_path / "last.safetensors")), str(tmp_path / "forged.safetensors"), metadata=forged)
-    with pytest.raises(ValueError, match="forged.safetensors: weights do not fit model 'resnet18'"):
+    with pytest.raises(CheckpointError, match="forged.safetensors: weights do not fit model 'resnet18'"):
         load_checkpoint(tmp_path / "forged.safetensors")
 
 

@@ -1,4 +1,108 @@
 """The reliability suite: each fault of issue 8 injected into the real pipeline (README, "Reliability").
 
-Shared helpers live in tests/conftest.py; fixtures specific to one fault stay in that fault's module.
+Faults are injected into real processes (`python -m tasks <stage>`, `dvc repro`, `make run`): SIGKILL
+from outside, or from inside through `faults/sitecustomize.py` (a kill or a full disk half-way
+through writing a chosen file).
 """
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, copy_project, run, subprocess_env
+
+FAULTS = Path(__file__).parent / "faults"
+EPOCHS = 3
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A project after `dvc repro train`: data, preprocessed splits, checkpoints (tracking off)."""
+
+    repo: Path
+    digests: dict[str, str]  # every file under artifacts/ -> sha256
+
+
+def digests(repo: Path, under: str = "artifacts") -> dict[str, str]:
+    """sha256 of every file under `repo/under`, temporaries included (so a leftover shows)."""
+    return {str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((repo / under).rglob("*")) if p.is_file()}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    repo = copy_project(tmp_path_factory.mktemp("trained") / "repo",
+                        {"tracking": {"enabled": False}, "train": {"epochs": EPOCHS}})  # fmt: skip
+    run(["dvc", "repro", "download"], repo)
+    run(["dvc", "repro", "train"], repo)
+    return Trained(repo, digests(repo))
+
+
+def clone(trained: Trained, dest: Path) -> Path:
+    """A copy of the trained project to break (the session's one stays as it was)."""
+    shutil.copytree(trained.repo, dest, symlinks=True)
+    return dest
+
+
+def stage(repo: Path, name: str, fault: str | None = None, path: str = "", nth: int = 1,
+          **env: str) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """`python -m tasks <name>` (what `dvc repro` runs) in `repo`, with a fault injected if asked."""
+    if fault:
+        env.update(PYTHONPATH=str(FAULTS), LOCKSTEP_FAULT=fault, LOCKSTEP_FAULT_PATH=path, LOCKSTEP_FAULT_NTH=str(nth))
+    return run([sys.executable, "-m", "tasks", name], repo, check=False, **env)
+
+
+def one_line_error(done: subprocess.CompletedProcess[str], launcher_log: bool = False) -> str:
+    """The failure's message: exit 1, one line on stderr that starts "error: ", no traceback.
+
+    With `launcher_log`, the log of an engine in between (Prefect's log of the failed task, as its UI
+    shows it; torchrun's report of the failed ranks) may show a traceback before it: the message is
+    then the last line.
+    """
+    assert done.returncode == 1, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    lines = done.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, done.stderr
+    if launcher_log:
+        assert lines[-1] == errors[0], done.stderr
+    else:
+        assert "Traceback" not in done.stderr + done.stdout, done.stderr
+    return errors[0]
+
+
+def checkpoint_epoch(path: Path) -> int:
+    """The epoch recorded in a safetensors checkpoint's metadata."""
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    return json.loads(header["__metadata__"]["lockstep"])["epoch"]
+
+
+@dataclass(frozen=True)
+class TwoRuns:
+    """A project on which `make run` was started twice at the same moment (tracking on)."""
+
+    repo: Path
+    runs: list[subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="session")
+def two_make_runs(tmp_path_factory: pytest.TempPathFactory) -> TwoRuns:
+    repo = copy_project(tmp_path_factory.mktemp("two") / "repo")
+    for env_dir in (".venv", ".uv"):  # the environment `make` would create, already made
+        (repo / env_dir).symlink_to(ROOT / env_dir)
+    procs = [subprocess.Popen(["make", "run"], cwd=repo, env=subprocess_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    runs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=900)
+        runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+    return TwoRuns(repo, runs)
