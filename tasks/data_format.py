@@ -190,7 +190,10 @@ def open_raw(data_dir: Path) -> RawSnapshot:
     data_dir = Path(data_dir)
     meta = read_meta(data_dir, FORMAT, "the download stage (or `dvc pull`)")
     rows = NpyRows(data_dir / "images.npy")
-    labels = np.load(data_dir / "labels.npy", allow_pickle=False)
+    try:  # never unpickled: an object array (a pickle in disguise) is refused here
+        labels = np.load(data_dir / "labels.npy", allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise DataError(f"{data_dir / 'labels.npy'}: not a readable label array: {exc}") from None
     if rows.shape[0] != labels.shape[0] or list(rows.shape[1:]) != meta["image_shape"]:
         raise DataError(f"{data_dir}: images {rows.shape} and labels {labels.shape} disagree with meta.json")
     return RawSnapshot(rows=rows, labels=labels, classes=list(meta["classes"]), source=meta["source"])

@@ -1,0 +1,122 @@
+"""Checkpoints and data files carrying a pickle payload are refused; the payload never runs.
+
+Each payload is a live one (a `__reduce__` that creates a file when unpickled: checked first, in a
+process of its own), planted where a stage reads, and the real stage is run on it.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.reliability.conftest import Trained, clone, one_line_error, stage
+
+pytestmark = pytest.mark.slow
+
+
+class Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204 - what an attacker's pickle does: run a command when loaded
+        return os.system, (f"touch {self.marker}",)
+
+
+def _torch_pickle(marker: Path) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"weight": torch.zeros(2)}, "extra": Payload(marker)}, buffer)
+    return buffer.getvalue()
+
+
+def _npy_pickle(marker: Path) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([Payload(marker)], dtype=object), allow_pickle=True)
+    return buffer.getvalue()
+
+
+def _assert_live(payload: bytes, loader: str, tmp_path: Path) -> None:
+    """The payload does run when loaded the unsafe way (so refusing it below means something)."""
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(payload)
+    code = {"torch": f"import torch; torch.load({str(probe)!r}, weights_only=False)",
+            "numpy": f"import numpy; numpy.load({str(probe)!r}, allow_pickle=True)"}[loader]  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize(("planted", "loader", "name", "shown"), [
+    ("artifacts/train/best.safetensors", "torch", "evaluate", "not a readable safetensors file"),
+    ("artifacts/train/best.safetensors", "torch", "export", "not a readable safetensors file"),
+    ("artifacts/train-resume/resume.safetensors", "torch", "train", "not a readable safetensors file"),
+    ("data/labels.npy", "numpy", "stats", "Object arrays cannot be loaded when allow_pickle=False"),
+])  # fmt: skip
+def test_a_pickle_payload_is_refused_and_never_runs(trained: Trained, tmp_path: Path, planted: str, loader: str,
+                                                    name: str, shown: str) -> None:  # fmt: skip
+    repo = clone(trained, tmp_path / "repo")
+    marker = tmp_path / "payload-ran"
+    payload = (_torch_pickle if loader == "torch" else _npy_pickle)(marker)
+    _assert_live(payload, loader, tmp_path)
+    assert marker.exists()
+    marker.unlink()
+    (repo / planted).parent.mkdir(parents=True, exist_ok=True)
+    (repo / planted).write_bytes(payload)
+    error = one_line_error(stage(repo, name))
+    assert f"{planted}: " in error and shown in error, error
+    assert not marker.exists(), "the payload ran"
+
+
+def test_a_payload_in_preprocessed_data_is_refused_even_with_a_matching_checksum(trained: Trained,
+                                                                                  tmp_path: Path) -> None:  # fmt: skip
+    """The checksum in meta.json is a guard against corruption, not against an attacker who rewrites it
+    too: the array is still loaded without unpickling."""
+    repo = clone(trained, tmp_path / "repo")
+    marker = tmp_path / "payload-ran"
+    planted = repo / "artifacts/preprocessed/train_labels.npy"
+    planted.write_bytes(_npy_pickle(marker))
+    meta_path = repo / "artifacts/preprocessed/meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["sha256"]["train_labels.npy"] = hashlib.sha256(planted.read_bytes()).hexdigest()
+    meta_path.write_text(json.dumps(meta))
+    error = one_line_error(stage(repo, "train"))
+    assert "artifacts/preprocessed/train_labels.npy: not a readable array" in error, error
+    assert "allow_pickle=False" in error and not marker.exists()
+
+
+# Calls that unpickle (run code from) a file. None may appear in the pipeline's code: every file it
+# reads is safetensors, .npy without pickle, JSON/YAML (safe_load) or ONNX (protobuf).
+UNPICKLING = {"pickle.load", "pickle.loads", "torch.load", "joblib.load", "dill.load", "cloudpickle.load",
+              "pd.read_pickle", "pandas.read_pickle", "yaml.load", "yaml.unsafe_load", "np.lib.format.read_array"}
+# torch.export.load / torch.jit.load read the files export has just written into its own staging
+# directory (the parity check); they never read a file from elsewhere.
+ALLOWED = {("tasks/export.py", "torch.export.load"), ("tasks/export.py", "torch.jit.load")}
+
+
+def _calls(path: Path) -> set[tuple[str, str, bool]]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            allow_pickle = any(k.arg == "allow_pickle" and ast.unparse(k.value) != "False" for k in node.keywords)
+            found.add((str(path.relative_to(ROOT)), name, allow_pickle))
+    return found
+
+
+def test_no_code_path_unpickles_a_file() -> None:
+    calls = {call for folder in ("tasks", "flows") for path in sorted((ROOT / folder).rglob("*.py"))
+             for call in _calls(path)}  # fmt: skip
+    unpickling = {(where, name) for where, name, _ in calls if name in UNPICKLING or name.endswith(
+        (".jit.load", ".export.load"))} - ALLOWED  # fmt: skip
+    assert not unpickling
+    np_loads = [call for call in calls if call[1] in ("np.load", "numpy.load")]
+    assert np_loads, "the scan sees the np.load calls"
+    assert not [call for call in np_loads if call[2]], "np.load with allow_pickle other than False"
