@@ -16,6 +16,13 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: run test test-fast bench repro serve ui mlflow-server reproduce env clean
 
+# Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
+# MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
+MLFLOW_HOST ?= 127.0.0.1
+MLFLOW_PORT ?= 5000
+PREFECT_HOST ?= 127.0.0.1
+PREFECT_PORT ?= 4200
+
 run: $(STAMP)  ## run the whole pipeline (Prefect flow, local ephemeral mode) on the default dataset
 	$(VENV)/bin/python -m flows.pipeline
 
@@ -33,11 +40,11 @@ repro: $(STAMP)  ## the same pipeline through DVC (fetches data/ first on a fres
 	$(VENV)/bin/dvc repro
 
 serve: $(STAMP)  ## Prefect server on http://127.0.0.1:4200 + the scheduled deployment 'lockstep-pipeline/nightly'
-	$(VENV)/bin/python -m flows.deployments serve
+	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT)
 
 ui: $(STAMP)  ## MLflow UI on the results: http://127.0.0.1:5000
 	MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
-		--host 127.0.0.1 --port 5000
+		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT)
 
 # A tracking server for several users or machines: runs and the registry in a database, artifacts
 # served by the server itself (point MLFLOW_TRACKING_URI=http://<host>:5000 at it). Swap the
@@ -47,7 +54,7 @@ MLFLOW_ARTIFACTS ?= $(CURDIR)/mlflow-server-artifacts
 mlflow-server: $(STAMP)  ## MLflow tracking server (database + artifact store) on http://127.0.0.1:5000
 	MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server \
 		--backend-store-uri $(MLFLOW_BACKEND) --artifacts-destination $(MLFLOW_ARTIFACTS) \
-		--host 127.0.0.1 --port 5000
+		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT)
 
 reproduce: $(STAMP)  ## re-run a past run's training and compare weights: make reproduce RUN=<mlflow run id>
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<mlflow run id>" >&2; exit 2; }

@@ -86,6 +86,13 @@ def checkpoint_epoch(path: Path) -> int:
     return json.loads(header["__metadata__"]["lockstep"])["epoch"]
 
 
+def with_environment(repo: Path) -> Path:
+    """The project's `make` targets work in `repo`: the environment they would create, already made."""
+    for env_dir in (".venv", ".uv"):
+        (repo / env_dir).symlink_to(ROOT / env_dir)
+    return repo
+
+
 @dataclass(frozen=True)
 class TwoRuns:
     """A project on which `make run` was started twice at the same moment (tracking on)."""
@@ -96,9 +103,7 @@ class TwoRuns:
 
 @pytest.fixture(scope="session")
 def two_make_runs(tmp_path_factory: pytest.TempPathFactory) -> TwoRuns:
-    repo = copy_project(tmp_path_factory.mktemp("two") / "repo")
-    for env_dir in (".venv", ".uv"):  # the environment `make` would create, already made
-        (repo / env_dir).symlink_to(ROOT / env_dir)
+    repo = with_environment(copy_project(tmp_path_factory.mktemp("two") / "repo"))
     procs = [subprocess.Popen(["make", "run"], cwd=repo, env=subprocess_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
     runs = []

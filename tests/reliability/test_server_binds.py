@@ -1,0 +1,66 @@
+"""Servers started by the project's commands listen on 127.0.0.1 unless the user asks otherwise.
+
+`make mlflow-server`, `make ui`, `make serve` (a Prefect server and the deployment) and the Prefect
+server `make run` starts for itself: every listening socket of each command's process tree.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from contextlib import ExitStack
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flows.prefect_env import LocalServer
+from tests.conftest import copy_project, free_port, service
+from tests.reliability.conftest import with_environment
+
+pytestmark = pytest.mark.slow
+
+
+def _listening(proc: subprocess.Popen | psutil.Process) -> set[str]:
+    """host:port of every listening TCP socket of `proc` and its descendants."""
+    root = psutil.Process(proc.pid)
+    found = set()
+    for member in (root, *root.children(recursive=True)):
+        try:
+            connections = member.net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        found |= {f"{c.laddr.ip}:{c.laddr.port}" for c in connections if c.status == psutil.CONN_LISTEN}
+    return found
+
+
+def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
+    repo = with_environment(copy_project(tmp_path / "repo"))
+    ports = {name: free_port() for name in ("mlflow", "ui", "prefect")}
+    commands = {
+        "mlflow": (["make", "mlflow-server", f"MLFLOW_PORT={ports['mlflow']}"], f"127.0.0.1:{ports['mlflow']}/health"),
+        # asked otherwise: another address (of the loopback network, so the test exposes nothing)
+        "ui": (["make", "ui", "MLFLOW_HOST=127.0.0.2", f"MLFLOW_PORT={ports['ui']}"],
+               f"127.0.0.2:{ports['ui']}/health"),
+        "prefect": (["make", "serve", f"PREFECT_PORT={ports['prefect']}"],
+                    f"127.0.0.1:{ports['prefect']}/api/deployments/name/lockstep-pipeline/nightly"),
+    }  # fmt: skip
+    with ExitStack() as stack:
+        procs = {name: stack.enter_context(service(cmd, repo, f"http://{url}", tmp_path / f"{name}.log"))
+                 for name, (cmd, url) in commands.items()}  # fmt: skip
+        listening = {name: _listening(proc) for name, proc in procs.items()}
+    assert f"127.0.0.1:{ports['mlflow']}" in listening["mlflow"]
+    assert f"127.0.0.2:{ports['ui']}" in listening["ui"]
+    assert f"127.0.0.1:{ports['prefect']}" in listening["prefect"]
+    expected = {"mlflow": "127.0.0.1", "ui": "127.0.0.2", "prefect": "127.0.0.1"}
+    for name, sockets in listening.items():
+        assert {address.rsplit(":", 1)[0] for address in sockets} == {expected[name]}, (name, sockets)
+
+
+def test_the_prefect_server_of_make_run_binds_to_loopback() -> None:
+    server = LocalServer(ephemeral=True, quiet=True)  # what `make run` (python -m flows.pipeline) starts
+    try:
+        server.wait()
+        sockets = _listening(server.proc)
+    finally:
+        server.stop()
+    assert sockets and {address.rsplit(":", 1)[0] for address in sockets} == {"127.0.0.1"}, sockets
