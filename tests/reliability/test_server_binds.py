@@ -7,14 +7,13 @@ server `make run` starts for itself: every listening socket of each command's pr
 from __future__ import annotations
 
 import subprocess
-from contextlib import ExitStack
 from pathlib import Path
 
 import psutil
 import pytest
 
-from flows.prefect_env import LocalServer
-from tests.conftest import copy_project, free_port, service
+from flows.prefect_env import LocalServer, wait_until_healthy
+from tests.conftest import copy_project, free_port, stop_group, subprocess_env
 from tests.reliability.conftest import with_environment
 
 pytestmark = pytest.mark.slow
@@ -44,10 +43,21 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
         "prefect": (["make", "serve", f"PREFECT_PORT={ports['prefect']}"],
                     f"127.0.0.1:{ports['prefect']}/api/deployments/name/lockstep-pipeline/nightly"),
     }  # fmt: skip
-    with ExitStack() as stack:
-        procs = {name: stack.enter_context(service(cmd, repo, f"http://{url}", tmp_path / f"{name}.log"))
-                 for name, (cmd, url) in commands.items()}  # fmt: skip
+    procs = {}
+    try:  # started together (their start-ups overlap), each stopped by PID
+        for name, (cmd, _) in commands.items():
+            with open(tmp_path / f"{name}.log", "wb") as log:
+                procs[name] = subprocess.Popen(cmd, cwd=repo, env=subprocess_env(), stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        for name, (_, url) in commands.items():
+            try:
+                wait_until_healthy(f"http://{url}", procs[name], 180)
+            except RuntimeError as exc:
+                raise AssertionError(f"{exc}\n{(tmp_path / f'{name}.log').read_text()[-3000:]}") from None
         listening = {name: _listening(proc) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            stop_group(proc)
     assert f"127.0.0.1:{ports['mlflow']}" in listening["mlflow"]
     assert f"127.0.0.2:{ports['ui']}" in listening["ui"]
     assert f"127.0.0.1:{ports['prefect']}" in listening["prefect"]
