@@ -52,7 +52,7 @@ def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:
 @contextmanager
 def local_server(host: str, port: int) -> Iterator[str]:
     """`prefect server start` on host:port for the block; yields its API URL. Stopped on exit."""
-    server = prefect_env.LocalServer(host, port)
+    server = prefect_env.LocalServer(host, port, die_with_parent=True)  # also if serve is SIGKILLed
     try:
         yield server.wait()
     finally:

@@ -6,7 +6,9 @@ server `make run` starts for itself: every listening socket of each command's pr
 
 from __future__ import annotations
 
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -64,6 +66,20 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
     expected = {"mlflow": "127.0.0.1", "ui": "127.0.0.2", "prefect": "127.0.0.1"}
     for name, sockets in listening.items():
         assert {address.rsplit(":", 1)[0] for address in sockets} == {expected[name]}, (name, sockets)
+    # stopping a command stops its servers (make serve's Prefect server lives in a session of its own)
+    for address in set().union(*listening.values()):
+        assert _closes(address), f"{address}: still listening after its command was stopped"
+
+
+def _closes(address: str, within_s: float = 30) -> bool:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex((host, int(port))) != 0:
+                return True
+        time.sleep(0.2)
+    return False
 
 
 def test_the_prefect_server_of_make_run_binds_to_loopback() -> None:
