@@ -25,7 +25,11 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    # strict: a value of the wrong type is an error, not silently converted (`epochs: true` is not 1,
+    # `strict: "no"` is not False, `epochs: 2.5` is not 2); ints are still fine where floats are
+    # expected, and YAML lists where tuples are (those fields say `strict=False`, their items stay strict).
+    # No inf or NaN anywhere: `lr: .inf` would pass `gt=0` and train a model of NaNs.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 Source = Literal["digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefolder"]
@@ -45,7 +49,7 @@ class DataConfig(_Section):
     path: str | None = Field(None, min_length=1)
     url: str | None = Field(None, pattern=r"^(https?|file)://\S+$")
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
-    image_size: tuple[int, int] | None = None
+    image_size: tuple[int, int] | None = Field(None, strict=False)
     channels: Literal[1, 3] | None = None
 
     @field_validator("image_size", mode="before")
@@ -136,7 +140,8 @@ Variant = Literal["dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "prune
 class CompressConfig(_Section):
     """Which smaller models the compress stage builds from the best checkpoint, and how it measures them."""
 
-    variants: tuple[Variant, ...] = ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln")
+    variants: tuple[Variant, ...] = Field(("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln"),
+                                          strict=False)  # fmt: skip
     calibration_size: int = Field(512, ge=1)  # static int8: seeded subset of the training split
     qat_epochs: int = Field(2, ge=1)  # quantization-aware fine-tuning epochs (qat_int8)
     qat_lr: float = Field(0.001, gt=0)
@@ -244,25 +249,61 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
 STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)
 
 
-def _format_error(path: Path, error: dict[str, Any]) -> str:
-    key = ".".join(str(part) for part in error["loc"])
+def _shown(value: Any, limit: int = 80) -> str:
+    """A key or value as one short line (YAML keys can be anything: numbers, null, text with newlines)."""
+    text = value if isinstance(value, str) and value.isprintable() and value.strip() == value else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _format_error(error: dict[str, Any]) -> str:
+    key = ".".join(_shown(part) for part in error["loc"])
     got = error.get("input")
-    shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {got!r})"
+    shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {_shown(got)})"
     message = error["msg"].removeprefix("Value error, ")
     # checks across sections (e.g. export.variant against compress.variants) name their keys themselves
-    return f"{path}: {key}: {message}{shown}" if key else f"{path}: {message}{shown}"
+    return f"{key}: {message}{shown}" if key else f"{message}{shown}"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise ConfigError(f"{_shown(key)}: given twice (lines {seen[key]} and {line}); keep one")
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
-    """Read and validate params.yaml; raise ConfigError naming the file and key on bad input."""
+    """Read and validate params.yaml; raise ConfigError (one line, naming the file and key) on bad input."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc.strerror}") from None
+    return _validate(_parse(text, path), path)
+
+
+def _parse(text: str, path: Path) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}".replace("\n", " ")) from None
-    return _validate(raw, path)
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
 
 
 def _validate(raw: Any, path: Path) -> Params:
@@ -273,8 +314,8 @@ def _validate(raw: Any, path: Path) -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as exc:
-        lines = [_format_error(path, err) for err in exc.errors()]
-        raise ConfigError("\n".join(lines)) from None
+        # one line, every problem on it: entry points print it as their one error line
+        raise ConfigError(f"{path}: " + "; ".join(_format_error(err) for err in exc.errors())) from None
 
 
 def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Params]:
@@ -303,7 +344,7 @@ def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Pa
         node[leaf] = value
     out = io.StringIO()
     rt.dump(doc, out)
-    return out.getvalue(), _validate(yaml.safe_load(out.getvalue()), path)
+    return out.getvalue(), _validate(_parse(out.getvalue(), path), path)
 
 
 def set_params(path: str | Path, overrides: dict[str, Any]) -> Params:
