@@ -203,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
                         default=[], help="write a value into params.yaml first (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     try:  # fail fast, exit 2, before Prefect starts a server
-        with_overrides(ROOT / args.params, dict(args.overrides))
+        _, params = with_overrides(ROOT / args.params, dict(args.overrides))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
+        from tasks.tracking import check_store
+
+        check_store(params.tracking)  # a tracking server that is down fails the run now, not after training
         results = _run_with_local_api(args)
     except DataError as exc:  # bad data, a failed download, or another run holding the lock: one line
         print(f"error: {exc}", file=sys.stderr)

@@ -14,7 +14,10 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from tasks.layout import ROOT
 
@@ -56,6 +59,12 @@ class LocalServer:
                  quiet: bool = False, die_with_parent: bool = False) -> None:  # fmt: skip
         self.host, self.port = host, port or free_port(host)
         env = {**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(ROOT / ".prefect"))}
+        # One server at a time creates or migrates the project's Prefect database: two `make run`s
+        # started together raced there and one server died ("table artifact has no column named
+        # task_run_state_id"). Held until this server answers (`wait`), or fails to.
+        Path(env["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+        self._starting: FileLock | None = FileLock(Path(env["PREFECT_HOME"]) / "server-start.lock")
+        self._starting.acquire(timeout=SERVER_START_TIMEOUT_S)
         if ephemeral:  # what Prefect sets for its own ephemeral server (prefect/server/api/server.py)
             env["PREFECT__SERVER_EPHEMERAL"] = "1"
         # quiet: its output goes to a file (shown if it fails to start), not a pipe, which a chatty
@@ -82,10 +91,18 @@ class LocalServer:
                 raise
             self._log.seek(0)
             raise RuntimeError(f"{exc}\nserver output:\n{self._log.read()[-3000:]}") from None
+        finally:
+            self._started()
         return self.api_url
+
+    def _started(self) -> None:
+        if self._starting is not None:
+            self._starting.release()
+            self._starting = None
 
     def stop(self) -> None:
         """SIGTERM its process group (uvicorn and the services), SIGKILL after 30 s."""
+        self._started()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:

@@ -11,14 +11,21 @@ How a stage finds its parent run, whichever entry point started it:
 
 MLflow is imported lazily: a GPU box with torch alone can still run the train stage with
 `tracking.enabled: false`.
+
+Everything logged goes through tasks/redact.py (no secret reaches params, tags or artifacts), and
+the store is checked before a run starts (`check_store`): a tracking server that is down fails the
+pipeline in seconds, not after minutes of retries (or after training).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
+import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,17 +34,24 @@ from typing import Any
 import psutil
 
 from tasks.config import TrackingConfig
+from tasks.errors import DataError
 from tasks.fetch import file_digest
 from tasks.layout import DATA_DVC, project_root
+from tasks.redact import redact, redact_mapping
 
 PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
 SESSION_TAG = "lockstep.session"
 METRICS_WRITE_EVERY_S = 1.0  # how stale a stage's metrics in the store may get (StageRun.log_metrics)
+CHECK_TIMEOUT_S = 4.0  # the store check's request: with start-up, a dead server fails a run in < 10 s
 
 
 def tracking_uri() -> str:
     """`MLFLOW_TRACKING_URI` if set, else an sqlite store at the absolute project root."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or _default_uri()
+
+
+def _default_uri() -> str:
+    return f"sqlite:///{project_root() / 'mlflow.db'}"
 
 
 def _mlflow():
@@ -46,6 +60,49 @@ def _mlflow():
 
     mlflow.set_tracking_uri(tracking_uri())
     return mlflow
+
+
+class TrackingUnavailable(DataError):
+    """The MLflow store cannot take this run's records (server down or failing, store not writable)."""
+
+
+def check_store(cfg: TrackingConfig) -> None:
+    """Fail fast, before anything runs, if the tracking store cannot be written to.
+
+    A server gets one real API request (MLflow's own client code, so its auth and TLS settings
+    apply), no retries, CHECK_TIMEOUT_S at most: refused, timing out, 5xx or 401/403 is an error.
+    MLflow's client would otherwise retry for minutes, and only once the first record is due.
+    """
+    if not cfg.enabled:
+        return
+    uri = tracking_uri()
+    shown = redact(uri)
+    fix = "start it, point MLFLOW_TRACKING_URI at one that runs, or set tracking.enabled: false in params.yaml"
+    scheme = urllib.parse.urlparse(uri).scheme
+    if scheme in ("http", "https"):
+        from mlflow.utils.credentials import get_default_host_creds
+        from mlflow.utils.rest_utils import http_request
+
+        try:
+            response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/get-by-name", "GET",
+                                    max_retries=0, timeout=CHECK_TIMEOUT_S, raise_on_status=False,
+                                    params={"experiment_name": cfg.experiment})  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - requests/urllib3/MLflow raise many kinds; all mean "unreachable"
+            text = str(exc).lower()
+            reason = (f"no answer within {CHECK_TIMEOUT_S:g} s" if "timed out" in text or "timeout" in text
+                      else "connection refused" if "refused" in text else type(exc).__name__)  # fmt: skip
+            raise TrackingUnavailable(f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) is unreachable: "
+                                      f"{reason}; {fix}") from None  # fmt: skip
+        if response.status_code >= 500 or response.status_code in (401, 403):
+            raise TrackingUnavailable(f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) answered HTTP "
+                                      f"{response.status_code}; {fix}") from None  # fmt: skip
+        if response.status_code not in (200, 404):  # 404: no such experiment yet, created on first use
+            raise TrackingUnavailable(f"{shown} (MLFLOW_TRACKING_URI) does not answer like an MLflow tracking "
+                                      f"server (HTTP {response.status_code}); {fix}")  # fmt: skip
+    elif scheme == "sqlite":
+        folder = Path(urllib.parse.urlparse(uri).path).parent
+        if not os.access(folder, os.W_OK):
+            raise TrackingUnavailable(f"MLflow store {shown}: {folder} is not a writable directory; {fix}")
 
 
 # --------------------------------------------------------------------------- lineage
@@ -123,7 +180,7 @@ class StageRun:
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self._mlflow:
-            self._mlflow.log_params(params)
+            self._mlflow.log_params(redact_mapping(params))
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Metrics stamped now, written at most every METRICS_WRITE_EVERY_S (and by `flush`).
@@ -153,11 +210,23 @@ class StageRun:
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if self._mlflow:
-            self._mlflow.set_tags({k: str(v) for k, v in tags.items()})
+            self._mlflow.set_tags(redact_mapping(tags))
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        if self._mlflow:
+        """Log a file; a text file that holds a secret (a resolved params.yaml, dvc.lock) is logged as a
+        copy with the secret masked, under the same name."""
+        if not self._mlflow:
+            return
+        path = Path(path)
+        text = _text_of(path)
+        if text is None or redact(text) == text:
             self._mlflow.log_artifact(str(path), artifact_path=artifact_path)
+            return
+        with tempfile.TemporaryDirectory(prefix="lockstep-redacted-") as tmp:
+            copy = Path(tmp) / path.name
+            copy.write_text(redact(text))
+            shutil.copymode(path, copy)
+            self._mlflow.log_artifact(str(copy), artifact_path=artifact_path)
 
     @property
     def mlflow(self) -> Any:
@@ -165,6 +234,16 @@ class StageRun:
         if self._mlflow is None:
             raise RuntimeError("tracking is disabled (tracking.enabled: false)")
         return self._mlflow
+
+
+def _text_of(path: Path, limit: int = 16 * 2**20) -> str | None:
+    """The file's text if it is a modest UTF-8 text file (what could carry a secret), else None."""
+    if path.stat().st_size > limit:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def _session_key() -> str:
@@ -187,7 +266,8 @@ def _experiment_id(mlflow: Any, name: str) -> str:
     # With the default sqlite store, keep artifacts beside it (absolute, project-rooted) rather
     # than in whatever directory the first stage happened to run from. A server decides itself.
     location = None
-    if "MLFLOW_TRACKING_URI" not in os.environ:
+    # (Not "is MLFLOW_TRACKING_URI unset": mlflow.set_tracking_uri sets it, for subprocesses.)
+    if tracking_uri() == _default_uri():
         location = (project_root() / "mlartifacts").as_uri()
     return mlflow.create_experiment(name, artifact_location=location)
 
@@ -203,7 +283,7 @@ def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point:
     run = client.create_run(
         experiment_id,
         run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        tags={SESSION_TAG: key, "lockstep.entry_point": entry_point, **lineage_tags()},
+        tags=redact_mapping({SESSION_TAG: key, "lockstep.entry_point": entry_point, **lineage_tags()}),
     )
     return run.info.run_id
 
@@ -217,13 +297,14 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str) -> Iterator[str | None]:
     if not cfg.enabled:
         yield None
         return
+    check_store(cfg)
     mlflow = _mlflow()
     client = mlflow.MlflowClient()
     experiment_id = _experiment_id(mlflow, cfg.experiment)
     run = client.create_run(
         experiment_id,
         run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        tags={"lockstep.entry_point": entry_point, **lineage_tags()},
+        tags=redact_mapping({"lockstep.entry_point": entry_point, **lineage_tags()}),
     )
     run_id = run.info.run_id
     previous = os.environ.get(PARENT_ENV)
@@ -243,8 +324,19 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str) -> Iterator[str | None]:
 def tag_run(run_id: str, tags: dict[str, str]) -> None:
     """Add tags to a run that is not this process's active one (the flow's parent run)."""
     client = _mlflow().MlflowClient()
-    for key, value in tags.items():
+    for key, value in redact_mapping(tags).items():
         client.set_tag(run_id, key, value)
+
+
+def _redacted_context_tags() -> dict[str, str]:
+    """The tags MLflow's start_run adds by itself (git remote URL, source, user) that hold a secret, masked.
+
+    Passed to start_run, they win over MLflow's own values, so the secret is never written at all: a
+    remote such as https://oauth2:<token>@host/repo.git would otherwise be stored as mlflow.source.git.repoURL.
+    """
+    from mlflow.tracking.context.registry import resolve_tags
+
+    return {key: redact(value) for key, value in resolve_tags().items() if redact(value) != value}
 
 
 @contextmanager
@@ -253,19 +345,22 @@ def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterat
     if not cfg.enabled:
         yield StageRun()
         return
-    mlflow = _mlflow()
-    experiment_id = _experiment_id(mlflow, cfg.experiment)
     parent_id = os.environ.get(PARENT_ENV)
     owns_parent = parent_id is None
+    if owns_parent:  # under the flow, the flow has checked the store already
+        check_store(cfg)
+    mlflow = _mlflow()
+    experiment_id = _experiment_id(mlflow, cfg.experiment)
     if owns_parent:
         entry_point = "dvc" if os.environ.get("DVC_STAGE") else "cli"
         parent_id = _find_or_create_session_parent(mlflow, experiment_id, entry_point)
     status = "FAILED"
     try:
-        with mlflow.start_run(run_name=stage, experiment_id=experiment_id, parent_run_id=parent_id) as active:
-            mlflow.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})
-            mlflow.log_params(params)
+        with mlflow.start_run(run_name=stage, experiment_id=experiment_id, parent_run_id=parent_id,
+                              tags=_redacted_context_tags()) as active:  # fmt: skip
             run = StageRun(mlflow, active.info.run_id)
+            run.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})
+            run.log_params(params)
             try:
                 yield run
             finally:  # a failed stage's curve up to the failure is what its user needs to see

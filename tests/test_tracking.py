@@ -51,3 +51,13 @@ def test_metrics_are_batched_and_a_failed_stage_still_writes_its_curve(
     client = run.mlflow.MlflowClient()
     assert [m.step for m in client.get_metric_history(run.run_id, "train_loss")] == [1, 2, 3]
     assert client.get_run(run.run_id).info.status == "FAILED"
+
+
+def test_redaction_masks_secret_env_values_url_credentials_and_secret_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tasks.redact import redact, redact_mapping
+
+    monkeypatch.setenv("SOME_API_TOKEN", "tok-123456789")
+    monkeypatch.setenv("NOT_SENSITIVE", "plain-value-123")
+    text = "a tok-123456789 b https://u:p@h.example/x?sig=abc&page=2 plain-value-123"
+    assert redact(text) == "a *** b https://***@h.example/x?sig=***&page=2 plain-value-123"
+    assert redact_mapping({"db_password": "x", "train.lr": 0.1}) == {"db_password": "***", "train.lr": "0.1"}

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from secrets import token_hex
 
 import pytest
 
@@ -95,19 +96,26 @@ def with_environment(repo: Path) -> Path:
 
 @dataclass(frozen=True)
 class TwoRuns:
-    """A project on which `make run` was started twice at the same moment (tracking on)."""
+    """A project on which `make run` was started twice at the same moment (tracking on), by a user with
+    secrets in the environment, in a git remote URL and in a param."""
 
     repo: Path
     runs: list[subprocess.CompletedProcess[str]]
+    secrets: dict[str, str]  # where -> value
 
 
 @pytest.fixture(scope="session")
 def two_make_runs(tmp_path_factory: pytest.TempPathFactory) -> TwoRuns:
-    repo = with_environment(copy_project(tmp_path_factory.mktemp("two") / "repo"))
-    procs = [subprocess.Popen(["make", "run"], cwd=repo, env=subprocess_env(), stdout=subprocess.PIPE,
+    places = ("LOCKSTEP_API_TOKEN", "MY_DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "git remote", "data.mirror")
+    secrets = {where: f"s3cr3t-{token_hex(12)}" for where in places}
+    mirror = f"https://lockstep-user:{secrets['data.mirror']}@mirror.invalid/datasets"  # digits never fetches it
+    repo = with_environment(copy_project(tmp_path_factory.mktemp("two") / "repo", {"data": {"mirror": mirror}}))
+    run(["git", "remote", "add", "origin", f"https://oauth2:{secrets['git remote']}@git.invalid/team/repo.git"], repo)
+    env = subprocess_env(**{name: value for name, value in secrets.items() if name.isupper()})
+    procs = [subprocess.Popen(["make", "run"], cwd=repo, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
     runs = []
     for proc in procs:
         out, _ = proc.communicate(timeout=900)
         runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
-    return TwoRuns(repo, runs)
+    return TwoRuns(repo, runs, secrets)
