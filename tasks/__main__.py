@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as exc:  # expected failures get a message, not a traceback
         print(f"error: {args.stage}: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a full disk met outside our own writes (DVC's, MLflow's): still one line
+        from tasks.atomic import WRITE_ERRNOS
+
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        print(f"error: {args.stage}: {exc.filename or 'a write'} failed: {exc.strerror}", file=sys.stderr)
+        return 1
     shown = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
     print(f"{args.stage}: " + ", ".join(shown))
     return 0
