@@ -188,9 +188,9 @@ def _override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. train.lr=0.01), got {text!r}")
-    import yaml
+    from tasks.config import load_yaml
 
-    return key, yaml.safe_load(value)  # 0.01 -> float, [a, b] -> list, like `dvc exp run -S`
+    return key, load_yaml(value)  # 0.01 -> float, [a, b] -> list, like `dvc exp run -S`
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,7 +62,10 @@ def _sweep_leftovers(target: Path) -> None:
     for path in target.parent.glob(f".{target.name}.tmp*"):
         pid = path.name[len(f".{target.name}.tmp") :].split(".", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            if path.name.endswith(".old") and not target.exists():
+                os.rename(path, target)  # killed between atomic_dir's two renames: the previous tree, back
+            else:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

@@ -11,6 +11,7 @@ file is written.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -279,6 +280,17 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.2 floats without a dot (`1e-3`, which ruamel also writes): PyYAML's 1.1 rules read them as
+# strings, which strict validation would then refuse.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def load_yaml(text: str) -> Any:
+    """YAML as params.yaml is read (safe, duplicate keys refused, `1e-3` a float); raises yaml.YAMLError."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
     """Read and validate params.yaml; raise ConfigError (one line, naming the file and key) on bad input."""
     path = Path(path)
@@ -295,7 +307,7 @@ def load_params(path: str | Path = PARAMS_FILE) -> Params:
 
 def _parse(text: str, path: Path) -> Any:
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        return load_yaml(text)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except yaml.MarkedYAMLError as exc:

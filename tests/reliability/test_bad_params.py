@@ -72,7 +72,7 @@ def _accepts_type(field: FieldInfo, key: str, value: Any) -> bool:
     if value is None:
         return optional
     if literals:
-        return value in literals and type(value) is type(next(v for v in literals if v == value))
+        return any(type(value) is type(v) and value == v for v in literals)
     if isinstance(value, bool):
         return bool in types
     if isinstance(value, int):
@@ -246,3 +246,10 @@ def test_unreadable_and_odd_files(tmp_path: Path, content: bytes | None, shown: 
     params.mkdir() if content is None else params.write_bytes(content)
     code, err = _run_main("tasks", params)
     assert code == 2 and err.count("\n") == 1 and shown in err, err
+
+
+def test_floats_without_a_dot_are_floats(tmp_path: Path) -> None:
+    """`lr: 1e-3` (YAML 1.2; ruamel writes floats so) is 0.001, not the string PyYAML's 1.1 rules make it."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(BASE).replace("lr: 0.05", "lr: 1e-3"))
+    assert load_params(params).train.lr == 0.001
