@@ -28,13 +28,15 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
     from benchmarks import compression, pipeline_overhead, scaling, stats_loop, train_epoch
 
     if smoke:  # one round, no warm-up, one epoch: that everything runs, not how fast
-        return {"B1": lambda work: train_epoch.b1_b8(work, rounds=1, warmup=0),
-                "B2": lambda work: pipeline_overhead.b2(work, rounds=1, rounds_large=1, smoke=True),
-                "B3": lambda work: pipeline_overhead.b3(work, rounds=1, smoke=True),
-                "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1),
-                "B5": lambda work: [stats_loop.b5(work, rounds=1, scale=1)],
-                "B6": lambda work: compression.b6(work, rounds=1, runs=20, smoke=True),
-                "B7": lambda work: scaling.b7(work, smoke=True)}  # fmt: skip
+        return {
+            "B1": lambda work: train_epoch.b1_b8(work, rounds=1, warmup=0),
+            "B2": lambda work: pipeline_overhead.b2(work, rounds=1, rounds_large=1, smoke=True),
+            "B3": lambda work: pipeline_overhead.b3(work, rounds=1, smoke=True),
+            "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1),
+            "B5": lambda work: [stats_loop.b5(work, rounds=1, scale=1)],
+            "B6": lambda work: compression.b6(work, rounds=1, runs=20, smoke=True),
+            "B7": lambda work: scaling.b7(work, smoke=True),
+        }
     return {
         "B1": lambda work: train_epoch.b1_b8(work, rounds=5),  # B8 too: the same set-up
         "B2": lambda work: pipeline_overhead.b2(work, rounds=3, rounds_large=2),
@@ -47,19 +49,27 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
 
 
 def markdown(figures: list[Figure], host: dict[str, object]) -> str:
-    lines = [f"Measured on {host['cpu']} ({host['cores']} cores), Python {host['python']}, torch {host['torch']}.",
-             "", "| # | measure | lockstep | baseline | ratio | target | met |",
-             "| --- | --- | ---: | ---: | ---: | --- | --- |"]  # fmt: skip
+    lines = [
+        f"Measured on {host['cpu']} ({host['cores']} cores), Python {host['python']}, torch {host['torch']}.",
+        "",
+        "| # | measure | lockstep | baseline | ratio | target | met |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
     notes = []
     for f in sorted(figures, key=lambda f: f.id):
         met = {True: "yes", False: "**no**", None: "report"}[f.met]
         if f.met is False and f.argued:
             notes.append(f"{len(notes) + 1}. {f.id}: {f.argued}")
             met = f"no ({len(notes)})"
-        lines.append(f"| {f.id} | {f.measure} | {f.lockstep:.4g} {f.unit} | {f.baseline:.4g} {f.unit} | "
-                     f"{f.ratio:.3f}x | {f.target} | {met} |")  # fmt: skip
-    tables = [f"\n{f.id.partition('-')[0]}: the compress stage's table\n\n{f.details['table_md'].strip()}"
-              for f in figures if "table_md" in f.details]  # fmt: skip
+        lines.append(
+            f"| {f.id} | {f.measure} | {f.lockstep:.4g} {f.unit} | {f.baseline:.4g} {f.unit} | "
+            f"{f.ratio:.3f}x | {f.target} | {met} |"
+        )
+    tables = [
+        f"\n{f.id.partition('-')[0]}: the compress stage's table\n\n{f.details['table_md'].strip()}"
+        for f in figures
+        if "table_md" in f.details
+    ]
     return "\n".join([*lines, *([""] + notes if notes else []), *tables]) + "\n"
 
 
@@ -69,8 +79,9 @@ def unargued_misses(figures: list[Figure]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", nargs="+", metavar="B#", help="run only these benchmarks")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round, no verdicts")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where bench.json/bench.md go")

@@ -33,8 +33,15 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
     train_cfg = p.train.model_copy(update={"epochs": 1, "max_batches": 3}) if smoke else p.train
     cfg = p.compress
     if smoke:
-        cfg = cfg.model_copy(update={"qat_epochs": 1, "finetune_epochs": 1, "calibration_size": 64,
-                                     "latency_runs": 20, "latency_warmup": 1})  # fmt: skip
+        cfg = cfg.model_copy(
+            update={
+                "qat_epochs": 1,
+                "finetune_epochs": 1,
+                "calibration_size": 64,
+                "latency_runs": 20,
+                "latency_warmup": 1,
+            }
+        )
     pin_everything(p.seed, threads, p.determinism.strict)
     train(train_cfg, p.seed, pre, work / "b6-train")
     pin_everything(p.seed, threads, p.determinism.strict)
@@ -49,17 +56,46 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
 
     table = markdown_table(result.rows)
     figures = [
-        Figure("B6-size", "static int8 ONNX file vs fp32", static.size_bytes, fp32.size_bytes, "<= 0.3x",
-               static.size_ratio <= 0.3, unit="B", details={"table_md": table, "rows": [vars(r) for r in result.rows]}),
-        Figure("B6-speed", "static int8 latency vs fp32 (ONNX Runtime, batch 64)", b64["static_int8"] / 1000,
-               b64["fp32"] / 1000, ">= 1.3x faster (<= 0.769x)", b64["static_int8"] * 1.3 <= b64["fp32"],
-               details={"runs": {name: [r[name] / 1000 for r in speed] for name in sessions}, "runs_per_round": runs}),
-        Figure("B6-acc", "static int8 test accuracy vs fp32", static.accuracy, fp32.accuracy,
-               "drop <= 1 point", fp32.accuracy - static.accuracy <= 0.01, unit=""),
-    ]  # fmt: skip
+        Figure(
+            "B6-size",
+            "static int8 ONNX file vs fp32",
+            static.size_bytes,
+            fp32.size_bytes,
+            "<= 0.3x",
+            static.size_ratio <= 0.3,
+            unit="B",
+            details={"table_md": table, "rows": [vars(r) for r in result.rows]},
+        ),
+        Figure(
+            "B6-speed",
+            "static int8 latency vs fp32 (ONNX Runtime, batch 64)",
+            b64["static_int8"] / 1000,
+            b64["fp32"] / 1000,
+            ">= 1.3x faster (<= 0.769x)",
+            b64["static_int8"] * 1.3 <= b64["fp32"],
+            details={"runs": {name: [r[name] / 1000 for r in speed] for name in sessions}, "runs_per_round": runs},
+        ),
+        Figure(
+            "B6-acc",
+            "static int8 test accuracy vs fp32",
+            static.accuracy,
+            fp32.accuracy,
+            "drop <= 1 point",
+            fp32.accuracy - static.accuracy <= 0.01,
+            unit="",
+        ),
+    ]
     if "pruned_l1" in rows:
         pruned = rows["pruned_l1"]
-        figures.append(Figure("B6-pruned", f"pruned_l1 ({cfg.prune_amount:.0%} of weights, fine-tuned) accuracy "
-                              "vs fp32", pruned.accuracy, fp32.accuracy, "drop <= 1 point",
-                              fp32.accuracy - pruned.accuracy <= 0.01, unit=""))  # fmt: skip
+        figures.append(
+            Figure(
+                "B6-pruned",
+                f"pruned_l1 ({cfg.prune_amount:.0%} of weights, fine-tuned) accuracy vs fp32",
+                pruned.accuracy,
+                fp32.accuracy,
+                "drop <= 1 point",
+                fp32.accuracy - pruned.accuracy <= 0.01,
+                unit="",
+            )
+        )
     return figures  # (the smoke run drops the verdicts: they would judge an untrained model)

@@ -82,8 +82,13 @@ def measure(work: Path, images: int) -> dict[str, object]:
     for step in ("ingest", "stats", "preprocess"):
         result: dict[str, float] = {}
         for mode in ("timed", "traced"):  # tracemalloc slows Python code: time the untraced run
-            done = subprocess.run([sys.executable, "-c", STEP, step, str(work), mode], cwd=ROOT, capture_output=True,
-                                  text=True, check=True)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-c", STEP, step, str(work), mode],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             result.update(json.loads(done.stdout.strip().splitlines()[-1]))
         row[step] = {k: round(v, 1) for k, v in result.items()}
     row["data_mib"] = round((work / "data" / "images.npy").stat().st_size / 2**20, 1)
@@ -102,11 +107,14 @@ def main() -> int:
     for row in rows:
         for step in ("ingest", "stats", "preprocess"):
             r = row[step]
-            print(f"| {row['images']} | {step} | {r['seconds']} | {r['peak_mib']} | {r['baseline_mib']} | "
-                  f"{r['peak_mib'] - r['baseline_mib']:.1f} | {r['heap_peak_mib']} |")  # fmt: skip
+            print(
+                f"| {row['images']} | {step} | {r['seconds']} | {r['peak_mib']} | {r['baseline_mib']} | "
+                f"{r['peak_mib'] - r['baseline_mib']:.1f} | {r['heap_peak_mib']} |"
+            )
     for row in rows:
-        print(f"{row['images']} images: data/images.npy {row['data_mib']} MiB; "
-              f"folder generated in {row['generate_s']} s")
+        print(
+            f"{row['images']} images: data/images.npy {row['data_mib']} MiB; folder generated in {row['generate_s']} s"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     shutil.rmtree(args.work, ignore_errors=True)

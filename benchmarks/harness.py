@@ -82,8 +82,10 @@ def run_timed(cmd: list[str], cwd: Path = ROOT, env: dict[str, str] | None = Non
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     if done.returncode != 0 or expect not in done.stdout:
-        raise RuntimeError(f"{' '.join(map(str, cmd))} (exit {done.returncode}, expected {expect!r}) in {cwd}:\n"
-                           f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")  # fmt: skip
+        raise RuntimeError(
+            f"{' '.join(map(str, cmd))} (exit {done.returncode}, expected {expect!r}) in {cwd}:\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        )
     return elapsed
 
 
@@ -104,5 +106,10 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": version("torch"), "os": platform.platform()}  # fmt: skip
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "os": platform.platform(),
+    }

@@ -31,9 +31,15 @@ from tasks.config import STAGES, set_params
 BUDGET_S = {"dvc": 2.0, "flow": 10.0}
 B2_TARGETS = {1: 1.5, 20: 1.1}  # dataset scale -> the most the flow may cost, as a multiple of plain
 # The smoke run's params: the pipeline's cost after a tiny run is not what it checks, only that it runs.
-SMOKE = {"train.epochs": 1, "compress.variants": ["static_int8"], "compress.calibration_size": 64,
-         "compress.latency_runs": 20, "compress.latency_warmup": 1, "export.min_top1_agreement": 0.0,
-         "export.max_accuracy_drop": 1.0}  # fmt: skip
+SMOKE = {
+    "train.epochs": 1,
+    "compress.variants": ["static_int8"],
+    "compress.calibration_size": 64,
+    "compress.latency_runs": 20,
+    "compress.latency_warmup": 1,
+    "export.min_top1_agreement": 0.0,
+    "export.max_accuracy_drop": 1.0,
+}
 
 
 def _env(work: Path) -> dict[str, str]:
@@ -80,8 +86,14 @@ def _b2_at(work: Path, scale: int, rounds: int, smoke: bool) -> Figure:
     if not plain.exists():
         shutil.copytree(project / "data", plain / "data")
     after = STAGES if scale == 1 else STAGES[1:]
-    derived = [layout.STATS_FILE.parent, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, layout.EVALUATE_DIR,
-               layout.COMPRESS_DIR, layout.EXPORT_DIR]  # fmt: skip
+    derived = [
+        layout.STATS_FILE.parent,
+        layout.PREPROCESSED_DIR,
+        layout.TRAIN_DIR,
+        layout.EVALUATE_DIR,
+        layout.COMPRESS_DIR,
+        layout.EXPORT_DIR,
+    ]
 
     def flow() -> float:
         if scale > 1:  # stale outputs, not --force (that would download digits over the snapshot)
@@ -91,31 +103,56 @@ def _b2_at(work: Path, scale: int, rounds: int, smoke: bool) -> Figure:
         return run_timed(cmd, project, env, expect=f"stages run: {', '.join(after)}\n")
 
     def baseline() -> float:
-        cmd = [sys.executable, "-m", "benchmarks.plain_pipeline", "--params", str(project / "params.yaml"),
-               *(["--skip-download"] if scale > 1 else [])]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.plain_pipeline",
+            "--params",
+            str(project / "params.yaml"),
+            *(["--skip-download"] if scale > 1 else []),
+        ]
         return run_timed(cmd, plain, {**env, "PYTHONPATH": str(ROOT)}, expect="test accuracy:")
 
     # The set-up above ran the flow once (caches warm). A warm-up pair on digits only, where one
     # costs seconds: at 20x it would cost minutes, and in the smoke run it would time nothing.
     times = alternate({"flow": flow, "plain": baseline}, rounds=rounds, warmup=int(scale == 1 and not smoke))
     target = B2_TARGETS[1 if scale == 1 else 20]
-    figure = Figure(f"B2-x{scale}", f"whole pipeline ({'digits' if scale == 1 else f'digits x{scale}'}): "
-                    "Prefect flow vs plain stage calls", median(times["flow"]), median(times["plain"]),
-                    f"<= {target:g}x", None, details={"runs": times, "stages": list(after)})  # fmt: skip
+    figure = Figure(
+        f"B2-x{scale}",
+        f"whole pipeline ({'digits' if scale == 1 else f'digits x{scale}'}): Prefect flow vs plain stage calls",
+        median(times["flow"]),
+        median(times["plain"]),
+        f"<= {target:g}x",
+        None,
+        details={"runs": times, "stages": list(after)},
+    )
     figure.met = figure.ratio <= target
     return figure
 
 
 def b3(work: Path, rounds: int, smoke: bool = False) -> list[Figure]:
     project, env = project_copy(work, smoke)
-    times = alternate({"dvc": lambda: run_timed(["dvc", "repro"], project, env, "Data and pipelines are up to date"),
-                       "flow": lambda: run_timed([sys.executable, "-m", "flows.pipeline"], project, env,
-                                            "none (everything up to date)")},
-                      rounds=rounds, warmup=1)  # fmt: skip
+    times = alternate(
+        {
+            "dvc": lambda: run_timed(["dvc", "repro"], project, env, "Data and pipelines are up to date"),
+            "flow": lambda: run_timed(
+                [sys.executable, "-m", "flows.pipeline"], project, env, "none (everything up to date)"
+            ),
+        },
+        rounds=rounds,
+        warmup=1,
+    )
     figures = []
     for name, measure in (("dvc", "no-op `dvc repro`"), ("flow", "no-op Prefect flow run (`make run`)")):
-        figure = Figure(f"B3-{name}", f"{measure} vs its budget", median(times[name]), BUDGET_S[name],
-                        f"<= {BUDGET_S[name]:g} s", None, details={"runs": {name: times[name]}})  # fmt: skip
+        figure = Figure(
+            f"B3-{name}",
+            f"{measure} vs its budget",
+            median(times[name]),
+            BUDGET_S[name],
+            f"<= {BUDGET_S[name]:g} s",
+            None,
+            details={"runs": {name: times[name]}},
+        )
         figure.met = figure.lockstep <= BUDGET_S[name]
         figures.append(figure)
     return figures

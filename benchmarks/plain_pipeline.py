@@ -49,18 +49,28 @@ def run(params_file: Path, skip_download: bool) -> float:
     pin()
     evaluate(p.evaluate, best, layout.PREPROCESSED_DIR, layout.EVALUATE_DIR)
     pin()
-    compress(p.compress, p.train, p.seed, p.determinism.num_threads, best, layout.PREPROCESSED_DIR,
-             layout.COMPRESS_DIR)  # fmt: skip
+    compress(p.compress, p.train, p.seed, p.determinism.num_threads, best, layout.PREPROCESSED_DIR, layout.COMPRESS_DIR)
     pin()
     card = CardContext(data_md5="n/a (plain baseline)", params=p.model_dump(mode="json"))
-    result = export(p.export, p.determinism.num_threads, best, layout.PREPROCESSED_DIR, layout.COMPRESS_DIR,
-                    layout.EVALUATE_DIR / "metrics.json", layout.EXPORT_DIR, card)  # fmt: skip
+    result = export(
+        p.export,
+        p.determinism.num_threads,
+        best,
+        layout.PREPROCESSED_DIR,
+        layout.COMPRESS_DIR,
+        layout.EVALUATE_DIR / "metrics.json",
+        layout.EXPORT_DIR,
+        card,
+    )
     return result.accuracy
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.plain_pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.plain_pipeline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--skip-download", action="store_true", help="start from the snapshot in data/")
     args = parser.parse_args(argv)

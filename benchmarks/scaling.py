@@ -154,9 +154,18 @@ def child(step: str, data: Path, folder: Path, repeats: int, smoke: bool = False
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return {"step": step, "seconds": statistics.median(times), "first_s": first, "runs": times,
-            "before_mib": before, "peak_mib": peak, "peak_reset": reset, "shmem_mib": shmem,
-            "output_bytes": _size(output), "held_bytes": held()}  # fmt: skip
+    return {
+        "step": step,
+        "seconds": statistics.median(times),
+        "first_s": first,
+        "runs": times,
+        "before_mib": before,
+        "peak_mib": peak,
+        "peak_reset": reset,
+        "shmem_mib": shmem,
+        "output_bytes": _size(output),
+        "held_bytes": held(),
+    }
 
 
 def _epoch(pre: Path, p: Params, cfg: TrainConfig) -> tuple[Callable[[], None], Callable[[], int]]:
@@ -186,16 +195,31 @@ def _epoch(pre: Path, p: Params, cfg: TrainConfig) -> tuple[Callable[[], None], 
             model = build_model(cfg.model, len(split.classes), split.mean, split.std).to(device)
             ranks = stage.Distributed()
             sampler, loader = stage._train_loader(split, cfg, p.seed, ranks, device)
-            state.update(split=split, device=device, model=model, ranks=ranks, sampler=sampler, loader=loader,
-                         optimizer=stage._make_optimizer(cfg, model),
-                         criterion=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
-                         scaler=torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"))  # fmt: skip
+            state.update(
+                split=split,
+                device=device,
+                model=model,
+                ranks=ranks,
+                sampler=sampler,
+                loader=loader,
+                optimizer=stage._make_optimizer(cfg, model),
+                criterion=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+                scaler=torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
+            )
         state["epoch"] += 1
         s = state
         s["sampler"].set_epoch(s["epoch"])
-        stage._run_epoch(s["model"], stage._limited(s["loader"], cfg.max_batches), s["criterion"], s["optimizer"],
-                         s["scaler"], stage._autocast(cfg.amp, s["device"]), s["device"], s["ranks"],
-                         s["epoch"])  # fmt: skip
+        stage._run_epoch(
+            s["model"],
+            stage._limited(s["loader"], cfg.max_batches),
+            s["criterion"],
+            s["optimizer"],
+            s["scaler"],
+            stage._autocast(cfg.amp, s["device"]),
+            s["device"],
+            s["ranks"],
+            s["epoch"],
+        )
 
     def held() -> int:
         return int(state["split"].images.nbytes + state["split"].labels.nbytes)
@@ -207,8 +231,20 @@ def _epoch(pre: Path, p: Params, cfg: TrainConfig) -> tuple[Callable[[], None], 
 
 
 def _run_child(step: str, data: Path, folder: Path, repeats: int, smoke: bool, env: dict[str, str]) -> dict[str, Any]:
-    args = [sys.executable, "-m", "benchmarks.scaling", "--child", step, "--data", str(data), "--folder", str(folder),
-            "--repeats", str(repeats), *(["--smoke"] if smoke else [])]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "benchmarks.scaling",
+        "--child",
+        step,
+        "--data",
+        str(data),
+        "--folder",
+        str(folder),
+        "--repeats",
+        str(repeats),
+        *(["--smoke"] if smoke else []),
+    ]
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"B7 {step} child exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -232,17 +268,32 @@ def _verdict(step: str, rows: list[dict[str, Any]], smoke: bool) -> Figure:
         row["extra_mib"] = extra(row)
     lo, hi = rows[0]["scale"], rows[-1]["scale"]
     return Figure(
-        "B7", f"{step}: time at {hi}x vs {hi // lo}x time at {lo}x (1x = digits x{small['unit']}); peak RSS",
-        large["seconds"], expected,
+        "B7",
+        f"{step}: time at {hi}x vs {hi // lo}x time at {lo}x (1x = digits x{small['unit']}); peak RSS",
+        large["seconds"],
+        expected,
         f"time linear (ratio 1 +- {LINEAR_TOLERANCE}); RSS beyond held data flat (+<= {allowed:.1f} MiB)",
         None if smoke else time_ok and memory_ok,
-        details={"step": step, "time_ratio": time_ratio, "time_ok": time_ok, "memory_growth_mib": memory_growth,
-                 "memory_allowed_mib": allowed, "memory_ok": memory_ok, "smoke": smoke, "rows": rows},
-    )  # fmt: skip
+        details={
+            "step": step,
+            "time_ratio": time_ratio,
+            "time_ok": time_ok,
+            "memory_growth_mib": memory_growth,
+            "memory_allowed_mib": allowed,
+            "memory_ok": memory_ok,
+            "smoke": smoke,
+            "rows": rows,
+        },
+    )
 
 
-def b7(work: Path, scales: tuple[int, ...] = (1, 4, 16), smoke: bool = False, data_unit: int = DATA_UNIT,
-       epoch_unit: int = EPOCH_UNIT) -> list[Figure]:  # fmt: skip
+def b7(
+    work: Path,
+    scales: tuple[int, ...] = (1, 4, 16),
+    smoke: bool = False,
+    data_unit: int = DATA_UNIT,
+    epoch_unit: int = EPOCH_UNIT,
+) -> list[Figure]:
     """Stats, preprocess (1x = digits x `data_unit`) and an epoch (1x = digits x `epoch_unit`) per scale.
 
     One Figure per step, its rows (one per scale) in `details["rows"]`. `smoke`: digits x1 and x2,
@@ -284,21 +335,28 @@ def table(figures: list[Figure]) -> str:
 
     `images` counts the raw snapshot (an epoch trains on its training split, 70% of it).
     """
-    lines = ["| step | scale | images | s (median) | us/image | RSS before MiB | peak MiB | held MiB | "
-             "growth beyond held MiB | shared MiB | output MiB |", "| --- |" + " ---: |" * 10]  # fmt: skip
+    lines = [
+        "| step | scale | images | s (median) | us/image | RSS before MiB | peak MiB | held MiB | "
+        "growth beyond held MiB | shared MiB | output MiB |",
+        "| --- |" + " ---: |" * 10,
+    ]
     for fig in figures:
         for r in fig.details["rows"]:
-            lines.append(f"| {fig.details['step']} | {r['scale']}x | {r['images']} | {r['seconds']:.4f} | "
-                         f"{r['seconds'] / r['images'] * 1e6:.2f} | {r['before_mib']:.1f} | {r['peak_mib']:.1f} | "
-                         f"{r['held_bytes'] / MIB:.2f} | {r['extra_mib']:.1f} | {r['shmem_mib']:.1f} | "
-                         f"{r['output_bytes'] / MIB:.2f} |")  # fmt: skip
+            lines.append(
+                f"| {fig.details['step']} | {r['scale']}x | {r['images']} | {r['seconds']:.4f} | "
+                f"{r['seconds'] / r['images'] * 1e6:.2f} | {r['before_mib']:.1f} | {r['peak_mib']:.1f} | "
+                f"{r['held_bytes'] / MIB:.2f} | {r['extra_mib']:.1f} | {r['shmem_mib']:.1f} | "
+                f"{r['output_bytes'] / MIB:.2f} |"
+            )
     lines.append("")
     for fig in figures:
         d = fig.details
         verdict = "reported only (smoke)" if fig.met is None else ("PASS" if fig.met else "FAIL")
-        lines.append(f"- {d['step']}: time ratio {d['time_ratio']:.3f} ({'ok' if d['time_ok'] else 'not linear'}); "
-                     f"RSS beyond held +{d['memory_growth_mib']:.1f} MiB of {d['memory_allowed_mib']:.1f} allowed "
-                     f"({'flat' if d['memory_ok'] else 'grows'}): {verdict}")  # fmt: skip
+        lines.append(
+            f"- {d['step']}: time ratio {d['time_ratio']:.3f} ({'ok' if d['time_ok'] else 'not linear'}); "
+            f"RSS beyond held +{d['memory_growth_mib']:.1f} MiB of {d['memory_allowed_mib']:.1f} allowed "
+            f"({'flat' if d['memory_ok'] else 'grows'}): {verdict}"
+        )
     return "\n".join(lines)
 
 

@@ -87,8 +87,10 @@ def b5(work: Path, rounds: int, scale: int = DEFAULT_SCALE) -> Figure:
     mean, std = two_pass_loop(data, p.split, p.seed)
     diff = max(abs(a - b) for a, b in zip([*stage.mean, *stage.std], [*mean, *std], strict=True))
     if not diff <= TOLERANCE:  # `not <=` so that a NaN fails too
-        raise AssertionError(f"B5: stage and loop disagree by {diff:.3g} (> {TOLERANCE}): "
-                             f"stage mean {stage.mean} std {stage.std}, loop mean {mean} std {std}")  # fmt: skip
+        raise AssertionError(
+            f"B5: stage and loop disagree by {diff:.3g} (> {TOLERANCE}): "
+            f"stage mean {stage.mean} std {stage.std}, loop mean {mean} std {std}"
+        )
 
     def stage_case() -> None:
         compute_stats(data, p.split, p.seed, p.stats.chunk_size)
@@ -99,11 +101,24 @@ def b5(work: Path, rounds: int, scale: int = DEFAULT_SCALE) -> Figure:
     times = alternate({"stage": stage_case, "loop": loop_case}, rounds=rounds, warmup=1)
     lockstep, baseline = median(times["stage"]), median(times["loop"])
     speedup = baseline / lockstep if lockstep else math.inf
-    return Figure("B5", f"stats: stage vs per-image two-pass loop (digits x{scale}, {stage.num_images} train images)",
-                  lockstep, baseline, ">= 10x faster (ratio <= 0.1)", speedup >= 10,
-                  details={"speedup": speedup, "max_abs_diff": diff, "tolerance": TOLERANCE, "scale": scale,
-                           "train_images": stage.num_images, "values_per_channel": stage.num_values_per_channel,
-                           "chunk_size": p.stats.chunk_size, "runs": times})  # fmt: skip
+    return Figure(
+        "B5",
+        f"stats: stage vs per-image two-pass loop (digits x{scale}, {stage.num_images} train images)",
+        lockstep,
+        baseline,
+        ">= 10x faster (ratio <= 0.1)",
+        speedup >= 10,
+        details={
+            "speedup": speedup,
+            "max_abs_diff": diff,
+            "tolerance": TOLERANCE,
+            "scale": scale,
+            "train_images": stage.num_images,
+            "values_per_channel": stage.num_values_per_channel,
+            "chunk_size": p.stats.chunk_size,
+            "runs": times,
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         fig = b5(args.work or Path(tmp), rounds, scale)
     d = fig.details
     verdict = "not checked (smoke)" if args.smoke else ("met" if fig.met else "NOT met")
-    print(f"{fig.id} {fig.measure}: {fig.lockstep * 1e3:.1f} ms vs {fig.baseline * 1e3:.1f} ms, "
-          f"{d['speedup']:.1f}x faster (ratio {fig.ratio:.4f}); max |diff| {d['max_abs_diff']:.2g}; "
-          f"target {fig.target}: {verdict}")  # fmt: skip
+    print(
+        f"{fig.id} {fig.measure}: {fig.lockstep * 1e3:.1f} ms vs {fig.baseline * 1e3:.1f} ms, "
+        f"{d['speedup']:.1f}x faster (ratio {fig.ratio:.4f}); max |diff| {d['max_abs_diff']:.2g}; "
+        f"target {fig.target}: {verdict}"
+    )
     return 0 if args.smoke or fig.met else 1
 
 

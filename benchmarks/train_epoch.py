@@ -71,8 +71,9 @@ def _stage_epoch(pre: Path, deterministic: bool = True):
     def one_epoch() -> None:
         epoch[0] += 1
         sampler.set_epoch(epoch[0])
-        stage._run_epoch(model, loader, criterion, optimizer, scaler, stage._autocast("none", device), device, ranks,
-                         epoch[0])
+        stage._run_epoch(
+            model, loader, criterion, optimizer, scaler, stage._autocast("none", device), device, ranks, epoch[0]
+        )
 
     return one_epoch
 
@@ -130,8 +131,9 @@ def _compute_floor(pre: Path):
     optimizer = stage._make_optimizer(cfg, model)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     images, labels = torch.from_numpy(np.asarray(split.images)).float() / 255, torch.from_numpy(split.labels)
-    batches = [(images[i : i + cfg.batch_size], labels[i : i + cfg.batch_size])
-               for i in range(0, len(labels), cfg.batch_size)]  # fmt: skip
+    batches = [
+        (images[i : i + cfg.batch_size], labels[i : i + cfg.batch_size]) for i in range(0, len(labels), cfg.batch_size)
+    ]
 
     def one_epoch() -> None:
         model.train()
@@ -169,32 +171,70 @@ def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
     tutorial, tutorial_data = _tutorial_epoch(pre, p.train.num_workers)
     # what tutorials write (PyTorch's CIFAR-10 tutorial: num_workers=2): the baseline is the faster
     tutorial_2w, tutorial_2w_data = _tutorial_epoch(pre, 2)
-    times = alternate({"stage": _stage_epoch(pre), "tutorial": tutorial, "tutorial_2_workers": tutorial_2w,
-                       "compute_floor": _compute_floor(pre)}, rounds=rounds, warmup=warmup)  # fmt: skip
-    data = alternate({"stage": _stage_data_only(pre), "tutorial": tutorial_data,
-                      "tutorial_2_workers": tutorial_2w_data}, rounds=rounds, warmup=warmup)  # fmt: skip
+    times = alternate(
+        {
+            "stage": _stage_epoch(pre),
+            "tutorial": tutorial,
+            "tutorial_2_workers": tutorial_2w,
+            "compute_floor": _compute_floor(pre),
+        },
+        rounds=rounds,
+        warmup=warmup,
+    )
+    data = alternate(
+        {"stage": _stage_data_only(pre), "tutorial": tutorial_data, "tutorial_2_workers": tutorial_2w_data},
+        rounds=rounds,
+        warmup=warmup,
+    )
     baseline = min(("tutorial", "tutorial_2_workers"), key=lambda k: median(times[k]))
     stage, floor, tut = median(times["stage"]), median(times["compute_floor"]), median(times[baseline])
-    b1 = Figure("B1", "train epoch: stage loop vs tutorial (PIL + ToTensor + Normalize + DataLoader)",
-                stage, tut, "<= 0.33x", stage / tut <= 0.33,
-                details={"runs": times, "baseline": baseline, "batch_size": p.train.batch_size,
-                         "num_workers": p.train.num_workers, "threads": p.determinism.num_threads,
-                         "compute_floor_ratio": floor / tut, "stage_over_floor": stage / floor})  # fmt: skip
+    b1 = Figure(
+        "B1",
+        "train epoch: stage loop vs tutorial (PIL + ToTensor + Normalize + DataLoader)",
+        stage,
+        tut,
+        "<= 0.33x",
+        stage / tut <= 0.33,
+        details={
+            "runs": times,
+            "baseline": baseline,
+            "batch_size": p.train.batch_size,
+            "num_workers": p.train.num_workers,
+            "threads": p.determinism.num_threads,
+            "compute_floor_ratio": floor / tut,
+            "stage_over_floor": stage / floor,
+        },
+    )
     if not b1.met and floor / tut > 0.33:
         # Measured, not assumed: the model's own forward/backward is more than a third of the
         # tutorial's epoch, so no data path can reach the target on this model and machine.
-        b1.argued = (f"out of reach: the model's forward+backward alone takes {floor:.3g} s, "
-                     f"{floor / tut:.2f}x the tutorial's epoch; the stage's epoch is {stage / floor:.2f}x that floor")
+        b1.argued = (
+            f"out of reach: the model's forward+backward alone takes {floor:.3g} s, "
+            f"{floor / tut:.2f}x the tutorial's epoch; the stage's epoch is {stage / floor:.2f}x that floor"
+        )
     data_base = min(("tutorial", "tutorial_2_workers"), key=lambda k: median(data[k]))
-    b1_data = Figure("B1-data", "train epoch's data path alone (no model): stage loader vs tutorial loader",
-                     median(data["stage"]), median(data[data_base]), "report (where B1's difference is)", None,
-                     details={"runs": data, "baseline": data_base})  # fmt: skip
-    times = alternate({"deterministic": _stage_epoch(pre, True), "fast": _stage_epoch(pre, False)},
-                      rounds=rounds, warmup=warmup)  # fmt: skip
+    b1_data = Figure(
+        "B1-data",
+        "train epoch's data path alone (no model): stage loader vs tutorial loader",
+        median(data["stage"]),
+        median(data[data_base]),
+        "report (where B1's difference is)",
+        None,
+        details={"runs": data, "baseline": data_base},
+    )
+    times = alternate(
+        {"deterministic": _stage_epoch(pre, True), "fast": _stage_epoch(pre, False)}, rounds=rounds, warmup=warmup
+    )
     on_gpu = torch.cuda.is_available()
-    b8 = Figure("B8", "train epoch: deterministic vs fast settings" + (" (GPU)" if on_gpu else " (CPU: report)"),
-                median(times["deterministic"]), median(times["fast"]), "<= 1.3x on a GPU",
-                None, details={"runs": times, "device": "cuda" if on_gpu else "cpu"})  # fmt: skip
+    b8 = Figure(
+        "B8",
+        "train epoch: deterministic vs fast settings" + (" (GPU)" if on_gpu else " (CPU: report)"),
+        median(times["deterministic"]),
+        median(times["fast"]),
+        "<= 1.3x on a GPU",
+        None,
+        details={"runs": times, "device": "cuda" if on_gpu else "cpu"},
+    )
     if on_gpu:
         b8.met = b8.ratio <= 1.3
     return [b1, b1_data, b8]
@@ -240,12 +280,25 @@ def b4(work: Path, rounds: int, epochs: int | None = None) -> list[Figure]:
         return lambda: run_python(["-m", "tasks", "train", "--params", params_file], cwd=project, env=env)
 
     fresh = alternate({"on": stage("on.yaml"), "off": stage("off.yaml")}, rounds=rounds, warmup=1)
-    in_flow = Figure("B4", "train stage: MLflow tracking on vs off (in the flow's process)", median(flow["on"]),
-                     median(flow["off"]), "<= 1.05x", None, details={"runs": flow})  # fmt: skip
+    in_flow = Figure(
+        "B4",
+        "train stage: MLflow tracking on vs off (in the flow's process)",
+        median(flow["on"]),
+        median(flow["off"]),
+        "<= 1.05x",
+        None,
+        details={"runs": flow},
+    )
     in_flow.met = in_flow.ratio <= 1.05
-    per_process = Figure("B4-dvc", "train stage: tracking on vs off (`python -m tasks train`, fresh process)",
-                         median(fresh["on"]), median(fresh["off"]), "report (MLflow import per process)", None,
-                         details={"runs": fresh})  # fmt: skip
+    per_process = Figure(
+        "B4-dvc",
+        "train stage: tracking on vs off (`python -m tasks train`, fresh process)",
+        median(fresh["on"]),
+        median(fresh["off"]),
+        "report (MLflow import per process)",
+        None,
+        details={"runs": fresh},
+    )
     return [in_flow, per_process]
 
 

@@ -44,7 +44,7 @@ def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:
         "parameters": {"reingest": cfg.reingest},
         "enforce_parameter_schema": True,
         "description": "download -> stats -> preprocess -> train -> evaluate -> compress -> export; "
-                       "DVC skips what is up to date",  # fmt: skip
+        "DVC skips what is up to date",
         "tags": ["lockstep"],
     }
 
@@ -91,14 +91,22 @@ def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None) -> str:
     source = pipeline.from_source(source=str(ROOT), entrypoint="flows/pipeline.py:pipeline")
     # the stages' log lines in Prefect's run log (the serve process passes its own environment on)
     env = {"PREFECT_LOGGING_EXTRA_LOGGERS": os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"]}
-    source.deploy(name=name, work_pool_name=pool, build=False, push=False, print_next_steps=False,
-                  job_variables={"env": env}, **deployment_options(cfg))  # fmt: skip
+    source.deploy(
+        name=name,
+        work_pool_name=pool,
+        build=False,
+        push=False,
+        print_next_steps=False,
+        job_variables={"env": env},
+        **deployment_options(cfg),
+    )
     return f"{FLOW_NAME}/{name}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.deployments", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_cmd = commands.add_parser("serve", help="serve the deployment (starting a local server if needed)")

@@ -88,10 +88,22 @@ def _source_was_unreachable(task: Any, task_run: Any, state: Any) -> bool:
 # the one cache, shared with `dvc repro`. Download retries transient outages (tasks/fetch.py already
 # retries each file with backoff; this retries the whole stage minutes later).
 STAGE_TASKS = {
-    name: task(_run_if_stale, name=name, task_run_name=name, cache_policy=NO_CACHE,
-               **({"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=60),
-                   "retry_jitter_factor": 0.5, "retry_condition_fn": _source_was_unreachable}
-                  if name == "download" else {}))  # fmt: skip
+    name: task(
+        _run_if_stale,
+        name=name,
+        task_run_name=name,
+        cache_policy=NO_CACHE,
+        **(
+            {
+                "retries": 2,
+                "retry_delay_seconds": exponential_backoff(backoff_factor=60),
+                "retry_jitter_factor": 0.5,
+                "retry_condition_fn": _source_was_unreachable,
+            }
+            if name == "download"
+            else {}
+        ),
+    )
     for name in STAGES
 }
 
@@ -109,8 +121,9 @@ def summarize(results: dict[str, dict[str, Any]], data_md5_before: str, data_md5
 
 
 @flow(name=FLOW_NAME, log_prints=True)
-def pipeline(params_file: str = PARAMS_FILE, force: bool = False, reingest: bool = False,
-             overrides: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
+def pipeline(
+    params_file: str = PARAMS_FILE, force: bool = False, reingest: bool = False, overrides: dict[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
     """Run download -> stats -> preprocess -> train -> evaluate -> compress -> export, skipping what DVC
     finds up to date.
 
@@ -130,8 +143,9 @@ def pipeline(params_file: str = PARAMS_FILE, force: bool = False, reingest: bool
     os.chdir(ROOT)
     logger = get_run_logger()
     params = load_params(params_file)  # validated before anything is written
-    with pipeline_lock(f"Prefect flow run {flow_run.name or FLOW_NAME}",
-                       params.orchestration.lock_wait_s, logger=logger):  # fmt: skip
+    with pipeline_lock(
+        f"Prefect flow run {flow_run.name or FLOW_NAME}", params.orchestration.lock_wait_s, logger=logger
+    ):
         if overrides:
             params = set_params(params_file, overrides)
             logger.info("params.yaml updated: %s", json.dumps(overrides))
@@ -145,15 +159,19 @@ def pipeline(params_file: str = PARAMS_FILE, force: bool = False, reingest: bool
                 retrained = str(results["train"]["ran"]).lower()
                 tag_run(run_id, {"lockstep.summary": summary, "lockstep.retrained": retrained})
     logger.info(summary)
-    create_markdown_artifact(key="pipeline-summary", markdown=_summary_table(results, summary),
-                             description="what this pipeline run did")  # fmt: skip
+    create_markdown_artifact(
+        key="pipeline-summary", markdown=_summary_table(results, summary), description="what this pipeline run did"
+    )
     return results
 
 
 def _summary_table(results: dict[str, dict[str, Any]], summary: str) -> str:
-    rows = [f"| {name} | {'ran' if r['ran'] else 'up to date'} | "
-            + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "ran")
-            + " |" for name, r in results.items()]  # fmt: skip
+    rows = [
+        f"| {name} | {'ran' if r['ran'] else 'up to date'} | "
+        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "ran")
+        + " |"
+        for name, r in results.items()
+    ]
     return "\n".join([f"**{summary}**", "", "| stage | | metrics |", "| --- | --- | --- |", *rows])
 
 
@@ -180,8 +198,9 @@ def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         atexit.register(server.stop)
     threading.Thread(target=_warm_imports, daemon=True).start()
     with temporary_settings({PREFECT_API_URL: server.wait()}) if server else nullcontext():
-        return pipeline(params_file=args.params, force=args.force, reingest=args.reingest,
-                        overrides=dict(args.overrides) or None)  # fmt: skip
+        return pipeline(
+            params_file=args.params, force=args.force, reingest=args.reingest, overrides=dict(args.overrides) or None
+        )
 
 
 def _override(text: str) -> tuple[str, Any]:
@@ -194,13 +213,21 @@ def _override(text: str) -> tuple[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.pipeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
     parser.add_argument("--force", action="store_true", help="re-run every stage, stale or not")
     parser.add_argument("--reingest", action="store_true", help="re-read the data source first")
-    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", type=_override, action="append",
-                        default=[], help="write a value into params.yaml first (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        type=_override,
+        action="append",
+        default=[],
+        help="write a value into params.yaml first (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:  # fail fast, exit 2, before Prefect starts a server
         _, params = with_overrides(ROOT / args.params, dict(args.overrides))
@@ -220,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     if "test_accuracy" in results["evaluate"]:
         print(f"test accuracy: {results['evaluate']['test_accuracy']:.4f}")
     if "test_accuracy" in results["export"]:
-        print(f"shipped: artifacts/export/model.onnx, test accuracy {results['export']['test_accuracy']:.4f} "
-              "(model card: artifacts/export/model_card.md)")
+        print(
+            f"shipped: artifacts/export/model.onnx, test accuracy {results['export']['test_accuracy']:.4f} "
+            "(model card: artifacts/export/model_card.md)"
+        )
     print("browse the runs: make ui   (MLflow UI on http://127.0.0.1:5000)")
     return 0
 

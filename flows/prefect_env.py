@@ -55,8 +55,15 @@ class LocalServer:
     `die_with_parent`: it never outlives the process that started it, however that one ends.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, *, ephemeral: bool = False,
-                 quiet: bool = False, die_with_parent: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        *,
+        ephemeral: bool = False,
+        quiet: bool = False,
+        die_with_parent: bool = False,
+    ) -> None:
         self.host, self.port = host, port or free_port(host)
         env = {**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(ROOT / ".prefect"))}
         # One server at a time creates or migrates the project's Prefect database: two `make run`s
@@ -71,12 +78,24 @@ class LocalServer:
         # server would fill and block on
         self._log = tempfile.TemporaryFile(mode="w+", prefix="lockstep-prefect-server-") if quiet else None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(self.port),
-             *(["--no-ui"] if ephemeral else [])],
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "server",
+                "start",
+                "--host",
+                host,
+                "--port",
+                str(self.port),
+                *(["--no-ui"] if ephemeral else []),
+            ],
             env=env,
-            stdout=self._log, stderr=subprocess.STDOUT if quiet else None, start_new_session=True,
+            stdout=self._log,
+            stderr=subprocess.STDOUT if quiet else None,
+            start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent else None,
-        )  # fmt: skip
+        )
 
     @property
     def api_url(self) -> str:
@@ -128,8 +147,10 @@ def wait_until_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float) 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with code {proc.returncode} before {url} "
-                               "answered (is the port in use?)")  # fmt: skip
+            raise RuntimeError(
+                f"{' '.join(map(str, proc.args))} exited with code {proc.returncode} before {url} "
+                "answered (is the port in use?)"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:

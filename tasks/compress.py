@@ -65,8 +65,9 @@ class CompressResult:
     history: dict[str, list[dict]]  # fine-tuning curves of the variants that fine-tune
 
 
-def compress(cfg: CompressConfig, train_cfg: TrainConfig, seed: int, threads: int, checkpoint: Path,
-             pre_dir: Path, out_dir: Path) -> CompressResult:  # fmt: skip
+def compress(
+    cfg: CompressConfig, train_cfg: TrainConfig, seed: int, threads: int, checkpoint: Path, pre_dir: Path, out_dir: Path
+) -> CompressResult:
     """Build `cfg.variants` from `checkpoint`, measure them with fp32, write everything to `out_dir`.
 
     `out_dir` is replaced in one step at the end: a failure leaves the previous one as it was.
@@ -81,6 +82,7 @@ def compress(cfg: CompressConfig, train_cfg: TrainConfig, seed: int, threads: in
         def run(module: nn.Module) -> None:
             history[name] = fine_tune(module, train_cfg, seed, pre_dir, epochs, lr)
             module.to("cpu").eval()  # fine-tuned on train.device; exported and measured for the CPU
+
         return run
 
     with atomic_dir(out_dir) as staging:
@@ -125,39 +127,49 @@ def latency_batch(images: np.ndarray, size: int) -> np.ndarray:
     return as_pixels(np.resize(images, (size, *images.shape[1:])))
 
 
-def _measure(paths: dict[str, Path], images: np.ndarray, labels: np.ndarray, cfg: CompressConfig,
-             threads: int) -> list[VariantReport]:  # fmt: skip
+def _measure(
+    paths: dict[str, Path], images: np.ndarray, labels: np.ndarray, cfg: CompressConfig, threads: int
+) -> list[VariantReport]:
     sessions = {name: session(path, threads) for name, path in paths.items()}
     predicted = {name: predict(sess, images).argmax(1) for name, sess in sessions.items()}
-    latency = {size: median_latency_ms(sessions, latency_batch(images, size), cfg.latency_runs, cfg.latency_warmup)
-               for size in LATENCY_BATCHES}  # fmt: skip
+    latency = {
+        size: median_latency_ms(sessions, latency_batch(images, size), cfg.latency_runs, cfg.latency_warmup)
+        for size in LATENCY_BATCHES
+    }
     base_size, base_weights = paths["fp32"].stat().st_size, weight_counts(paths["fp32"])[1]
     rows = []
     for name, path in paths.items():
         b1, b64 = latency[1][name], latency[64][name]
-        rows.append(VariantReport(
-            variant=name,
-            accuracy=float((predicted[name] == labels).mean()) if len(labels) else float("nan"),
-            top1_agreement=float((predicted[name] == predicted["fp32"]).mean()) if len(labels) else float("nan"),
-            size_bytes=path.stat().st_size,
-            size_ratio=path.stat().st_size / base_size,
-            sparsity=1.0 - weight_counts(path)[0] / base_weights,
-            latency_b1_ms=b1,
-            latency_b64_ms=b64,
-            speedup_b1=latency[1]["fp32"] / b1,
-            speedup_b64=latency[64]["fp32"] / b64,
-        ))  # fmt: skip
+        rows.append(
+            VariantReport(
+                variant=name,
+                accuracy=float((predicted[name] == labels).mean()) if len(labels) else float("nan"),
+                top1_agreement=float((predicted[name] == predicted["fp32"]).mean()) if len(labels) else float("nan"),
+                size_bytes=path.stat().st_size,
+                size_ratio=path.stat().st_size / base_size,
+                sparsity=1.0 - weight_counts(path)[0] / base_weights,
+                latency_b1_ms=b1,
+                latency_b64_ms=b64,
+                speedup_b1=latency[1]["fp32"] / b1,
+                speedup_b64=latency[64]["fp32"] / b64,
+            )
+        )
     return rows
 
 
 def markdown_table(rows: list[VariantReport]) -> str:
     """The compression table as Markdown (the README, the model card and the MLflow run show it)."""
-    lines = ["| variant | test accuracy | top-1 agreement | size KiB | size ratio | sparsity | latency b1 ms "
-             "| latency b64 ms | speed-up b64 |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| variant | test accuracy | top-1 agreement | size KiB | size ratio | sparsity | latency b1 ms "
+        "| latency b64 ms | speed-up b64 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
-        lines.append(f"| {r.variant} | {r.accuracy:.4f} | {r.top1_agreement:.4f} | {r.size_bytes / 1024:.1f} "
-                     f"| {r.size_ratio:.3f} | {r.sparsity:.3f} | {r.latency_b1_ms:.3f} | {r.latency_b64_ms:.3f} "
-                     f"| {r.speedup_b64:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {r.variant} | {r.accuracy:.4f} | {r.top1_agreement:.4f} | {r.size_bytes / 1024:.1f} "
+            f"| {r.size_ratio:.3f} | {r.sparsity:.3f} | {r.latency_b1_ms:.3f} | {r.latency_b64_ms:.3f} "
+            f"| {r.speedup_b64:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -67,8 +67,13 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _options_fit_the_source(self) -> DataConfig:
-        folder_only = {"path": self.path, "url": self.url, "sha256": self.sha256,
-                       "image_size": self.image_size, "channels": self.channels}  # fmt: skip
+        folder_only = {
+            "path": self.path,
+            "url": self.url,
+            "sha256": self.sha256,
+            "image_size": self.image_size,
+            "channels": self.channels,
+        }
         if self.source != "imagefolder":
             misplaced = [key for key, value in folder_only.items() if value is not None]
             if misplaced:
@@ -141,8 +146,9 @@ Variant = Literal["dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "prune
 class CompressConfig(_Section):
     """Which smaller models the compress stage builds from the best checkpoint, and how it measures them."""
 
-    variants: tuple[Variant, ...] = Field(("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln"),
-                                          strict=False)  # fmt: skip
+    variants: tuple[Variant, ...] = Field(
+        ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln"), strict=False
+    )
     calibration_size: int = Field(512, ge=1)  # static int8: seeded subset of the training split
     qat_epochs: int = Field(2, ge=1)  # quantization-aware fine-tuning epochs (qat_int8)
     qat_lr: float = Field(0.001, gt=0)
@@ -217,8 +223,10 @@ class Params(_Section):
     @model_validator(mode="after")
     def _shipped_variant_is_built(self) -> Params:
         if self.export.variant != "fp32" and self.export.variant not in self.compress.variants:
-            raise ValueError(f"export.variant: {self.export.variant!r} is not built: add it to compress.variants "
-                             f"(now {list(self.compress.variants)}) or ship 'fp32'")  # fmt: skip
+            raise ValueError(
+                f"export.variant: {self.export.variant!r} is not built: add it to compress.variants "
+                f"(now {list(self.compress.variants)}) or ship 'fp32'"
+            )
         return self
 
     def sections(self, stage: str) -> dict[str, Any]:
@@ -283,7 +291,8 @@ class _StrictLoader(yaml.SafeLoader):
 # YAML 1.2 floats without a dot (`1e-3`, which ruamel also writes): PyYAML's 1.1 rules read them as
 # strings, which strict validation would then refuse.
 _StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def load_yaml(text: str) -> Any:

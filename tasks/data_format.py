@@ -43,8 +43,11 @@ class NpyWriter:
         self._row_bytes = int(np.prod(shape[1:], dtype=np.int64))
         self._rows = 0
         self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 — closed in close()
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)), "fortran_order": False,
-                  "shape": self.shape}  # fmt: skip
+        header = {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+            "fortran_order": False,
+            "shape": self.shape,
+        }
         np.lib.format.write_array_header_1_0(self._file, header)
 
     def write(self, block: np.ndarray) -> None:
@@ -137,8 +140,14 @@ def write_raw(dataset: RawDataset, out_dir: Path) -> None:
     write_raw_blocks(out_dir, [dataset.images], dataset.images.shape, dataset.labels, dataset.classes, dataset.source)
 
 
-def write_raw_blocks(out_dir: Path, blocks: Iterable[np.ndarray], shape: tuple[int, ...], labels: np.ndarray,
-                     classes: list[str], source: str) -> None:  # fmt: skip
+def write_raw_blocks(
+    out_dir: Path,
+    blocks: Iterable[np.ndarray],
+    shape: tuple[int, ...],
+    labels: np.ndarray,
+    classes: list[str],
+    source: str,
+) -> None:
     """Write a snapshot whose images arrive as blocks of rows (streamed sources stay out of memory).
 
     Atomic: readers see the old snapshot or the complete new one; a failure (or a bad block)
@@ -150,8 +159,13 @@ def write_raw_blocks(out_dir: Path, blocks: Iterable[np.ndarray], shape: tuple[i
         raise ValueError(f"labels must have shape ({shape[0]},), got {labels.shape}")
     if len(labels) and not 0 <= labels.min() <= labels.max() < len(classes):
         raise ValueError(f"labels must lie in 0..{len(classes) - 1}")
-    meta = {"format": FORMAT, "source": source, "classes": list(classes), "num_images": int(shape[0]),
-            "image_shape": [int(n) for n in shape[1:]]}  # fmt: skip
+    meta = {
+        "format": FORMAT,
+        "source": source,
+        "classes": list(classes),
+        "num_images": int(shape[0]),
+        "image_shape": [int(n) for n in shape[1:]],
+    }
     with atomic_dir(Path(out_dir)) as staging:
         with NpyWriter(staging / "images.npy", tuple(shape)) as writer:
             for block in blocks:
@@ -224,5 +238,6 @@ def split_indices(labels: np.ndarray, split: SplitConfig, seed: int) -> dict[str
         parts["test"].append(members[:n_test])
         parts["val"].append(members[n_test : n_test + n_val])
         parts["train"].append(members[n_test + n_val :])
-    return {name: np.sort(np.concatenate(chunks)) if chunks else np.empty(0, np.int64)
-            for name, chunks in parts.items()}  # fmt: skip
+    return {
+        name: np.sort(np.concatenate(chunks)) if chunks else np.empty(0, np.int64) for name, chunks in parts.items()
+    }

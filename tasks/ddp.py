@@ -37,22 +37,35 @@ RDZV_ID = "lockstep-train"
 
 def torchrun_command(params: Params) -> list[str]:
     cfg = params.train
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc_per_node}",
-           f"--max-restarts={cfg.max_restarts}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={cfg.nproc_per_node}",
+        f"--max-restarts={cfg.max_restarts}",
+    ]
     if cfg.nnodes == 1:
         cmd.append("--standalone")  # c10d rendezvous on a free local port
     else:
-        cmd += [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.rdzv_endpoint}",
-                f"--rdzv-id={RDZV_ID}"]  # fmt: skip
+        cmd += [
+            f"--nnodes={cfg.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={cfg.rdzv_endpoint}",
+            f"--rdzv-id={RDZV_ID}",
+        ]
     return [*cmd, "-m", "tasks.ddp"]
 
 
 def launch(params: Params) -> TrainResult:
     """Run the training job under torchrun and return rank 0's result."""
     with tempfile.TemporaryDirectory(prefix="lockstep-ranks-") as errors:
-        env = {**os.environ, PARAMS_ENV: params.model_dump_json(), ERRORS_ENV: errors,
-               # torchrun would otherwise set 1 and warn; each rank pins its own count anyway
-               "OMP_NUM_THREADS": str(params.determinism.num_threads)}  # fmt: skip
+        env = {
+            **os.environ,
+            PARAMS_ENV: params.model_dump_json(),
+            ERRORS_ENV: errors,
+            # torchrun would otherwise set 1 and warn; each rank pins its own count anyway
+            "OMP_NUM_THREADS": str(params.determinism.num_threads),
+        }
         done = subprocess.run(torchrun_command(params), env=env, check=False)
         reported = sorted(Path(errors).glob("rank*.txt"), key=lambda path: int(path.stem[4:]))
         if done.returncode != 0 and reported:
@@ -61,8 +74,10 @@ def launch(params: Params) -> TrainResult:
         raise RuntimeError(f"torchrun exited with code {done.returncode}; the failing rank's error is printed above")
     summary = layout.TRAIN_DIR / "train.json"
     if not summary.exists():
-        raise RuntimeError(f"{summary}: missing after torchrun; global rank 0 ran on another node, which holds "
-                           "the outputs (use a shared filesystem, or run the stage on the rank-0 node)")  # fmt: skip
+        raise RuntimeError(
+            f"{summary}: missing after torchrun; global rank 0 ran on another node, which holds "
+            "the outputs (use a shared filesystem, or run the stage on the rank-0 node)"
+        )
     return TrainResult(**json.loads(summary.read_text()))
 
 
@@ -81,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
     try:
-        train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR,
-              resume_dir=layout.TRAIN_RESUME_DIR)  # fmt: skip
+        train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, resume_dir=layout.TRAIN_RESUME_DIR)
     except DataError as exc:  # the launching stage reports it (one line); torchrun stops the other ranks
         logging.getLogger("tasks.ddp").error("%s", exc)
         if os.environ.get(ERRORS_ENV):

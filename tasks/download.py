@@ -64,8 +64,12 @@ def _digits(ctx: _Context) -> RawDataset:
     bunch = load_digits()
     # Pixel values are counts 0..16 of a 4x4 block; rescale exactly onto the common 0..255 range.
     images = np.rint(bunch.images * (255.0 / 16.0)).astype(np.uint8)[..., np.newaxis]
-    return RawDataset(images=images, labels=bunch.target.astype(np.int64),
-                      classes=[str(name) for name in bunch.target_names], source="digits")  # fmt: skip
+    return RawDataset(
+        images=images,
+        labels=bunch.target.astype(np.int64),
+        classes=[str(name) for name in bunch.target_names],
+        source="digits",
+    )
 
 
 def _mnist_like(dataset_class: str) -> Callable[[_Context], RawDataset]:
@@ -169,6 +173,11 @@ def download(cfg: DataConfig, out_dir: Path, cache_dir: Path, retry: Retry | Non
     ctx = _Context(cfg, cache, retry)
     SOURCES[cfg.source](ctx, out_dir)
     written = read_raw(out_dir)  # read back: what later stages will see
-    return DownloadResult(source=written.source, num_images=len(written.labels), num_classes=len(written.classes),
-                          image_shape=tuple(written.images.shape[1:]), files=dict(ctx.files),
-                          skipped_files=ctx.skipped_files)  # fmt: skip
+    return DownloadResult(
+        source=written.source,
+        num_images=len(written.labels),
+        num_classes=len(written.classes),
+        image_shape=tuple(written.images.shape[1:]),
+        files=dict(ctx.files),
+        skipped_files=ctx.skipped_files,
+    )

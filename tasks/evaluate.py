@@ -68,12 +68,20 @@ def _plot_confusion(matrix: np.ndarray, classes: list[str], path: Path) -> None:
     size = max(4.0, 0.5 * len(classes) + 2)
     fig, ax = plt.subplots(figsize=(size, size), dpi=100)
     ax.imshow(matrix, cmap="Blues")
-    ax.set(xticks=range(len(classes)), yticks=range(len(classes)), xticklabels=classes, yticklabels=classes,
-           xlabel="predicted", ylabel="true", title="confusion matrix (test split)")
+    ax.set(
+        xticks=range(len(classes)),
+        yticks=range(len(classes)),
+        xticklabels=classes,
+        yticklabels=classes,
+        xlabel="predicted",
+        ylabel="true",
+        title="confusion matrix (test split)",
+    )
     threshold = matrix.max() / 2 if matrix.size else 0
     for (row, col), count in np.ndenumerate(matrix):
-        ax.text(col, row, str(count), ha="center", va="center", fontsize=8,
-                color="white" if count > threshold else "black")
+        ax.text(
+            col, row, str(count), ha="center", va="center", fontsize=8, color="white" if count > threshold else "black"
+        )
     fig.tight_layout()
     # PNG metadata carries matplotlib's version and no timestamp: deterministic bytes.
     with atomic_file(path) as tmp:

@@ -82,8 +82,16 @@ class ExportResult:
     sha256: dict[str, str]  # exported file name -> digest
 
 
-def export(cfg: ExportConfig, threads: int, checkpoint: Path, pre_dir: Path, compress_dir: Path,
-           evaluate_metrics: Path, out_dir: Path, card: CardContext) -> ExportResult:  # fmt: skip
+def export(
+    cfg: ExportConfig,
+    threads: int,
+    checkpoint: Path,
+    pre_dir: Path,
+    compress_dir: Path,
+    evaluate_metrics: Path,
+    out_dir: Path,
+    card: CardContext,
+) -> ExportResult:
     """Write the shipped files to `out_dir` if every gate passes; raise GateError otherwise."""
     test = load_split(pre_dir, "test")
     model, meta = load_checkpoint(checkpoint, test)
@@ -110,25 +118,35 @@ def export(cfg: ExportConfig, threads: int, checkpoint: Path, pre_dir: Path, com
             ".pt2": _run_torch(torch.export.load(staging / PT2).module(), parity),
             "TorchScript": _run_torch(torch.jit.load(staging / TORCHSCRIPT), parity),
         }
-        gates = [Gate(f"{name} vs eager max |logit diff|", float(np.abs(out - eager).max()), cfg.max_abs_diff, True)
-                 for name, out in reloaded.items()]  # fmt: skip
+        gates = [
+            Gate(f"{name} vs eager max |logit diff|", float(np.abs(out - eager).max()), cfg.max_abs_diff, True)
+            for name, out in reloaded.items()
+        ]
         fp32_pred = predict(fp32_sess, test.images).argmax(1)
         shipped_pred = predict(shipped_sess, test.images).argmax(1)
         fp32_acc, acc = float((fp32_pred == test.labels).mean()), float((shipped_pred == test.labels).mean())
         if cfg.variant != "fp32":
             gates += [
-                Gate(f"{cfg.variant} top-1 agreement with fp32", float((shipped_pred == fp32_pred).mean()),
-                     cfg.min_top1_agreement, False),
+                Gate(
+                    f"{cfg.variant} top-1 agreement with fp32",
+                    float((shipped_pred == fp32_pred).mean()),
+                    cfg.min_top1_agreement,
+                    False,
+                ),
                 Gate(f"{cfg.variant} accuracy drop from fp32", fp32_acc - acc, cfg.max_accuracy_drop, True),
-            ]  # fmt: skip
+            ]
         failed = [gate for gate in gates if not gate.passed]
         if failed:
             raise GateError(f"{len(failed)} export gate(s) failed: " + "; ".join(g.describe() for g in failed))
 
         digests = {name: file_digest(staging / name) for name in (SHIPPED, FP32, PT2, TORCHSCRIPT)}
         result = ExportResult(variant=cfg.variant, fp32_accuracy=fp32_acc, accuracy=acc, gates=gates, sha256=digests)
-        gate_report = {"variant": cfg.variant, "fp32_accuracy": fp32_acc, "accuracy": acc,
-                       "gates": [{**asdict(g), "passed": g.passed} for g in gates]}  # fmt: skip
+        gate_report = {
+            "variant": cfg.variant,
+            "fp32_accuracy": fp32_acc,
+            "accuracy": acc,
+            "gates": [{**asdict(g), "passed": g.passed} for g in gates],
+        }
         (staging / GATES).write_text(json.dumps(gate_report, indent=2) + "\n")
         evaluated = json.loads(evaluate_metrics.read_text())
         table = (compress_dir / "compression.md").read_text()
@@ -141,8 +159,9 @@ def _run_torch(module: torch.nn.Module, pixels: torch.Tensor) -> np.ndarray:
     return module(pixels).numpy()
 
 
-def _model_card(result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float], table: str,
-                card: CardContext) -> str:  # fmt: skip
+def _model_card(
+    result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float], table: str, card: CardContext
+) -> str:
     params = json.dumps(card.params, indent=2, sort_keys=True)
     lines = [
         f"# Model card: {meta['model']} on {len(meta['classes'])} classes",

@@ -154,10 +154,18 @@ def _transfer(url: str, part: Path, timeout_s: float) -> None:
             have = 0  # the server ignored Range: take the whole body from the start
         length = response.headers.get("Content-Length")
         total = have + int(length) if length is not None else None
-        with open(part, "ab" if resumed else "wb") as out, tqdm(
-            total=total, initial=have, unit="B", unit_scale=True, desc=part.name.removesuffix(".part"),
-            disable=None, leave=False,
-        ) as bar:  # fmt: skip
+        with (
+            open(part, "ab" if resumed else "wb") as out,
+            tqdm(
+                total=total,
+                initial=have,
+                unit="B",
+                unit_scale=True,
+                desc=part.name.removesuffix(".part"),
+                disable=None,
+                leave=False,
+            ) as bar,
+        ):
             try:
                 while block := response.read(BLOCK):
                     out.write(block)
@@ -187,5 +195,7 @@ def verify(path: Path, checksum: Checksum, name: str | None = None, origin: str 
     """Raise DownloadError unless `path` has `checksum`; the message names the file and where it came from."""
     got = checksum.of(path)
     if got != checksum.hexdigest:
-        raise DownloadError(f"checksum mismatch for {name or Path(path).name}: expected {checksum.hexdigest}, "
-                            f"got {got} ({checksum.algorithm}, from {origin or path})")  # fmt: skip
+        raise DownloadError(
+            f"checksum mismatch for {name or Path(path).name}: expected {checksum.hexdigest}, "
+            f"got {got} ({checksum.algorithm}, from {origin or path})"
+        )

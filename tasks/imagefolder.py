@@ -83,8 +83,13 @@ def scan(root: Path) -> FolderScan:
             raise DataError(f"{root / name}: class folder has no images (extensions: {' '.join(IMG_EXTENSIONS)})")
     if skipped:
         shown = ", ".join(os.path.relpath(p, root) for p in skipped[:5])
-        log.warning("%s: skipped %d file(s) without an image extension: %s%s", root, len(skipped), shown,
-                    " ..." if len(skipped) > 5 else "")  # fmt: skip
+        log.warning(
+            "%s: skipped %d file(s) without an image extension: %s%s",
+            root,
+            len(skipped),
+            shown,
+            " ..." if len(skipped) > 5 else "",
+        )
     return FolderScan(root, classes, files, np.asarray(labels, dtype=np.int64), skipped)
 
 
@@ -103,8 +108,9 @@ def _decode(path: str, mode: str, size: tuple[int, int] | None) -> np.ndarray:
     return pixels.reshape(pixels.shape[0], pixels.shape[1], -1)
 
 
-def ingest_folder(root: Path, out_dir: Path, channels: int, image_size: tuple[int, int] | None,
-                  source: str) -> FolderScan:  # fmt: skip
+def ingest_folder(
+    root: Path, out_dir: Path, channels: int, image_size: tuple[int, int] | None, source: str
+) -> FolderScan:
     """Decode every image under `root` into a raw snapshot at `out_dir` (atomically).
 
     Without `image_size`, every image must have the first image's size; the error names the
@@ -121,8 +127,10 @@ def ingest_folder(root: Path, out_dir: Path, channels: int, image_size: tuple[in
         for path in tqdm(found.files, desc="decoding images", unit="img", disable=None, leave=False):
             pixels = _decode(path, mode, image_size)
             if pixels.shape[:2] != (height, width):
-                raise DataError(f"{path}: {pixels.shape[1]}x{pixels.shape[0]} pixels, but {found.files[0]} is "
-                                f"{width}x{height}; set data.image_size: [height, width] to resize all images")
+                raise DataError(
+                    f"{path}: {pixels.shape[1]}x{pixels.shape[0]} pixels, but {found.files[0]} is "
+                    f"{width}x{height}; set data.image_size: [height, width] to resize all images"
+                )
             block[filled] = pixels
             filled += 1
             if filled == BLOCK:

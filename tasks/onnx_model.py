@@ -28,9 +28,15 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> None:
     larger and their bytes depend on where the repository was cloned.
     """
     program = torch.onnx.export(
-        model, (example,), dynamo=True, external_data=False, verbose=False,
-        input_names=[INPUT], output_names=[OUTPUT], dynamic_shapes=({0: torch.export.Dim("batch")},),
-    )  # fmt: skip
+        model,
+        (example,),
+        dynamo=True,
+        external_data=False,
+        verbose=False,
+        input_names=[INPUT],
+        output_names=[OUTPUT],
+        dynamic_shapes=({0: torch.export.Dim("batch")},),
+    )
     save_onnx(program.model_proto, path)
 
 
@@ -63,13 +69,15 @@ def as_pixels(images: np.ndarray) -> np.ndarray:
 
 def predict(sess: ort.InferenceSession, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
     """Logits for uint8 (N, C, H, W) `images`, in order."""
-    outputs = [sess.run([OUTPUT], {INPUT: as_pixels(images[i : i + batch_size])})[0]
-               for i in range(0, len(images), batch_size)]  # fmt: skip
+    outputs = [
+        sess.run([OUTPUT], {INPUT: as_pixels(images[i : i + batch_size])})[0] for i in range(0, len(images), batch_size)
+    ]
     return np.concatenate(outputs) if outputs else np.empty((0, 0), np.float32)
 
 
-def median_latency_ms(sessions: dict[str, ort.InferenceSession], batch: np.ndarray, runs: int,
-                      warmup: int) -> dict[str, float]:  # fmt: skip
+def median_latency_ms(
+    sessions: dict[str, ort.InferenceSession], batch: np.ndarray, runs: int, warmup: int
+) -> dict[str, float]:
     """Median wall time of one `run` per session on `batch` (float32 pixels).
 
     The sessions take turns, run by run, so a slow patch of the machine (another process, frequency

@@ -52,8 +52,9 @@ def _holder(root: Path) -> str:
 
 
 @contextmanager
-def pipeline_lock(holder: str, wait_s: float, root: Path = ROOT,
-                  logger: logging.Logger | logging.LoggerAdapter[Any] = log) -> Iterator[None]:  # fmt: skip
+def pipeline_lock(
+    holder: str, wait_s: float, root: Path = ROOT, logger: logging.Logger | logging.LoggerAdapter[Any] = log
+) -> Iterator[None]:
     """Hold the project's pipeline lock for the block; `holder` names this run in others' messages.
     A wait is reported on `logger` (the flow passes its run logger, so the wait shows in Prefect)."""
     (root / LOCK_FILE).parent.mkdir(parents=True, exist_ok=True)
@@ -65,8 +66,10 @@ def pipeline_lock(holder: str, wait_s: float, root: Path = ROOT,
         try:
             lock.acquire(timeout=wait_s)
         except Timeout:
-            message = (f"{LOCK_FILE}: another pipeline run is in progress: {_holder(root)}; waited {wait_s:g} s "
-                       "(orchestration.lock_wait_s), try again when it ends")  # fmt: skip
+            message = (
+                f"{LOCK_FILE}: another pipeline run is in progress: {_holder(root)}; waited {wait_s:g} s "
+                "(orchestration.lock_wait_s), try again when it ends"
+            )
             raise PipelineBusy(message) from None
     try:
         write_text(root / HOLDER_FILE, json.dumps({"holder": holder, "pid": os.getpid(), "since": time.time()}))

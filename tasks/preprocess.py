@@ -106,8 +106,10 @@ def _load_verified(path: Path, meta: dict) -> np.ndarray:
     if not path.exists():
         raise DataError(f"{path}: missing; run the preprocess stage again")
     if expected is None or file_digest(path) != expected:
-        raise DataError(f"{path}: its sha256 does not match meta.json (corrupt or changed since preprocess wrote "
-                        "it); run the preprocess stage again (`dvc repro` does so by itself)")  # fmt: skip
+        raise DataError(
+            f"{path}: its sha256 does not match meta.json (corrupt or changed since preprocess wrote "
+            "it); run the preprocess stage again (`dvc repro` does so by itself)"
+        )
     try:
         return np.load(path, allow_pickle=False)
     except (ValueError, OSError) as exc:

@@ -24,8 +24,9 @@ def _weighted(model: nn.Module, types: tuple[type[nn.Module], ...] = (nn.Conv2d,
 def global_l1(model: nn.Module, amount: float) -> None:
     """Zero the `amount` fraction of all conv and linear weights with the smallest |w|, ranked
     across layers (global), so layers that matter less give up more."""
-    prune.global_unstructured([(m, "weight") for m in _weighted(model)], pruning_method=prune.L1Unstructured,
-                              amount=amount)  # fmt: skip
+    prune.global_unstructured(
+        [(m, "weight") for m in _weighted(model)], pruning_method=prune.L1Unstructured, amount=amount
+    )
 
 
 def conv_channels_ln(model: nn.Module, amount: float, norm: int, example: torch.Tensor) -> None:
@@ -37,8 +38,9 @@ def conv_channels_ln(model: nn.Module, amount: float, norm: int, example: torch.
     import torch_pruning as tp
 
     importance = tp.importance.GroupMagnitudeImportance(p=norm, group_reduction="first")
-    pruner = tp.pruner.MetaPruner(model, example, importance=importance, pruning_ratio=amount,
-                                  ignored_layers=_weighted(model, (nn.Linear,)))  # fmt: skip
+    pruner = tp.pruner.MetaPruner(
+        model, example, importance=importance, pruning_ratio=amount, ignored_layers=_weighted(model, (nn.Linear,))
+    )
     pruner.step()
 
 

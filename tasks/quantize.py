@@ -50,7 +50,8 @@ class _Calibration:
 
     def __init__(self, images: np.ndarray, batch_size: int) -> None:
         self._batches: Iterator[dict[str, np.ndarray]] = iter(
-            {INPUT: as_pixels(images[i : i + batch_size])} for i in range(0, len(images), batch_size))
+            {INPUT: as_pixels(images[i : i + batch_size])} for i in range(0, len(images), batch_size)
+        )
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         return next(self._batches, None)
@@ -62,10 +63,15 @@ def static_int8(fp32: Path, out: Path, calibration: np.ndarray, batch_size: int 
 
     with tempfile.TemporaryDirectory(dir=out.parent) as workdir, atomic_file(out) as tmp:
         quantize_static(
-            _preprocessed(fp32, Path(workdir)), tmp, _Calibration(calibration, batch_size),
-            quant_format=QuantFormat.QDQ, per_channel=True, activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax,
-        )  # fmt: skip
+            _preprocessed(fp32, Path(workdir)),
+            tmp,
+            _Calibration(calibration, batch_size),
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=CalibrationMethod.MinMax,
+        )
     _strip(out)
 
 

@@ -17,15 +17,17 @@ from typing import Any
 MASK = "***"
 SECRET_NAME = re.compile(r"token|passw|secret|key|credential", re.IGNORECASE)
 _USERINFO = re.compile(r"(?<=://)[^/@\s'\"]+@")
-_SECRET_QUERY = re.compile(r"([?&][^=&#\s]*(?:token|passw|secret|key|sig|credential)[^=&#\s]*=)[^&#\s'\"]+",
-                           re.IGNORECASE)  # fmt: skip
+_SECRET_QUERY = re.compile(
+    r"([?&][^=&#\s]*(?:token|passw|secret|key|sig|credential)[^=&#\s]*=)[^&#\s'\"]+", re.IGNORECASE
+)
 _MIN_SECRET_LENGTH = 6  # shorter values ("1", "true", "us-east") would mask ordinary text
 
 
 def secret_values() -> list[str]:
     """Values of this process's environment variables with secret-looking names, longest first."""
-    values = {value for name, value in os.environ.items()
-              if SECRET_NAME.search(name) and len(value) >= _MIN_SECRET_LENGTH}  # fmt: skip
+    values = {
+        value for name, value in os.environ.items() if SECRET_NAME.search(name) and len(value) >= _MIN_SECRET_LENGTH
+    }
     return sorted(values, key=len, reverse=True)
 
 

@@ -45,6 +45,11 @@ def decide_promotion(client: Any, name: str, version: str, accuracy: float) -> P
         client.set_registered_model_alias(name, CHAMPION, version)
     decision = "promoted" if promoted else "kept"
     client.set_model_version_tag(name, version, "promotion", decision)
-    return Promotion(name=name, version=version, accuracy=accuracy,
-                     champion_version=str(current.version) if current is not None else None,
-                     champion_accuracy=champion_accuracy, promoted=promoted)  # fmt: skip
+    return Promotion(
+        name=name,
+        version=version,
+        accuracy=accuracy,
+        champion_version=str(current.version) if current is not None else None,
+        champion_accuracy=champion_accuracy,
+        promoted=promoted,
+    )

@@ -121,8 +121,12 @@ class ReproduceReport:
         data = asdict(self)
         for key in ("weights", "upstream"):
             data[key] = [{**asdict(c), "identical": c.identical} for c in getattr(self, key)]
-        return json.dumps({"verdict": self.verdict, "identical": self.identical, "exit_code": self.exit_code,
-                           **data}, indent=2) + "\n"  # fmt: skip
+        return (
+            json.dumps(
+                {"verdict": self.verdict, "identical": self.identical, "exit_code": self.exit_code, **data}, indent=2
+            )
+            + "\n"
+        )
 
 
 # --------------------------------------------------------------------------- the run and its record
@@ -151,21 +155,29 @@ def find_train_run(client: Any, run_id: str) -> Any:
     if stage == "train":
         return run
     if stage is not None:
-        raise ReproduceError(f"run {run_id} is a {stage!r} stage run, not a train run: pass its pipeline run "
-                             f"({tags.get('mlflow.parentRunId', '?')}) or that pipeline's train run")  # fmt: skip
+        raise ReproduceError(
+            f"run {run_id} is a {stage!r} stage run, not a train run: pass its pipeline run "
+            f"({tags.get('mlflow.parentRunId', '?')}) or that pipeline's train run"
+        )
     entry_point = tags.get("lockstep.entry_point")
     if entry_point == "reproduce":
         raise ReproduceError(f"run {run_id} is a reproduce run (of {tags.get('reproduce.of', '?')}), not a train run")
     if entry_point is None or "mlflow.parentRunId" in tags:
-        raise ReproduceError(f"run {run_id} is not a lockstep train or pipeline run (it has no lockstep.stage "
-                             "or lockstep.entry_point tag)")  # fmt: skip
-    children = client.search_runs([run.info.experiment_id], filter_string=(
-        f"tags.`mlflow.parentRunId` = '{run_id}' and tags.`lockstep.stage` = 'train'"))  # fmt: skip
+        raise ReproduceError(
+            f"run {run_id} is not a lockstep train or pipeline run (it has no lockstep.stage "
+            "or lockstep.entry_point tag)"
+        )
+    children = client.search_runs(
+        [run.info.experiment_id],
+        filter_string=(f"tags.`mlflow.parentRunId` = '{run_id}' and tags.`lockstep.stage` = 'train'"),
+    )
     if len(children) == 1:
         return children[0]
     if not children:
-        raise ReproduceError(f"run {run_id} is a pipeline run in which the train stage did not run (DVC skips "
-                             "up-to-date stages): pass the pipeline or train run that trained")  # fmt: skip
+        raise ReproduceError(
+            f"run {run_id} is a pipeline run in which the train stage did not run (DVC skips "
+            "up-to-date stages): pass the pipeline or train run that trained"
+        )
     ids = ", ".join(c.info.run_id for c in children)
     raise ReproduceError(f"run {run_id} is a pipeline run with {len(children)} train stage runs ({ids}): pass one")
 
@@ -178,12 +190,15 @@ def _download_record(client: Any, run: Any, dest: Path) -> Path:
     logged = {Path(a.path).name for a in client.list_artifacts(run_id, LOGGED_DIR)}
     missing = sorted({"params.yaml", "data.dvc"} - logged)
     if missing:
-        raise ReproduceError(f"run {run_id}: lacks the artifacts {', '.join(f'{LOGGED_DIR}/{m}' for m in missing)} "
-                             "(logged before train runs recorded their inputs): cannot reproduce it")  # fmt: skip
+        raise ReproduceError(
+            f"run {run_id}: lacks the artifacts {', '.join(f'{LOGGED_DIR}/{m}' for m in missing)} "
+            "(logged before train runs recorded their inputs): cannot reproduce it"
+        )
     checkpoints = {Path(a.path).name for a in client.list_artifacts(run_id, "checkpoints")}
     if not set(WEIGHTS) <= checkpoints:
-        raise ReproduceError(f"run {run_id}: its checkpoints ({', '.join(WEIGHTS)}) were not logged: "
-                             "nothing to compare with")  # fmt: skip
+        raise ReproduceError(
+            f"run {run_id}: its checkpoints ({', '.join(WEIGHTS)}) were not logged: nothing to compare with"
+        )
     for path in (LOGGED_DIR, "checkpoints"):
         download_artifacts(run_id=run_id, artifact_path=path, dst_path=str(dest), tracking_uri=client.tracking_uri)
     return dest
@@ -209,18 +224,23 @@ def _checkout_code(project: Path, run: Any, workspace: Path, warnings: list[str]
     tags = run.data.tags
     commit = tags.get("git.commit", "none")
     if shutil.which("git") and _has_commit(project, commit):
-        archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=project, capture_output=True,
-                                 check=True).stdout  # fmt: skip
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", commit], cwd=project, capture_output=True, check=True
+        ).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(workspace, filter="data")
         if tags.get("git.dirty") == "true":
-            warnings.append(f"the run was made with uncommitted changes to commit {commit[:12]}: they were not "
-                            "recorded, so the rebuild used the commit as committed")  # fmt: skip
+            warnings.append(
+                f"the run was made with uncommitted changes to commit {commit[:12]}: they were not "
+                "recorded, so the rebuild used the commit as committed"
+            )
         return f"git commit {commit}"
     # Without the commit the best we have is the code here now; the stages need only tasks/.
     shutil.copytree(project / "tasks", workspace / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
-    warnings.append(f"the run's commit ({commit}) is not in the repository at {project}: rebuilt with the "
-                    "current tasks/ code, which may differ from the run's")  # fmt: skip
+    warnings.append(
+        f"the run's commit ({commit}) is not in the repository at {project}: rebuilt with the "
+        "current tasks/ code, which may differ from the run's"
+    )
     return f"current tasks/ in {project} (commit {commit} not found)"
 
 
@@ -272,8 +292,10 @@ def _bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> s
         except CheckoutError:
             pass  # not (all) in the cache: fetch it
         named = repr(remote) if remote else "(none configured)"
-        refusal = (f"run {run_id}: data version {data_md5} is not in the DVC cache ({cache_dir}) and could not be "
-                   f"fetched from remote {named}: cannot reproduce")  # fmt: skip
+        refusal = (
+            f"run {run_id}: data version {data_md5} is not in the DVC cache ({cache_dir}) and could not be "
+            f"fetched from remote {named}: cannot reproduce"
+        )
         if remote is None:
             raise ReproduceError(refusal)
         try:
@@ -297,8 +319,14 @@ def _stage_env() -> dict[str, str]:
 def _run_stage(stage: str, workspace: Path, env: dict[str, str]) -> tuple[int, list[str]]:
     """`python -m tasks <stage>` in the workspace, its output passed on to our log; (exit code, output tail)."""
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    with subprocess.Popen([sys.executable, "-m", "tasks", stage], cwd=workspace, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-m", "tasks", stage],
+        cwd=workspace,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             tail.append(line.rstrip("\n"))
@@ -319,9 +347,15 @@ def _rebuild(workspace: Path, report: ReproduceReport, env: dict[str, str]) -> N
 
 def _compare_weights(record: Path, workspace: Path) -> list[Comparison]:
     rebuilt = workspace / layout.TRAIN_DIR
-    return [Comparison(name, "sha256", file_digest(record / "checkpoints" / name),
-                       file_digest(rebuilt / name) if (rebuilt / name).exists() else None)
-            for name in WEIGHTS]  # fmt: skip
+    return [
+        Comparison(
+            name,
+            "sha256",
+            file_digest(record / "checkpoints" / name),
+            file_digest(rebuilt / name) if (rebuilt / name).exists() else None,
+        )
+        for name in WEIGHTS
+    ]
 
 
 def _compare_upstream(workspace: Path, data_md5: str, warnings: list[str]) -> list[Comparison]:
@@ -365,8 +399,11 @@ def _machine_now(workspace: Path, env: dict[str, str], warnings: list[str]) -> d
 
 
 def _machine_differences(run_tags: dict[str, str], now: dict[str, str]) -> dict[str, dict[str, str]]:
-    return {key: {"run": run_tags[key], "now": value} for key, value in sorted(now.items())
-            if key.startswith(MACHINE_TAG_PREFIXES) and key in run_tags and run_tags[key] != value}  # fmt: skip
+    return {
+        key: {"run": run_tags[key], "now": value}
+        for key, value in sorted(now.items())
+        if key.startswith(MACHINE_TAG_PREFIXES) and key in run_tags and run_tags[key] != value
+    }
 
 
 def _log_outcome(client: Any, report: ReproduceReport, workdir: Path) -> str:
@@ -402,8 +439,15 @@ def _workdir(workdir: Path | None) -> Path:
     return workdir
 
 
-def reproduce(run_id: str, workdir: Path | None = None, *, keep: bool = False, tracking_uri: str | None = None,
-              project: Path | None = None, log_run: bool = True) -> ReproduceReport:  # fmt: skip
+def reproduce(
+    run_id: str,
+    workdir: Path | None = None,
+    *,
+    keep: bool = False,
+    tracking_uri: str | None = None,
+    project: Path | None = None,
+    log_run: bool = True,
+) -> ReproduceReport:
     """Rebuild train run `run_id` (or a pipeline run's one train stage) and compare its weights.
 
     `workdir` (kept afterwards) holds `record/` (what the run logged) and `workspace/` (the rebuild);
@@ -420,8 +464,13 @@ def reproduce(run_id: str, workdir: Path | None = None, *, keep: bool = False, t
         workspace = root / "workspace"
         workspace.mkdir()
         train_id = run.info.run_id
-        report = ReproduceReport(requested_run_id=run_id, run_id=train_id, experiment_id=run.info.experiment_id,
-                                 code="", data_md5=_data_md5(record / LOGGED_DIR / "data.dvc"))  # fmt: skip
+        report = ReproduceReport(
+            requested_run_id=run_id,
+            run_id=train_id,
+            experiment_id=run.info.experiment_id,
+            code="",
+            data_md5=_data_md5(record / LOGGED_DIR / "data.dvc"),
+        )
         report.code = _checkout_code(project, run, workspace, report.warnings)
         _write_inputs(record, workspace)
         log.info("reproduce %s: data %s, code from %s", train_id, report.data_md5, report.code)
@@ -450,27 +499,41 @@ def format_report(report: ReproduceReport) -> str:
     """A few lines for a human; the first is the verdict."""
     run_id = report.run_id
     if report.failed_stage is not None:
-        lines = [f"reproduce {run_id}: stage {report.failed_stage} failed: weights not compared",
-                 *(f"  | {line}" for line in report.failure_tail)]  # fmt: skip
+        lines = [
+            f"reproduce {run_id}: stage {report.failed_stage} failed: weights not compared",
+            *(f"  | {line}" for line in report.failure_tail),
+        ]
     else:
         lines = []
         for c in report.weights:
-            said = (f"byte-identical (sha256 {c.logged})" if c.identical
-                    else f"DIFFERS (logged sha256 {c.logged}, rebuilt {c.rebuilt})")  # fmt: skip
+            said = (
+                f"byte-identical (sha256 {c.logged})"
+                if c.identical
+                else f"DIFFERS (logged sha256 {c.logged}, rebuilt {c.rebuilt})"
+            )
             lines.append(f"reproduce {run_id}: {c.name} {said}" if not lines else f"  {c.name}: {said}")
     for c in report.upstream:
         lines.append(f"  {c.name}: md5 {'matches' if c.identical else 'differs from'} the run's dvc.lock")
     seconds = sum(report.stage_seconds.values())
-    lines.append(f"  rebuilt from {report.code}, data {report.data_md5} ({report.data_from}); "
-                 f"{', '.join(report.stage_seconds)} in {seconds:.1f} s")  # fmt: skip
+    lines.append(
+        f"  rebuilt from {report.code}, data {report.data_md5} ({report.data_from}); "
+        f"{', '.join(report.stage_seconds)} in {seconds:.1f} s"
+    )
     if report.machine_differences:
-        lines.append("  this machine differs from the run's "
-                     "(on a different machine kind byte-identity is not expected):")  # fmt: skip
+        lines.append(
+            "  this machine differs from the run's (on a different machine kind byte-identity is not expected):"
+        )
         lines += [f"    {key}: run {d['run']}, now {d['now']}" for key, d in report.machine_differences.items()]
     elif report.machine_now:
         same = "same library versions, device and determinism settings as the run"
-        lines.append(f"  {same}" + ("" if report.identical or report.failed_stage else
-                                    ": the weights should have been identical (a reproducibility bug?)"))  # fmt: skip
+        lines.append(
+            f"  {same}"
+            + (
+                ""
+                if report.identical or report.failed_stage
+                else ": the weights should have been identical (a reproducibility bug?)"
+            )
+        )
     lines += [f"  warning: {w}" for w in report.warnings]
     if report.reproduce_run_id:
         lines.append(f"  logged as MLflow run {report.reproduce_run_id} (experiment {report.experiment_id})")
@@ -480,8 +543,9 @@ def format_report(report: ReproduceReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.reproduce", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m tasks.reproduce", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_id", help="an MLflow train stage run id, or its pipeline run id")
     parser.add_argument("--workdir", type=Path, help="rebuild here (new or empty; kept) instead of a temp dir")
     parser.add_argument("--keep", action="store_true", help="keep the temporary workspace")
@@ -494,8 +558,13 @@ def main(argv: list[str] | None = None) -> int:
     except ReproduceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if args.json:
-            refused = {"verdict": "refused", "identical": False, "exit_code": 2, "requested_run_id": args.run_id,
-                       "error": str(exc)}  # fmt: skip
+            refused = {
+                "verdict": "refused",
+                "identical": False,
+                "exit_code": 2,
+                "requested_run_id": args.run_id,
+                "error": str(exc),
+            }
             write_text(args.json, json.dumps(refused, indent=2) + "\n")
         return 2
     print(format_report(report))

@@ -72,10 +72,23 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
     else:
         from tasks.train import train
 
-        result = train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, run,
-                       resume_dir=layout.TRAIN_RESUME_DIR)  # fmt: skip
-    run.set_tags({"device": result.device, "train.world_size": result.world_size, "train.backend": result.backend,
-                  "train.amp": result.amp, "train.resumed_from_epoch": result.resumed_from_epoch})
+        result = train(
+            params.train,
+            params.seed,
+            layout.PREPROCESSED_DIR,
+            layout.TRAIN_DIR,
+            run,
+            resume_dir=layout.TRAIN_RESUME_DIR,
+        )
+    run.set_tags(
+        {
+            "device": result.device,
+            "train.world_size": result.world_size,
+            "train.backend": result.backend,
+            "train.amp": result.amp,
+            "train.resumed_from_epoch": result.resumed_from_epoch,
+        }
+    )
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
         run.log_artifact(layout.TRAIN_DIR / name, "checkpoints" if name.endswith(".safetensors") else None)
     # What `python -m tasks.reproduce <run id>` rebuilds this run from: the resolved params, the data
@@ -95,8 +108,9 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
 def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
     from tasks.evaluate import evaluate
 
-    result = evaluate(params.evaluate, layout.TRAIN_DIR / "best.safetensors", layout.PREPROCESSED_DIR,
-                      layout.EVALUATE_DIR)  # fmt: skip
+    result = evaluate(
+        params.evaluate, layout.TRAIN_DIR / "best.safetensors", layout.PREPROCESSED_DIR, layout.EVALUATE_DIR
+    )
     for name in ("metrics.json", "per_class.json", "confusion_matrix.png"):
         run.log_artifact(layout.EVALUATE_DIR / name)
     return {f"test_{k}": v for k, v in result.metrics.items()}
@@ -105,16 +119,24 @@ def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
 def _compress(params: Params, run: StageRun) -> dict[str, float]:
     from tasks.compress import compress
 
-    result = compress(params.compress, params.train, params.seed, params.determinism.num_threads,
-                      layout.TRAIN_DIR / "best.safetensors", layout.PREPROCESSED_DIR, layout.COMPRESS_DIR)  # fmt: skip
+    result = compress(
+        params.compress,
+        params.train,
+        params.seed,
+        params.determinism.num_threads,
+        layout.TRAIN_DIR / "best.safetensors",
+        layout.PREPROCESSED_DIR,
+        layout.COMPRESS_DIR,
+    )
     run.set_tags({"compress.runtime": "onnxruntime", "compress.threads": result.threads})
     for name, curve in result.history.items():  # fine-tuning curves, one metric series per variant
         for row in curve:
             run.log_metrics({f"{name}.{k}": v for k, v in row.items() if k != "epoch"}, step=row["epoch"])
     for name in ("metrics.json", "compression.csv", "compression.md", "finetune.json"):
         run.log_artifact(layout.COMPRESS_DIR / name)
-    return {f"{row.variant}.{key}": value for row in result.rows for key, value in asdict(row).items()
-            if key != "variant"}  # fmt: skip
+    return {
+        f"{row.variant}.{key}": value for row in result.rows for key, value in asdict(row).items() if key != "variant"
+    }
 
 
 def _export(params: Params, run: StageRun) -> dict[str, float]:
@@ -122,9 +144,16 @@ def _export(params: Params, run: StageRun) -> dict[str, float]:
 
     lineage = {k: v for k, v in lineage_tags().items() if k.startswith(("git.", "version."))}
     card = CardContext(data_md5=data_hash(), params=params.model_dump(mode="json"), lineage=lineage)
-    result = export(params.export, params.determinism.num_threads, layout.TRAIN_DIR / "best.safetensors",
-                    layout.PREPROCESSED_DIR, layout.COMPRESS_DIR, layout.EVALUATE_DIR / "metrics.json",
-                    layout.EXPORT_DIR, card)  # fmt: skip
+    result = export(
+        params.export,
+        params.determinism.num_threads,
+        layout.TRAIN_DIR / "best.safetensors",
+        layout.PREPROCESSED_DIR,
+        layout.COMPRESS_DIR,
+        layout.EVALUATE_DIR / "metrics.json",
+        layout.EXPORT_DIR,
+        card,
+    )
     for name in (CARD, GATES, PT2, TORCHSCRIPT):
         run.log_artifact(layout.EXPORT_DIR / name)
     run.set_tags({f"sha256.{name}": digest for name, digest in result.sha256.items()})
@@ -149,21 +178,33 @@ def _register(params: Params, run: StageRun, accuracy: float) -> None:
     mlflow, name = run.mlflow, params.tracking.registered_model
     test = load_split(layout.PREPROCESSED_DIR, "test")
     example = as_pixels(test.images[:1])  # float32 in [0, 1], (N, C, H, W)
-    signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *example.shape[1:]), INPUT)]),
-                               outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, len(test.classes)), OUTPUT)]))
+    signature = ModelSignature(
+        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *example.shape[1:]), INPUT)]),
+        outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, len(test.classes)), OUTPUT)]),
+    )
     # What serving an ONNX model needs, pinned to what was measured here (MLflow adds itself). Left
     # to infer them, MLflow would record the whole project lock (`uv export`: torch, Prefect, DVC...)
     # and spend ~0.5 s per model doing it.
     requirements = [*mlflow.onnx.get_default_pip_requirements(), f"numpy=={np.__version__}"]
-    logged = {"save_as_external_data": False, "signature": signature, "input_example": example,
-              "pip_requirements": requirements}  # fmt: skip
+    logged = {
+        "save_as_external_data": False,
+        "signature": signature,
+        "input_example": example,
+        "pip_requirements": requirements,
+    }
     mlflow.onnx.log_model(onnx.load(str(layout.EXPORT_DIR / FP32)), name="model_fp32", **logged)
-    info = mlflow.onnx.log_model(onnx.load(str(layout.EXPORT_DIR / SHIPPED)), name="model",
-                                 registered_model_name=name, **logged)  # fmt: skip
+    info = mlflow.onnx.log_model(
+        onnx.load(str(layout.EXPORT_DIR / SHIPPED)), name="model", registered_model_name=name, **logged
+    )
     promotion = decide_promotion(mlflow.MlflowClient(), name, str(info.registered_model_version), accuracy)
-    run.set_tags({"registry.model": name, "registry.version": promotion.version,
-                  "registry.decision": "promoted to champion" if promotion.promoted else "kept current champion",
-                  "registry.champion_version_before": promotion.champion_version or "none"})  # fmt: skip
+    run.set_tags(
+        {
+            "registry.model": name,
+            "registry.version": promotion.version,
+            "registry.decision": "promoted to champion" if promotion.promoted else "kept current champion",
+            "registry.champion_version_before": promotion.champion_version or "none",
+        }
+    )
     run.log_metrics({"registry.challenger_accuracy": promotion.accuracy})
     if promotion.champion_accuracy is not None:
         run.log_metrics({"registry.champion_accuracy": promotion.champion_accuracy})

@@ -84,21 +84,36 @@ def check_store(cfg: TrackingConfig) -> None:
         from mlflow.utils.rest_utils import http_request
 
         try:
-            response = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/get-by-name", "GET",
-                                    max_retries=0, timeout=CHECK_TIMEOUT_S, raise_on_status=False,
-                                    params={"experiment_name": cfg.experiment})  # fmt: skip
+            response = http_request(
+                get_default_host_creds(uri),
+                "/api/2.0/mlflow/experiments/get-by-name",
+                "GET",
+                max_retries=0,
+                timeout=CHECK_TIMEOUT_S,
+                raise_on_status=False,
+                params={"experiment_name": cfg.experiment},
+            )
         except Exception as exc:  # noqa: BLE001 - requests/urllib3/MLflow raise many kinds; all mean "unreachable"
             text = str(exc).lower()
-            reason = (f"no answer within {CHECK_TIMEOUT_S:g} s" if "timed out" in text or "timeout" in text
-                      else "connection refused" if "refused" in text else type(exc).__name__)  # fmt: skip
-            raise TrackingUnavailable(f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) is unreachable: "
-                                      f"{reason}; {fix}") from None  # fmt: skip
+            reason = (
+                f"no answer within {CHECK_TIMEOUT_S:g} s"
+                if "timed out" in text or "timeout" in text
+                else "connection refused"
+                if "refused" in text
+                else type(exc).__name__
+            )
+            raise TrackingUnavailable(
+                f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) is unreachable: {reason}; {fix}"
+            ) from None
         if response.status_code >= 500 or response.status_code in (401, 403):
-            raise TrackingUnavailable(f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) answered HTTP "
-                                      f"{response.status_code}; {fix}") from None  # fmt: skip
+            raise TrackingUnavailable(
+                f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) answered HTTP {response.status_code}; {fix}"
+            ) from None
         if response.status_code not in (200, 404):  # 404: no such experiment yet, created on first use
-            raise TrackingUnavailable(f"{shown} (MLFLOW_TRACKING_URI) does not answer like an MLflow tracking "
-                                      f"server (HTTP {response.status_code}); {fix}")  # fmt: skip
+            raise TrackingUnavailable(
+                f"{shown} (MLFLOW_TRACKING_URI) does not answer like an MLflow tracking "
+                f"server (HTTP {response.status_code}); {fix}"
+            )
     elif scheme == "sqlite":
         folder = Path(urllib.parse.urlparse(uri).path).parent
         if not os.access(folder, os.W_OK):
@@ -157,8 +172,9 @@ def lineage_tags() -> dict[str, str]:
     torch = sys.modules.get("torch")
     if torch is not None:
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        tags.update({"version.torch": torch.__version__, "version.cuda": str(torch.version.cuda),
-                     "version.cudnn": str(cudnn)})  # fmt: skip
+        tags.update(
+            {"version.torch": torch.__version__, "version.cuda": str(torch.version.cuda), "version.cudnn": str(cudnn)}
+        )
     return tags
 
 
@@ -356,8 +372,9 @@ def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterat
         parent_id = _find_or_create_session_parent(mlflow, experiment_id, entry_point)
     status = "FAILED"
     try:
-        with mlflow.start_run(run_name=stage, experiment_id=experiment_id, parent_run_id=parent_id,
-                              tags=_redacted_context_tags()) as active:  # fmt: skip
+        with mlflow.start_run(
+            run_name=stage, experiment_id=experiment_id, parent_run_id=parent_id, tags=_redacted_context_tags()
+        ) as active:
             run = StageRun(mlflow, active.info.run_id)
             run.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})
             run.log_params(params)

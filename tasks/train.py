@@ -131,8 +131,10 @@ def to_float(images: torch.Tensor, device: torch.device) -> torch.Tensor:
 def predict(model: nn.Module, images: np.ndarray, device: torch.device, batch_size: int) -> torch.Tensor:
     """Logits for uint8 (N, C, H, W) `images`, in order, on the CPU."""
     model.eval()
-    outputs = [model(to_float(torch.from_numpy(images[i : i + batch_size]), device)).cpu()
-               for i in range(0, len(images), batch_size)]
+    outputs = [
+        model(to_float(torch.from_numpy(images[i : i + batch_size]), device)).cpu()
+        for i in range(0, len(images), batch_size)
+    ]
     return torch.cat(outputs) if outputs else torch.empty(0)
 
 
@@ -180,8 +182,10 @@ def read_safetensors(path: Path, tensors: bool = True) -> tuple[dict[str, Any], 
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file (truncated, corrupt, or another format such "
-                              f"as a pickle, which is never loaded): {exc}") from None  # fmt: skip
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file (truncated, corrupt, or another format such "
+            f"as a pickle, which is never loaded): {exc}"
+        ) from None
     try:
         return json.loads(header["lockstep"]), loaded
     except (KeyError, ValueError):
@@ -198,14 +202,17 @@ def load_checkpoint(path: Path, data: Preprocessed | None = None) -> tuple[Class
     if data is not None:
         for key, here in (("classes", data.classes), ("mean", data.mean), ("std", data.std)):
             if metadata.get(key) != here:
-                raise CheckpointError(f"{path}: trained on other data ({key} {metadata.get(key)!r}, the preprocessed "
-                                      f"data has {here!r}); run the train stage again")  # fmt: skip
+                raise CheckpointError(
+                    f"{path}: trained on other data ({key} {metadata.get(key)!r}, the preprocessed "
+                    f"data has {here!r}); run the train stage again"
+                )
     try:
         model = build_model(metadata["model"], metadata["num_classes"], metadata["mean"], metadata["std"])
         model.load_state_dict(state)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{path}: weights do not fit model {metadata.get('model')!r}: "
-                              f"{str(exc).splitlines()[0]}") from None  # fmt: skip
+        raise CheckpointError(
+            f"{path}: weights do not fit model {metadata.get('model')!r}: {str(exc).splitlines()[0]}"
+        ) from None
     return model, metadata
 
 
@@ -270,8 +277,13 @@ def join_process_group(device_spec: str) -> tuple[Distributed, torch.device]:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, store=_attempt_store(rank, world), rank=rank, world_size=world,
-                                device_id=device if device.type == "cuda" else None)  # fmt: skip
+        dist.init_process_group(
+            backend,
+            store=_attempt_store(rank, world),
+            rank=rank,
+            world_size=world,
+            device_id=device if device.type == "cuda" else None,
+        )
     return Distributed(rank, world, local_rank, backend), device
 
 
@@ -308,8 +320,9 @@ def _autocast(amp: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
-def _run_epoch(model, batches, criterion, optimizer, scaler, autocast, device, ranks: Distributed,
-               epoch: int) -> tuple[float, float]:  # fmt: skip
+def _run_epoch(
+    model, batches, criterion, optimizer, scaler, autocast, device, ranks: Distributed, epoch: int
+) -> tuple[float, float]:
     model.train()
     # Sums stay on the device and are read once per epoch: a per-step `.item()` would make the
     # host wait for every step's kernels on a GPU instead of queueing the next batch's.
@@ -355,23 +368,31 @@ def _stop_if_diverged(bad_step: torch.Tensor, bad_loss: torch.Tensor, epoch: int
     if first == never:
         return
     shown = f" ({bad_loss.item()})" if step == first else ""  # the rank that saw it knows the value
-    raise TrainingDiverged(f"training diverged: the loss is not finite{shown} at epoch {epoch}, step {int(first)}; "
-                           f"nothing of epoch {epoch} was written, earlier checkpoints are kept. Lower train.lr, "
-                           "or check the data and its mean/std")  # fmt: skip
+    raise TrainingDiverged(
+        f"training diverged: the loss is not finite{shown} at epoch {epoch}, step {int(first)}; "
+        f"nothing of epoch {epoch} was written, earlier checkpoints are kept. Lower train.lr, "
+        "or check the data and its mean/std"
+    )
 
 
-def _train_loader(split: Preprocessed, cfg: TrainConfig, seed: int, ranks: Distributed,
-                  device: torch.device) -> tuple[DistributedSampler, DataLoader]:  # fmt: skip
+def _train_loader(
+    split: Preprocessed, cfg: TrainConfig, seed: int, ranks: Distributed, device: torch.device
+) -> tuple[DistributedSampler, DataLoader]:
     dataset = ShiftedBatches(split, cfg.random_shift, seed)
     # The shuffle order is a function of (seed, epoch) alone, set through `set_epoch`, not of how
     # much the loader's generator has been drawn from; the same sampler shards it across ranks.
     sampler = DistributedSampler(dataset, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=True, seed=seed)
     loader = DataLoader(
-        dataset, batch_size=cfg.batch_size // ranks.world_size, sampler=sampler,
-        num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, collate_fn=_whole_batches,
-        pin_memory=device.type == "cuda", multiprocessing_context=_worker_context(cfg.num_workers),
+        dataset,
+        batch_size=cfg.batch_size // ranks.world_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0,
+        collate_fn=_whole_batches,
+        pin_memory=device.type == "cuda",
+        multiprocessing_context=_worker_context(cfg.num_workers),
         **loader_kwargs(seed),
-    )  # fmt: skip
+    )
     return sampler, loader
 
 
@@ -383,8 +404,9 @@ def _limited(loader: DataLoader, max_batches: int | None):
 
 
 @torch.no_grad()
-def _validate(model: nn.Module, split: Preprocessed, label_smoothing: float, device: torch.device,
-              ranks: Distributed) -> tuple[float, float]:  # fmt: skip
+def _validate(
+    model: nn.Module, split: Preprocessed, label_smoothing: float, device: torch.device, ranks: Distributed
+) -> tuple[float, float]:
     """Loss and accuracy over the whole split, each sample counted once: rank r takes r::world."""
     if len(split.labels) == 0:
         return float("nan"), float("nan")
@@ -403,8 +425,9 @@ def _validate(model: nn.Module, split: Preprocessed, label_smoothing: float, dev
 # How a job is launched, not what it computes: two nodes x 1 process give the weights of one node x 2,
 # and neither checkpoint cadence, restarts nor loader workers change a bit. Left out of the
 # checkpoints' recorded config (and of the resume signature), so equal results are equal files.
-LAUNCH_KEYS = frozenset({"strategy", "nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts", "checkpoint_every",
-                         "num_workers"})  # fmt: skip
+LAUNCH_KEYS = frozenset(
+    {"strategy", "nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts", "checkpoint_every", "num_workers"}
+)
 
 
 def result_config(cfg: TrainConfig) -> dict[str, Any]:
@@ -428,8 +451,17 @@ def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone().contiguous() for k, v in module.state_dict().items()}
 
 
-def _save_resume(path: Path, ranks: Distributed, *, model: nn.Module, optimizer, scheduler, scaler,
-                 best: dict[str, torch.Tensor] | None, state: dict[str, Any]) -> None:  # fmt: skip
+def _save_resume(
+    path: Path,
+    ranks: Distributed,
+    *,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    scaler,
+    best: dict[str, torch.Tensor] | None,
+    state: dict[str, Any],
+) -> None:
     """Every rank contributes its RNG state; rank 0 writes the file atomically."""
     rng_states = ranks.gather(rng_state())
     if ranks.rank != 0:
@@ -444,8 +476,15 @@ def _save_resume(path: Path, ranks: Distributed, *, model: nn.Module, optimizer,
                 tensors[f"optim.{index}.{name}"] = value.detach().cpu().contiguous()
             else:
                 scalars.setdefault(str(index), {})[name] = value
-    meta = {**state, "world_size": ranks.world_size, "rng": rng_states, "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "optim_groups": optim["param_groups"], "optim_scalars": scalars}
+    meta = {
+        **state,
+        "world_size": ranks.world_size,
+        "rng": rng_states,
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "optim_groups": optim["param_groups"],
+        "optim_scalars": scalars,
+    }
     write_bytes(path, checkpoint_bytes(tensors, meta))
 
 
@@ -463,9 +502,11 @@ def _load_resume(path: Path, signature: str, ranks: Distributed) -> Resumed | No
         log.warning("%s: from another config, seed or data; starting from scratch", path)
         return None
     if meta["world_size"] != ranks.world_size:
-        raise CheckpointError(f"{path}: written by {meta['world_size']} process(es), this run has {ranks.world_size}; "
-                         "a different world size would not reproduce the run. Delete the file to start over, or "
-                         "resume with the same train.nproc_per_node x train.nnodes")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: written by {meta['world_size']} process(es), this run has {ranks.world_size}; "
+            "a different world size would not reproduce the run. Delete the file to start over, or "
+            "resume with the same train.nproc_per_node x train.nnodes"
+        )
     return meta, read_safetensors(path)[1]
 
 
@@ -480,8 +521,14 @@ def _restore_optimizer(optimizer, meta: dict[str, Any], tensors: dict[str, torch
     optimizer.load_state_dict({"state": state, "param_groups": meta["optim_groups"]})
 
 
-def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageRun | None = None,
-          resume_dir: Path | None = None) -> TrainResult:  # fmt: skip
+def train(
+    cfg: TrainConfig,
+    seed: int,
+    pre_dir: Path,
+    out_dir: Path,
+    run: StageRun | None = None,
+    resume_dir: Path | None = None,
+) -> TrainResult:
     """Train on `pre_dir`'s train split, select on val, write checkpoints to `out_dir`.
 
     Alone or as one rank of a torchrun job. With `resume_dir`, continue from the checkpoint there
@@ -493,8 +540,9 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
     if cfg.sync_batchnorm and device.type != "cuda":
         raise ValueError("train.sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; set it false on CPU")
     if cfg.batch_size % ranks.world_size:
-        raise ValueError(f"train.batch_size {cfg.batch_size} is global and must divide by the "
-                         f"{ranks.world_size} processes")  # fmt: skip
+        raise ValueError(
+            f"train.batch_size {cfg.batch_size} is global and must divide by the {ranks.world_size} processes"
+        )
     train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
     model = build_model(cfg.model, len(train_split.classes), train_split.mean, train_split.std).to(device)
     optimizer, criterion = _make_optimizer(cfg, model), nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -527,9 +575,16 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
             net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
         net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     sampler, loader = _train_loader(train_split, cfg, seed, ranks, device)
-    metadata = {"model": cfg.model, "num_classes": len(train_split.classes), "classes": train_split.classes,
-                "mean": train_split.mean, "std": train_split.std, "config": result_config(cfg), "seed": seed,
-                "world_size": ranks.world_size}
+    metadata = {
+        "model": cfg.model,
+        "num_classes": len(train_split.classes),
+        "classes": train_split.classes,
+        "mean": train_split.mean,
+        "std": train_split.std,
+        "config": result_config(cfg),
+        "seed": seed,
+        "world_size": ranks.world_size,
+    }
     main = ranks.rank == 0
     out_dir.mkdir(parents=True, exist_ok=True)
     bar = tqdm(range(start, cfg.epochs + 1), desc="train", unit="epoch", dynamic_ncols=True, disable=not main)
@@ -539,32 +594,60 @@ def train(cfg: TrainConfig, seed: int, pre_dir: Path, out_dir: Path, run: StageR
         train_loss, train_acc = _run_epoch(net, batches, criterion, optimizer, scaler, autocast, device, ranks, epoch)
         scheduler.step()
         val_loss, val_acc = _validate(model, val_split, cfg.label_smoothing, device, ranks)
-        row = {"epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc, "val_loss": val_loss,
-               "val_accuracy": val_acc, "lr": scheduler.get_last_lr()[0]}
+        row = {
+            "epoch": epoch,
+            "train_loss": train_loss,
+            "train_accuracy": train_acc,
+            "val_loss": val_loss,
+            "val_accuracy": val_acc,
+            "lr": scheduler.get_last_lr()[0],
+        }
         history.append(row)
         run.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
         bar.set_postfix(loss=f"{train_loss:.3f}", val_acc=f"{val_acc:.4f}")
         if val_acc > best_acc:
             best_acc, best_epoch, best_state = val_acc, epoch, _cpu_state(model)
         if resume_path is not None and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs):
-            state = {"signature": signature, "epoch": epoch, "history": history, "best_acc": best_acc,
-                     "best_epoch": best_epoch}  # fmt: skip
-            _save_resume(resume_path, ranks, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                         best=best_state, state=state)  # fmt: skip
+            state = {
+                "signature": signature,
+                "epoch": epoch,
+                "history": history,
+                "best_acc": best_acc,
+                "best_epoch": best_epoch,
+            }
+            _save_resume(
+                resume_path,
+                ranks,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=scaler,
+                best=best_state,
+                state=state,
+            )
 
     if best_state is None:  # validation never scored (an empty split): the last weights are the best known
         best_state, best_epoch = _cpu_state(model), cfg.epochs
     final = {k: v for k, v in history[-1].items() if k != "epoch"}
-    result = TrainResult(best_epoch=best_epoch, best_val_accuracy=best_acc, final=final, device=str(device),
-                         world_size=ranks.world_size, backend=ranks.backend, amp=cfg.amp,
-                         resumed_from_epoch=start - 1 if resumed else None)  # fmt: skip
+    result = TrainResult(
+        best_epoch=best_epoch,
+        best_val_accuracy=best_acc,
+        final=final,
+        device=str(device),
+        world_size=ranks.world_size,
+        backend=ranks.backend,
+        amp=cfg.amp,
+        resumed_from_epoch=start - 1 if resumed else None,
+    )
     if main:  # all four outputs replaced together: a kill or a full disk leaves the previous four
         best_meta = {**metadata, "epoch": best_epoch, "val_accuracy": best_acc}
         last = {**metadata, "epoch": cfg.epochs, "val_accuracy": history[-1]["val_accuracy"]}
-        contents = {"best.safetensors": checkpoint_bytes(best_state, best_meta),
-                    "last.safetensors": checkpoint_bytes(_cpu_state(model), last),
-                    "history.json": (json.dumps(history, indent=2) + "\n").encode(),
-                    "train.json": (json.dumps(asdict(result), indent=2) + "\n").encode()}  # fmt: skip
+        contents = {
+            "best.safetensors": checkpoint_bytes(best_state, best_meta),
+            "last.safetensors": checkpoint_bytes(_cpu_state(model), last),
+            "history.json": (json.dumps(history, indent=2) + "\n").encode(),
+            "train.json": (json.dumps(asdict(result), indent=2) + "\n").encode(),
+        }
         with atomic_files([out_dir / name for name in contents]) as temporaries:
             for tmp, data in zip(temporaries, contents.values(), strict=True):
                 tmp.write_bytes(data)
@@ -596,10 +679,18 @@ def fine_tune(model: nn.Module, cfg: TrainConfig, seed: int, pre_dir: Path, epoc
     for epoch in range(1, epochs + 1):
         sampler.set_epoch(epoch)
         batches = _limited(loader, cfg.max_batches)
-        train_loss, train_acc = _run_epoch(model, batches, criterion, optimizer, scaler, nullcontext(), device, ranks,
-                                           epoch)  # fmt: skip
+        train_loss, train_acc = _run_epoch(
+            model, batches, criterion, optimizer, scaler, nullcontext(), device, ranks, epoch
+        )
         scheduler.step()
         val_loss, val_acc = _validate(model, val_split, cfg.label_smoothing, device, ranks)
-        history.append({"epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc,
-                        "val_loss": val_loss, "val_accuracy": val_acc})  # fmt: skip
+        history.append(
+            {
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "train_accuracy": train_acc,
+                "val_loss": val_loss,
+                "val_accuracy": val_acc,
+            }
+        )
     return history

@@ -26,8 +26,14 @@ TINY: dict[str, Any] = {
     "train": {"epochs": 2, "num_workers": 0},
     "determinism": {"num_threads": 1},
     # one quantized and one pruned variant; the others are built in tests/test_compress_export.py
-    "compress": {"variants": ["static_int8", "pruned_l1"], "calibration_size": 128, "finetune_epochs": 1,
-                 "qat_epochs": 1, "latency_runs": 20, "latency_warmup": 1},
+    "compress": {
+        "variants": ["static_int8", "pruned_l1"],
+        "calibration_size": 128,
+        "finetune_epochs": 1,
+        "qat_epochs": 1,
+        "latency_runs": 20,
+        "latency_warmup": 1,
+    },
     # A 2-epoch model sits near decision boundaries, so int8 flips a few more of its 269 test
     # predictions than a trained one does (failing gates: tests/test_compress_export.py).
     "export": {"min_top1_agreement": 0.95, "max_accuracy_drop": 0.03},
@@ -64,8 +70,9 @@ def run(cmd: list[str], cwd: Path, check: bool = True, **env: str) -> subprocess
 
 
 def _git_files() -> list[str]:
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
 
 
@@ -91,13 +98,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def service(cmd: list[str], cwd: Path, health_url: str, log: Path, timeout_s: float = 180,
-            **env: str) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
+def service(
+    cmd: list[str], cwd: Path, health_url: str, log: Path, timeout_s: float = 180, **env: str
+) -> Iterator[subprocess.Popen[bytes]]:
     """A server process for the block: started in its own process group, ready when `health_url`
     answers 200, stopped by PID (SIGTERM to the group, SIGKILL after 30 s). Its output goes to `log`."""
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(**env), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=subprocess_env(**env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             try:
                 wait_until_healthy(health_url, proc, timeout_s)

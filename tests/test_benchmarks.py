@@ -34,8 +34,22 @@ def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "bench.json").read_text())
     assert record["smoke"] is True and record["machine"]["cores"] >= 1
     figures = {f["id"]: f for f in record["figures"]}
-    assert {"B1", "B1-data", "B2-x1", "B2-x2", "B3-dvc", "B3-flow", "B4", "B4-dvc", "B5", "B6-size", "B6-speed",
-            "B6-acc", "B6-pruned", "B8"} <= set(figures)
+    assert {
+        "B1",
+        "B1-data",
+        "B2-x1",
+        "B2-x2",
+        "B3-dvc",
+        "B3-flow",
+        "B4",
+        "B4-dvc",
+        "B5",
+        "B6-size",
+        "B6-speed",
+        "B6-acc",
+        "B6-pruned",
+        "B8",
+    } <= set(figures)
     assert any(name.startswith("B7") for name in figures)
     for figure in figures.values():
         assert figure["lockstep"] > 0 and figure["baseline"] > 0 and math.isfinite(figure["ratio"]), figure

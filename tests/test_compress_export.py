@@ -21,8 +21,11 @@ pytestmark = pytest.mark.slow
 def _stage_runs(repo: Path, stage: str) -> list[Any]:
     client = client_for(repo)
     experiment = client.get_experiment_by_name("lockstep")
-    return client.search_runs([experiment.experiment_id], filter_string=f"tags.`lockstep.stage` = '{stage}'",
-                              order_by=["attributes.start_time ASC"])  # fmt: skip
+    return client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`lockstep.stage` = '{stage}'",
+        order_by=["attributes.start_time ASC"],
+    )
 
 
 def _ops(path: Path) -> list[str]:
@@ -109,14 +112,25 @@ print(json.dumps(float((logits.argmax(1) == np.load(labels)).mean())))
 """
 
 
-@pytest.mark.parametrize(("file", "metric"), [("model.onnx", "test_accuracy"),
-                                              ("model_fp32.onnx", "fp32_test_accuracy")])  # fmt: skip
-def test_exported_onnx_in_a_fresh_process_scores_the_logged_accuracy(dvc_repo: dict[str, Any], file: str,
-                                                                     metric: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("file", "metric"), [("model.onnx", "test_accuracy"), ("model_fp32.onnx", "fp32_test_accuracy")]
+)
+def test_exported_onnx_in_a_fresh_process_scores_the_logged_accuracy(
+    dvc_repo: dict[str, Any], file: str, metric: str
+) -> None:
     repo = dvc_repo["repo"]
     pre = repo / "artifacts/preprocessed"
-    done = run([sys.executable, "-c", _SCORE, str(repo / "artifacts/export" / file), str(pre / "test_images.npy"),
-                str(pre / "test_labels.npy")], repo)  # fmt: skip
+    done = run(
+        [
+            sys.executable,
+            "-c",
+            _SCORE,
+            str(repo / "artifacts/export" / file),
+            str(pre / "test_images.npy"),
+            str(pre / "test_labels.npy"),
+        ],
+        repo,
+    )
     (export_run,) = _stage_runs(repo, "export")
     assert json.loads(done.stdout) == export_run.data.metrics[metric]
 
@@ -129,8 +143,9 @@ def test_a_failed_gate_fails_the_stage_and_registers_nothing(dvc_repo: dict[str,
     params["export"].update(max_abs_diff=1e-12, min_top1_agreement=1.0)
     strict = tmp_path / "strict.yaml"
     strict.write_text(yaml.safe_dump(params))
-    done = run([sys.executable, "-m", "tasks", "export", "--params", str(strict)], repo, check=False,
-               PYTHONPATH=str(repo))  # fmt: skip
+    done = run(
+        [sys.executable, "-m", "tasks", "export", "--params", str(strict)], repo, check=False, PYTHONPATH=str(repo)
+    )
     assert done.returncode == 1, done.stderr
     message = done.stderr.strip().splitlines()[-1]
     assert message.startswith("error: export: ") and "fp32 ONNX vs eager max |logit diff|" in message
@@ -149,12 +164,20 @@ def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path:
 
     repo = dvc_repo["repo"]
     params = load_params(repo / "params.yaml")
-    cfg = params.compress.model_copy(update={"variants": ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1",
-                                                          "pruned_ln")})  # fmt: skip
+    cfg = params.compress.model_copy(
+        update={"variants": ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln")}
+    )
     pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
     out = tmp_path / "compress"
-    result = compress(cfg, params.train, params.seed, params.determinism.num_threads,
-                      repo / "artifacts/train/best.safetensors", repo / "artifacts/preprocessed", out)  # fmt: skip
+    result = compress(
+        cfg,
+        params.train,
+        params.seed,
+        params.determinism.num_threads,
+        repo / "artifacts/train/best.safetensors",
+        repo / "artifacts/preprocessed",
+        out,
+    )
     rows = {row.variant: row for row in result.rows}
     assert list(rows) == ["fp32", *cfg.variants]
     # the same bytes as the stage process built (fine-tuned pruning included)
@@ -179,8 +202,9 @@ def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path:
     assert rows["pruned_ln"].size_ratio < 0.7 and rows["pruned_ln"].sparsity > cfg.prune_channels
 
 
-def test_registry_moves_champion_only_to_an_at_least_as_accurate_challenger(dvc_repo: dict[str, Any],
-                                                                             tmp_path: Path) -> None:  # fmt: skip
+def test_registry_moves_champion_only_to_an_at_least_as_accurate_challenger(
+    dvc_repo: dict[str, Any], tmp_path: Path
+) -> None:
     import mlflow
 
     from tasks.registry import decide_promotion
@@ -196,7 +220,12 @@ def test_registry_moves_champion_only_to_an_at_least_as_accurate_challenger(dvc_
         aliases = client.get_registered_model("m").aliases
         assert str(aliases["challenger"]) == str(info.registered_model_version)
     assert [(d.promoted, d.champion_version, d.champion_accuracy) for d in decisions] == [
-        (True, None, None), (False, "1", 0.90), (True, "1", 0.90)]  # fmt: skip
-    assert {k: str(v) for k, v in client.get_registered_model("m").aliases.items()} == {"champion": "3",
-                                                                                      "challenger": "3"}
+        (True, None, None),
+        (False, "1", 0.90),
+        (True, "1", 0.90),
+    ]
+    assert {k: str(v) for k, v in client.get_registered_model("m").aliases.items()} == {
+        "champion": "3",
+        "challenger": "3",
+    }
     assert client.get_model_version("m", "2").tags["promotion"] == "kept"

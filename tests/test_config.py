@@ -46,8 +46,11 @@ def test_repository_params_are_valid_and_complete() -> None:
         ({"compress": {"variants": ["fp16"]}}, "compress.variants.0", "'dynamic_int8', 'static_int8'"),
         ({"compress": {"latency_runs": 5}}, "compress.latency_runs", "greater than or equal to 20"),
         ({"compress": {"prune_amount": 1.0}}, "compress.prune_amount", "less than 1"),
-        ({"export": {"variant": "qat_int8"}, "compress": {"variants": ["static_int8"]}}, "export.variant",
-         "'qat_int8' is not built: add it to compress.variants (now ['static_int8'])"),
+        (
+            {"export": {"variant": "qat_int8"}, "compress": {"variants": ["static_int8"]}},
+            "export.variant",
+            "'qat_int8' is not built: add it to compress.variants (now ['static_int8'])",
+        ),
         ({"export": {"min_top1_agreement": 1.5}}, "export.min_top1_agreement", "less than or equal to 1"),
         ({"orchestration": {"cron": "every night"}}, "orchestration.cron", "should match pattern"),
         ({"orchestration": {"timezone": "Mars/Olympus"}}, "orchestration.timezone", "not an IANA time zone"),

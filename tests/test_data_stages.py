@@ -31,8 +31,13 @@ def raw_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_download_writes_the_documented_format(raw_dir: Path) -> None:
     meta = json.loads((raw_dir / "meta.json").read_text())
-    assert meta == {"format": FORMAT, "source": "digits", "classes": [str(i) for i in range(10)],
-                    "num_images": 1797, "image_shape": [8, 8, 1]}  # fmt: skip
+    assert meta == {
+        "format": FORMAT,
+        "source": "digits",
+        "classes": [str(i) for i in range(10)],
+        "num_images": 1797,
+        "image_shape": [8, 8, 1],
+    }
     raw = read_raw(raw_dir)
     assert raw.images.dtype == np.uint8 and raw.images.shape == (1797, 8, 8, 1)
     assert raw.images.max() == 255 and raw.images.min() == 0

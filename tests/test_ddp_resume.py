@@ -51,15 +51,27 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _project(data: Path, where: Path, **train: object) -> Path:
     (where / "artifacts").mkdir(parents=True)
     (where / "artifacts" / "preprocessed").symlink_to(data)
-    write_params(where / "params.yaml", {"tracking": {"enabled": False}, "determinism": {"num_threads": 1},
-                                         "train": {"epochs": EPOCHS, "num_workers": 0, **train}})  # fmt: skip
+    write_params(
+        where / "params.yaml",
+        {
+            "tracking": {"enabled": False},
+            "determinism": {"num_threads": 1},
+            "train": {"epochs": EPOCHS, "num_workers": 0, **train},
+        },
+    )
     return where
 
 
 def _start(project: Path, cmd: list[str] | None = None, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(cmd or [sys.executable, "-m", "tasks", "train"], cwd=project,
-                            env=subprocess_env(PYTHONPATH=str(ROOT), **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd or [sys.executable, "-m", "tasks", "train"],
+        cwd=project,
+        env=subprocess_env(PYTHONPATH=str(ROOT), **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float = 600) -> str:
@@ -147,8 +159,9 @@ def test_ddp_stage_logs_one_mlflow_run_with_bf16(data: Path, tmp_path: Path) -> 
     assert steps == [1, 2]
 
 
-def test_sigkill_then_restart_gives_identical_weights_single_process(data: Path, tmp_path: Path,
-                                                                      reference: dict[str, Any]) -> None:  # fmt: skip
+def test_sigkill_then_restart_gives_identical_weights_single_process(
+    data: Path, tmp_path: Path, reference: dict[str, Any]
+) -> None:
     project = _project(data, tmp_path / "p")
     killed_after = _kill_after(project, 2, _everything)
     assert 2 <= killed_after < EPOCHS
@@ -159,8 +172,9 @@ def test_sigkill_then_restart_gives_identical_weights_single_process(data: Path,
     assert not (project / "artifacts/train-resume/resume.safetensors").exists()  # finished: removed
 
 
-def test_sigkill_then_restart_gives_identical_weights_ddp(data: Path, tmp_path: Path,
-                                                          reference: dict[str, Any]) -> None:  # fmt: skip
+def test_sigkill_then_restart_gives_identical_weights_ddp(
+    data: Path, tmp_path: Path, reference: dict[str, Any]
+) -> None:
     project = _project(data, tmp_path / "p", strategy="ddp", nproc_per_node=2, checkpoint_every=2)
     killed_after = _kill_after(project, 2, _everything)
     assert killed_after in (2, 4)
@@ -177,8 +191,7 @@ def test_sigkill_then_restart_gives_identical_weights_ddp(data: Path, tmp_path: 
     assert _weights(project) == reference["ddp"]
 
 
-def test_torchrun_max_restarts_recovers_a_killed_rank(data: Path, tmp_path: Path,
-                                                      reference: dict[str, Any]) -> None:  # fmt: skip
+def test_torchrun_max_restarts_recovers_a_killed_rank(data: Path, tmp_path: Path, reference: dict[str, Any]) -> None:
     project = _project(data, tmp_path / "p", strategy="ddp", nproc_per_node=2, max_restarts=1)
     proc = _start(project)
     _wait_for_checkpoint(proc, project, 2)
@@ -191,17 +204,33 @@ def test_torchrun_max_restarts_recovers_a_killed_rank(data: Path, tmp_path: Path
     assert json.loads((project / "artifacts/train/train.json").read_text())["resumed_from_epoch"] >= 2
 
 
-def test_two_launchers_nnodes_2_match_one_launcher_with_two_processes(data: Path, tmp_path: Path,
-                                                                      reference: dict[str, Any]) -> None:  # fmt: skip
+def test_two_launchers_nnodes_2_match_one_launcher_with_two_processes(
+    data: Path, tmp_path: Path, reference: dict[str, Any]
+) -> None:
     """The README's multi-node recipe, with both "machines" on 127.0.0.1 sharing one directory."""
     port = free_port()
-    project = _project(data, tmp_path / "p", strategy="ddp", nproc_per_node=1, nnodes=2,
-                       rdzv_endpoint=f"127.0.0.1:{port}")  # fmt: skip
+    project = _project(
+        data, tmp_path / "p", strategy="ddp", nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}"
+    )
     # main node: the train stage, which launches its own torchrun; other node: torchrun by hand
     main = _start(project)
-    other = _start(project, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={RDZV_ID}",
-                             "-m", "tasks.ddp", "--params", "params.yaml"])  # fmt: skip
+    other = _start(
+        project,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={RDZV_ID}",
+            "-m",
+            "tasks.ddp",
+            "--params",
+            "params.yaml",
+        ],
+    )
     _finish(main)
     _finish(other)
     summary = json.loads((project / "artifacts/train/train.json").read_text())

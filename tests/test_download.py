@@ -69,8 +69,9 @@ def _folder_cfg(url: str, sha256: str, **extra: object) -> DataConfig:
 
 
 @pytest.mark.parametrize("source", ["mnist", "fashion_mnist"])
-def test_mnist_sources_ingest_train_then_test(source: str, tmp_path: Path, server: FileServer,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_mnist_sources_ingest_train_then_test(
+    source: str, tmp_path: Path, server: FileServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cls = torchvision.datasets.MNIST if source == "mnist" else torchvision.datasets.FashionMNIST
     files = mnist_files(tmp_path / "files", n_train=60, n_test=20)
     for name, _ in files.resources:
@@ -91,8 +92,9 @@ def test_mnist_sources_ingest_train_then_test(source: str, tmp_path: Path, serve
 
 
 @pytest.mark.parametrize("variant", ["cifar10", "cifar100"])
-def test_cifar_sources_ingest_rgb_with_exact_stats(variant: str, tmp_path: Path, server: FileServer,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_cifar_sources_ingest_rgb_with_exact_stats(
+    variant: str, tmp_path: Path, server: FileServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     archive = cifar_archive(tmp_path / "files", variant)
     cls = torchvision.datasets.CIFAR10 if variant == "cifar10" else torchvision.datasets.CIFAR100
     server.add_file(f"/mirror/{archive.path.name}", archive.path)
@@ -189,11 +191,18 @@ def test_a_second_process_waits_for_the_downloader_then_reuses_its_file(tmp_path
     payload = b"z" * 4096
     url = server.add("/f.bin", payload)
     sha = hashlib.sha256(payload).hexdigest()
-    code = ("import sys; from pathlib import Path; from tasks.fetch import Checksum, fetch; "
-            f"fetch([{url!r}], Path(sys.argv[1]), Checksum('sha256', {sha!r}))")  # fmt: skip
+    code = (
+        "import sys; from pathlib import Path; from tasks.fetch import Checksum, fetch; "
+        f"fetch([{url!r}], Path(sys.argv[1]), Checksum('sha256', {sha!r}))"
+    )
     with _exclusive(tmp_path / "f.bin"):  # this test process is "the downloader"
-        waiter = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "f.bin")], cwd=ROOT,
-                                  env=subprocess_env(), stderr=subprocess.PIPE, text=True)  # fmt: skip
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / "f.bin")],
+            cwd=ROOT,
+            env=subprocess_env(),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(3)
         assert waiter.poll() is None  # still waiting for the lock
         (tmp_path / "f.bin").write_bytes(payload)
@@ -212,8 +221,9 @@ def test_404_is_not_retried_and_names_the_url(tmp_path: Path, server: FileServer
 # --- each bad case: a clear error, and data/ exactly as before ----------------------------------
 
 
-def test_corrupt_download_is_refused_with_both_checksums(tmp_path: Path, server: FileServer, data_dir: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_corrupt_download_is_refused_with_both_checksums(
+    tmp_path: Path, server: FileServer, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     archive = cifar_archive(tmp_path / "files", "cifar10")
     corrupt = bytearray(archive.path.read_bytes())
     corrupt[len(corrupt) // 2] ^= 0xFF
@@ -246,8 +256,10 @@ def test_truncated_every_time_fails_after_the_retries(tmp_path: Path, server: Fi
 UNSAFE = {
     "tar-dotdot": (lambda a: tar_with_member(a, "../evil.txt"), "has an absolute path or '..'"),
     "tar-absolute": (lambda a: tar_with_member(a, "/tmp/lockstep-evil.txt"), "has an absolute path or '..'"),
-    "tar-symlink-out": (lambda a: tar_with_symlink(a, "imgs/link", "../../outside", then_file="imgs/link/evil.txt"),
-                        "link pointing outside"),
+    "tar-symlink-out": (
+        lambda a: tar_with_symlink(a, "imgs/link", "../../outside", then_file="imgs/link/evil.txt"),
+        "link pointing outside",
+    ),
     "tar-symlink-abs": (lambda a: tar_with_symlink(a, "imgs/etc", "/etc"), "link pointing outside"),
     "zip-dotdot": (lambda a: zip_with_member(a, "cat/../../evil.txt"), "has an absolute path or '..'"),
     "zip-symlink": (lambda a: zip_with_symlink(a, "cat/link", "/etc/passwd"), "symbolic link"),
@@ -294,10 +306,16 @@ def test_mixed_sizes_without_image_size_say_how_to_fix(tmp_path: Path, data_dir:
 
 
 def test_stage_command_prints_one_line_and_exits_1(tmp_path: Path, server: FileServer) -> None:
-    project = copy_project(tmp_path / "p", {"data": {"source": "imagefolder", "url": f"{server.url}/missing.zip",
-                                                     "sha256": "0" * 64, "retries": 0}})  # fmt: skip
-    done = run([sys.executable, "-m", "tasks", "download"], project, check=False,
-               LOCKSTEP_DOWNLOAD_CACHE=str(tmp_path / "cache"))  # fmt: skip
+    project = copy_project(
+        tmp_path / "p",
+        {"data": {"source": "imagefolder", "url": f"{server.url}/missing.zip", "sha256": "0" * 64, "retries": 0}},
+    )
+    done = run(
+        [sys.executable, "-m", "tasks", "download"],
+        project,
+        check=False,
+        LOCKSTEP_DOWNLOAD_CACHE=str(tmp_path / "cache"),
+    )
     assert done.returncode == 1
     assert "error: download: missing.zip: http://127.0.0.1" in done.stderr and "HTTP 404" in done.stderr
     assert "Traceback" not in done.stderr

@@ -14,8 +14,7 @@ def _stages() -> dict:
 
 
 def test_stages_in_pipeline_order() -> None:
-    assert tuple(_stages()) == STAGES == ("download", "stats", "preprocess", "train", "evaluate", "compress",
-                                                  "export")
+    assert tuple(_stages()) == STAGES == ("download", "stats", "preprocess", "train", "evaluate", "compress", "export")
 
 
 def test_each_stage_lists_exactly_the_params_it_reads() -> None:

@@ -18,10 +18,20 @@ from tests.conftest import client_for, copy_project, run, sha256
 pytestmark = pytest.mark.slow
 
 LINEAGE_TAGS = {
-    "git.commit", "git.dirty", "data.md5", "dvc_lock.sha256", "version.torch", "version.torchvision",
-    "version.cuda", "version.cudnn", "device", "determinism.cudnn.deterministic", "determinism.cudnn.benchmark",
-    "determinism.deterministic_algorithms", "determinism.num_threads",
-}  # fmt: skip
+    "git.commit",
+    "git.dirty",
+    "data.md5",
+    "dvc_lock.sha256",
+    "version.torch",
+    "version.torchvision",
+    "version.cuda",
+    "version.cudnn",
+    "device",
+    "determinism.cudnn.deterministic",
+    "determinism.cudnn.benchmark",
+    "determinism.deterministic_algorithms",
+    "determinism.num_threads",
+}
 ARTIFACTS = {
     "download": {"receipt.json", "data.dvc"},
     "stats": {"stats.json"},
@@ -36,17 +46,23 @@ AFTER_DOWNLOAD = ["stats", "preprocess", "train", "evaluate", "compress", "expor
 # Files whose bytes legitimately differ between two equal runs: measured latencies (and the
 # files that quote them), the model card (it names the git commit) and TorchScript archives (a
 # random serialization id). Everything else in dvc.lock must match.
-MEASURED = {"artifacts/compress/metrics.json", "artifacts/compress/compression.md",
-            "artifacts/compress/compression.csv", "artifacts/export/model_card.md",
-            "artifacts/export/model.torchscript.pt"}  # fmt: skip
+MEASURED = {
+    "artifacts/compress/metrics.json",
+    "artifacts/compress/compression.md",
+    "artifacts/compress/compression.csv",
+    "artifacts/export/model_card.md",
+    "artifacts/export/model.torchscript.pt",
+}
 
 
 def comparable(lock: dict[str, Any]) -> dict[str, Any]:
     """dvc.lock without the hashes of MEASURED files."""
     stages = {}
     for name, stage in lock["stages"].items():
-        stages[name] = {**stage, **{key: [e for e in stage.get(key, []) if e["path"] not in MEASURED]
-                                    for key in ("deps", "outs")}}  # fmt: skip
+        stages[name] = {
+            **stage,
+            **{key: [e for e in stage.get(key, []) if e["path"] not in MEASURED] for key in ("deps", "outs")},
+        }
     return stages
 
 
@@ -85,7 +101,9 @@ def test_dvc_repro_runs_every_stage_and_tracks_them(dvc_repo: dict[str, Any]) ->
 
     executions = pipeline_runs(repo)
     assert [sorted(c.data.tags["lockstep.stage"] for c in children) for _, children in executions] == [
-        ["download"], sorted(AFTER_DOWNLOAD)]  # fmt: skip
+        ["download"],
+        sorted(AFTER_DOWNLOAD),
+    ]
     for parent, children in executions:
         assert parent.data.tags["lockstep.entry_point"] == "dvc"
         assert parent.info.status == "FINISHED"

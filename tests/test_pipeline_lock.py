@@ -55,11 +55,14 @@ def test_overrides_are_written_into_params_yaml_keeping_comments(tmp_path: Path)
     assert [line.split(":")[0].strip() for line in sorted(changed)] == ["lr", "variant", "variants"]  # comments kept
 
 
-@pytest.mark.parametrize(("overrides", "fragment"), [
-    ({"train.lrr": 0.1}, "train.lrr: no such key"),
-    ({"train.lr": -1}, "train.lr: Input should be greater than 0"),
-    ({"nosection.x": 1}, "nosection.x: no such key"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"train.lrr": 0.1}, "train.lrr: no such key"),
+        ({"train.lr": -1}, "train.lr: Input should be greater than 0"),
+        ({"nosection.x": 1}, "nosection.x: no such key"),
+    ],
+)
 def test_bad_overrides_leave_params_yaml_untouched(tmp_path: Path, overrides: dict, fragment: str) -> None:
     from tasks.config import ConfigError
 

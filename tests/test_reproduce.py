@@ -59,12 +59,15 @@ def test_a_pipeline_run_resolves_to_its_one_train_run(store: dict[str, Any]) -> 
     assert find_train_run(store["client"], store["train"]).info.run_id == store["train"]
 
 
-@pytest.mark.parametrize(("kind", "said"), [
-    ("evaluate", "is a 'evaluate' stage run, not a train run"),
-    ("no_train", "is a pipeline run in which the train stage did not run"),
-    ("two_trains", "is a pipeline run with 2 train stage runs"),
-    ("reproduce", "is a reproduce run (of abc), not a train run"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        ("evaluate", "is a 'evaluate' stage run, not a train run"),
+        ("no_train", "is a pipeline run in which the train stage did not run"),
+        ("two_trains", "is a pipeline run with 2 train stage runs"),
+        ("reproduce", "is a reproduce run (of abc), not a train run"),
+    ],
+)
 def test_runs_that_are_not_a_train_run_are_refused(store: dict[str, Any], kind: str, said: str) -> None:
     with pytest.raises(ReproduceError) as refused:
         reproduce(store[kind], tracking_uri=store["uri"])
@@ -102,8 +105,13 @@ def _reproduce(repo: Path, run_id: str, tmp_path: Path, *options: str) -> tuple[
     files in tmp_path/tmp; (the finished process, its JSON report)."""
     report = tmp_path / "report.json"
     (tmp_path / "tmp").mkdir()
-    done = run(["python", "-m", "tasks.reproduce", run_id, "--json", str(report), *options], repo, check=False,
-               MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}", TMPDIR=str(tmp_path / "tmp"))  # fmt: skip
+    done = run(
+        ["python", "-m", "tasks.reproduce", run_id, "--json", str(report), *options],
+        repo,
+        check=False,
+        MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}",
+        TMPDIR=str(tmp_path / "tmp"),
+    )
     return done, json.loads(report.read_text()) if report.exists() else None
 
 
@@ -116,8 +124,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     client = client_for(repo)
     experiment = client.get_experiment_by_name("lockstep").experiment_id
     (train,) = client.search_runs([experiment], filter_string="tags.`lockstep.stage` = 'train'")
-    return {"repo": repo, "train": train, "pipeline": train.data.tags["mlflow.parentRunId"],
-            "data_md5": yaml.safe_load((repo / "data.dvc").read_text())["outs"][0]["md5"]}  # fmt: skip
+    return {
+        "repo": repo,
+        "train": train,
+        "pipeline": train.data.tags["mlflow.parentRunId"],
+        "data_md5": yaml.safe_load((repo / "data.dvc").read_text())["outs"][0]["md5"],
+    }
 
 
 @pytest.mark.slow
@@ -133,18 +145,23 @@ def test_train_run_is_rebuilt_byte_identical_and_logged(trained: dict[str, Any],
     assert done.stdout.splitlines()[0] == f"reproduce {train_id}: best.safetensors byte-identical (sha256 {best})"
     assert report is not None and report["verdict"] == "identical"
     assert [(w["name"], w["rebuilt"]) for w in report["weights"]] == [
-        ("best.safetensors", best), ("last.safetensors", sha256(repo / "artifacts/train/last.safetensors"))]
+        ("best.safetensors", best),
+        ("last.safetensors", sha256(repo / "artifacts/train/last.safetensors")),
+    ]
     assert report["code"] == f"git commit {train.data.tags['git.commit']}" and report["warnings"] == []
     assert report["data_from"] == "DVC cache" and report["data_md5"] == trained["data_md5"]
     # the upstream outputs match the run's dvc.lock, and the machine was compared tag by tag
     assert [(u["name"], u["identical"]) for u in report["upstream"]] == [
-        ("artifacts/stats/stats.json", True), ("artifacts/preprocessed", True)]
+        ("artifacts/stats/stats.json", True),
+        ("artifacts/preprocessed", True),
+    ]
     assert {"version.torch", "version.python", "device", "determinism.num_threads"} <= set(report["machine_now"])
     assert set(report["machine_now"]) <= set(train.data.tags) and report["machine_differences"] == {}
     assert list((tmp_path / "tmp").glob("lockstep-reproduce-*")) == []  # the temporary workspace is gone
 
-    (outcome,) = client_for(repo).search_runs([train.info.experiment_id],
-                                              filter_string=f"tags.`reproduce.of` = '{train_id}'")  # fmt: skip
+    (outcome,) = client_for(repo).search_runs(
+        [train.info.experiment_id], filter_string=f"tags.`reproduce.of` = '{train_id}'"
+    )
     assert outcome.info.run_id == report["reproduce_run_id"] and outcome.info.status == "FINISHED"
     assert outcome.info.run_name == f"reproduce {train_id[:8]}" and "mlflow.parentRunId" not in outcome.data.tags
     tags = outcome.data.tags
@@ -167,15 +184,17 @@ def test_missing_data_version_is_refused_and_nothing_is_written(trained: dict[st
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: run {train_id}: data version {trained['data_md5']} is not in the DVC cache ({cache}) and could not "
-        "be fetched from remote (none configured): cannot reproduce")  # fmt: skip
+        "be fetched from remote (none configured): cannot reproduce"
+    )
     assert "Traceback" not in done.stderr and done.stdout == ""
     assert report is not None and report["verdict"] == "refused"
     assert list((tmp_path / "tmp").glob("lockstep-reproduce-*")) == []
 
 
 @pytest.mark.slow
-def test_a_failing_stage_is_reported_with_its_output_and_workdir_is_kept(trained: dict[str, Any],
-                                                                         tmp_path: Path) -> None:  # fmt: skip
+def test_a_failing_stage_is_reported_with_its_output_and_workdir_is_kept(
+    trained: dict[str, Any], tmp_path: Path
+) -> None:
     repo, train = trained["repo"], trained["train"]
     train_id = train.info.run_id
     logged = Path(urlparse(train.info.artifact_uri).path) / "reproduce" / "params.yaml"
@@ -199,8 +218,9 @@ def test_a_failing_stage_is_reported_with_its_output_and_workdir_is_kept(trained
 
 
 @pytest.mark.slow
-def test_data_is_pulled_from_the_remote_and_a_different_record_is_reported(trained: dict[str, Any],
-                                                                           tmp_path: Path) -> None:  # fmt: skip
+def test_data_is_pulled_from_the_remote_and_a_different_record_is_reported(
+    trained: dict[str, Any], tmp_path: Path
+) -> None:
     repo, train_id = trained["repo"], trained["train"].info.run_id
     run(["dvc", "remote", "add", "-d", "storage", str(tmp_path / "remote")], repo)
     run(["dvc", "push"], repo)

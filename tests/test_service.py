@@ -68,20 +68,41 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     base = tmp_path_factory.mktemp("service")
     images = base / "digits-folder"
     write_digits(images, range(FIRST_IMAGES))
-    repo = copy_project(base / "repo", {"data": {"source": "imagefolder", "path": str(images), "channels": 1},
-                                        "compress": {"variants": ["static_int8"]}})  # fmt: skip
+    repo = copy_project(
+        base / "repo",
+        {
+            "data": {"source": "imagefolder", "path": str(images), "channels": 1},
+            "compress": {"variants": ["static_int8"]},
+        },
+    )
     mlflow_port, prefect_port = free_port(), free_port()
     mlflow = f"http://127.0.0.1:{mlflow_port}"
     api = f"http://127.0.0.1:{prefect_port}/api"
-    mlflow_server = ["mlflow", "server", "--backend-store-uri", f"sqlite:///{base / 'mlflow-server.db'}",
-                     "--artifacts-destination", str(base / "mlflow-artifacts"),
-                     "--host", "127.0.0.1", "--port", str(mlflow_port)]  # fmt: skip
-    with service(mlflow_server, base, f"{mlflow}/health", base / "mlflow-server.log",
-                 MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", MLFLOW_DISABLE_TELEMETRY="true"):  # fmt: skip
+    mlflow_server = [
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{base / 'mlflow-server.db'}",
+        "--artifacts-destination",
+        str(base / "mlflow-artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(mlflow_port),
+    ]
+    with service(
+        mlflow_server,
+        base,
+        f"{mlflow}/health",
+        base / "mlflow-server.log",
+        MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
+        MLFLOW_DISABLE_TELEMETRY="true",
+    ):
         # what `make serve` runs: it starts its own Prefect server, then serves the deployment
         serve = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(prefect_port)]
-        with service(serve, repo, f"{api}/deployments/name/{DEPLOYMENT}", base / "serve.log",
-                     MLFLOW_TRACKING_URI=mlflow) as serve_proc:  # fmt: skip
+        with service(
+            serve, repo, f"{api}/deployments/name/{DEPLOYMENT}", base / "serve.log", MLFLOW_TRACKING_URI=mlflow
+        ) as serve_proc:
             yield Stack(repo, images, api, mlflow, serve_proc)
 
 
@@ -91,8 +112,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def deployment_run(stack: Stack, name: str = DEPLOYMENT, *args: str, check: bool = True) -> tuple[str, Any]:
     """`prefect deployment run NAME --watch`, as a user types it; returns (flow run id, result)."""
     started = time.monotonic()
-    done = run(["prefect", "deployment", "run", name, "--watch", "--watch-timeout", "600", *args], stack.repo,
-               check=check, PREFECT_API_URL=stack.api)  # fmt: skip
+    done = run(
+        ["prefect", "deployment", "run", name, "--watch", "--watch-timeout", "600", *args],
+        stack.repo,
+        check=check,
+        PREFECT_API_URL=stack.api,
+    )
     stack.timings[name + " ".join(args)] = time.monotonic() - started
     found = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout)
     assert found, done.stdout
@@ -108,8 +133,9 @@ def api(stack: Stack, path: str, body: dict[str, Any] | None = None) -> Any:
 
 
 def flow_run_logs(stack: Stack, flow_run_id: str) -> list[dict[str, Any]]:
-    return api(stack, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200,
-                                       "sort": "TIMESTAMP_ASC"})  # fmt: skip
+    return api(
+        stack, "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200, "sort": "TIMESTAMP_ASC"}
+    )
 
 
 def mlflow_client(stack: Stack) -> Any:
@@ -124,8 +150,10 @@ def executions(stack: Stack) -> list[tuple[Any, dict[str, Any]]]:
     experiment = client.get_experiment_by_name("lockstep")
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    return [(p, {r.data.tags["lockstep.stage"]: r for r in runs
-                 if r.data.tags.get("mlflow.parentRunId") == p.info.run_id}) for p in parents]  # fmt: skip
+    return [
+        (p, {r.data.tags["lockstep.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == p.info.run_id})
+        for p in parents
+    ]
 
 
 # --------------------------------------------------------------------------- the tests, in order
@@ -134,7 +162,7 @@ def executions(stack: Stack) -> list[tuple[Any, dict[str, Any]]]:
 def test_deployment_run_completes_and_logs_to_the_mlflow_server(stack: Stack) -> None:
     flow_run_id, done = deployment_run(stack)
     assert "Completed" in done.stdout
-    (parent, children), = executions(stack)  # fmt: skip
+    ((parent, children),) = executions(stack)
     assert set(children) == {"download", "stats", "preprocess", "train", "evaluate", "compress", "export"}
     assert parent.data.tags["lockstep.entry_point"] == "prefect" and parent.info.status == "FINISHED"
     assert all(child.info.status == "FINISHED" for child in children.values())
@@ -193,8 +221,12 @@ def test_a_failed_stage_is_visible_in_prefect_with_its_log(stack: Stack) -> None
 
 def test_a_changed_parameter_reruns_from_the_stage_that_reads_it(stack: Stack) -> None:
     # a value the flow's signature does not accept is refused by Prefect before any run starts
-    refused = run(["prefect", "deployment", "run", DEPLOYMENT, "--param", "force=maybe"], stack.repo, check=False,
-                  PREFECT_API_URL=stack.api)  # fmt: skip
+    refused = run(
+        ["prefect", "deployment", "run", DEPLOYMENT, "--param", "force=maybe"],
+        stack.repo,
+        check=False,
+        PREFECT_API_URL=stack.api,
+    )
     assert refused.returncode != 0 and "force" in refused.stdout + refused.stderr
     before = len(executions(stack))
     overrides = {"overrides": {"train.lr": 0.03, "export.max_abs_diff": 1e-4}}
@@ -211,20 +243,33 @@ def test_a_changed_parameter_reruns_from_the_stage_that_reads_it(stack: Stack) -
 
 
 def test_overlapping_runs_on_a_process_worker_wait_for_each_other(stack: Stack) -> None:
-    deployed = run([sys.executable, "-m", "flows.deployments", "deploy", "--pool", "lockstep-test", "--name", "pooled"],
-                   stack.repo, PREFECT_API_URL=stack.api, MLFLOW_TRACKING_URI=stack.mlflow)  # fmt: skip
+    deployed = run(
+        [sys.executable, "-m", "flows.deployments", "deploy", "--pool", "lockstep-test", "--name", "pooled"],
+        stack.repo,
+        PREFECT_API_URL=stack.api,
+        MLFLOW_TRACKING_URI=stack.mlflow,
+    )
     assert "lockstep-pipeline/pooled" in deployed.stdout
     log = stack.repo.parent / "worker.log"
     env = subprocess_env(PREFECT_API_URL=stack.api, MLFLOW_TRACKING_URI=stack.mlflow)
-    worker = subprocess.Popen(["prefect", "worker", "start", "--pool", "lockstep-test", "--type", "process"],
-                              cwd=stack.repo, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-                              env=env)  # fmt: skip
+    worker = subprocess.Popen(
+        ["prefect", "worker", "start", "--pool", "lockstep-test", "--type", "process"],
+        cwd=stack.repo,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
     try:
         # Two runs at once, while a third party (this test) holds the pipeline lock, so that they
         # overlap for sure: both wait, then run one after the other.
         with pipeline_lock("the test", wait_s=0, root=stack.repo):
-            started = [run(["prefect", "deployment", "run", "lockstep-pipeline/pooled"], stack.repo,
-                           PREFECT_API_URL=stack.api).stdout for _ in range(2)]  # fmt: skip
+            started = [
+                run(
+                    ["prefect", "deployment", "run", "lockstep-pipeline/pooled"], stack.repo, PREFECT_API_URL=stack.api
+                ).stdout
+                for _ in range(2)
+            ]
             ids = [re.search(r"UUID: ([0-9a-f-]{36})", out).group(1) for out in started]
             _wait_until(lambda: all(_waited(stack, i) for i in ids), timeout_s=180)
         final = _wait_for_final_states(stack, ids, timeout_s=300)
@@ -282,10 +327,20 @@ def test_the_mlflow_ui_shows_the_run_in_headless_chromium(stack: Stack, tmp_path
     parent, children = executions(stack)[0]
     evaluate = children["evaluate"]
     url = f"{stack.mlflow}/#/experiments/{evaluate.info.experiment_id}/runs/{evaluate.info.run_id}"
-    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=20000",
-             "--window-size=1400,1800"]  # fmt: skip
+    flags = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--virtual-time-budget=20000",
+        "--window-size=1400,1800",
+    ]
     dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
     assert evaluate.info.run_id in dom and "evaluate" in dom  # the run's page, not the landing page
     assert "test_accuracy" in dom

@@ -44,11 +44,23 @@ def _train_in_subprocess(base: Path, name: str, **train: object) -> subprocess.P
     (run_dir / "artifacts").mkdir(parents=True)
     (run_dir / "artifacts" / "preprocessed").symlink_to(base / "artifacts" / "preprocessed")
     seed = train.pop("seed", 42)
-    write_params(run_dir / "params.yaml", {"seed": seed, "tracking": {"enabled": False},
-                                           "determinism": {"num_threads": 1},
-                                           "train": {"epochs": 3, "num_workers": 2, **train}})  # fmt: skip
-    return subprocess.Popen(["python", "-m", "tasks", "train"], cwd=run_dir, env=subprocess_env(PYTHONPATH=str(ROOT)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    write_params(
+        run_dir / "params.yaml",
+        {
+            "seed": seed,
+            "tracking": {"enabled": False},
+            "determinism": {"num_threads": 1},
+            "train": {"epochs": 3, "num_workers": 2, **train},
+        },
+    )
+    return subprocess.Popen(
+        ["python", "-m", "tasks", "train"],
+        cwd=run_dir,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_training_is_bitwise_reproducible_in_separate_processes(workdir: Path) -> None:
@@ -90,8 +102,18 @@ def test_checkpoint_is_plain_safetensors_with_provenance(workdir: Path, tmp_path
 
 def test_resnet18_adamw_and_step_schedule(workdir: Path, tmp_path: Path) -> None:
     pin_everything(0, 2)
-    cfg = TrainConfig(model="resnet18", optimizer="adamw", lr=1e-3, scheduler="step", step_size=1, gamma=0.5,
-                      epochs=2, batch_size=32, num_workers=0, max_batches=2)  # fmt: skip
+    cfg = TrainConfig(
+        model="resnet18",
+        optimizer="adamw",
+        lr=1e-3,
+        scheduler="step",
+        step_size=1,
+        gamma=0.5,
+        epochs=2,
+        batch_size=32,
+        num_workers=0,
+        max_batches=2,
+    )
     train(cfg, 0, workdir / "artifacts" / "preprocessed", tmp_path)
     history = json.loads((tmp_path / "history.json").read_text())
     assert [round(row["lr"], 8) for row in history] == [5e-4, 2.5e-4]
@@ -136,16 +158,28 @@ def test_evaluate_reports_consistent_metrics(workdir: Path, tmp_path: Path) -> N
 
 def test_bf16_autocast_trains_on_cpu_and_fp16_and_syncbn_need_cuda(workdir: Path, tmp_path: Path) -> None:
     pin_everything(42, 1)
-    result = train(TrainConfig(epochs=1, num_workers=0, max_batches=2, amp="bf16"), 42,
-                   workdir / "artifacts" / "preprocessed", tmp_path / "bf16")  # fmt: skip
+    result = train(
+        TrainConfig(epochs=1, num_workers=0, max_batches=2, amp="bf16"),
+        42,
+        workdir / "artifacts" / "preprocessed",
+        tmp_path / "bf16",
+    )
     assert result.amp == "bf16" and json.loads((tmp_path / "bf16" / "train.json").read_text())["amp"] == "bf16"
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="train.amp: fp16 needs a CUDA device"):
-            train(TrainConfig(epochs=1, num_workers=0, max_batches=1, amp="fp16", device="cpu"), 42,
-                  workdir / "artifacts" / "preprocessed", tmp_path / "fp16")  # fmt: skip
+            train(
+                TrainConfig(epochs=1, num_workers=0, max_batches=1, amp="fp16", device="cpu"),
+                42,
+                workdir / "artifacts" / "preprocessed",
+                tmp_path / "fp16",
+            )
         with pytest.raises(ValueError, match="train.sync_batchnorm: .* CUDA devices only"):
-            train(TrainConfig(epochs=1, num_workers=0, sync_batchnorm=True, device="cpu"), 42,
-                  workdir / "artifacts" / "preprocessed", tmp_path / "syncbn")  # fmt: skip
+            train(
+                TrainConfig(epochs=1, num_workers=0, sync_batchnorm=True, device="cpu"),
+                42,
+                workdir / "artifacts" / "preprocessed",
+                tmp_path / "syncbn",
+            )
 
 
 _PIN_THEN_COMPILE = """

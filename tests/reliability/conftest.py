@@ -34,14 +34,18 @@ class Trained:
 
 def digests(repo: Path, under: str = "artifacts") -> dict[str, str]:
     """sha256 of every file under `repo/under`, temporaries included (so a leftover shows)."""
-    return {str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((repo / under).rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(repo)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((repo / under).rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    repo = copy_project(tmp_path_factory.mktemp("trained") / "repo",
-                        {"tracking": {"enabled": False}, "train": {"epochs": EPOCHS}})  # fmt: skip
+    repo = copy_project(
+        tmp_path_factory.mktemp("trained") / "repo", {"tracking": {"enabled": False}, "train": {"epochs": EPOCHS}}
+    )
     run(["dvc", "repro", "download"], repo)
     run(["dvc", "repro", "train"], repo)
     return Trained(repo, digests(repo))
@@ -53,8 +57,9 @@ def clone(trained: Trained, dest: Path) -> Path:
     return dest
 
 
-def stage(repo: Path, name: str, fault: str | None = None, path: str = "", nth: int = 1,
-          **env: str) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def stage(
+    repo: Path, name: str, fault: str | None = None, path: str = "", nth: int = 1, **env: str
+) -> subprocess.CompletedProcess[str]:
     """`python -m tasks <name>` (what `dvc repro` runs) in `repo`, with a fault injected if asked."""
     if fault:
         env.update(PYTHONPATH=str(FAULTS), LOCKSTEP_FAULT=fault, LOCKSTEP_FAULT_PATH=path, LOCKSTEP_FAULT_NTH=str(nth))
@@ -112,8 +117,12 @@ def two_make_runs(tmp_path_factory: pytest.TempPathFactory) -> TwoRuns:
     repo = with_environment(copy_project(tmp_path_factory.mktemp("two") / "repo", {"data": {"mirror": mirror}}))
     run(["git", "remote", "add", "origin", f"https://oauth2:{secrets['git remote']}@git.invalid/team/repo.git"], repo)
     env = subprocess_env(**{name: value for name, value in secrets.items() if name.isupper()})
-    procs = [subprocess.Popen(["make", "run"], cwd=repo, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            ["make", "run"], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
     runs = []
     for proc in procs:
         out, _ = proc.communicate(timeout=900)

@@ -31,8 +31,13 @@ from tasks.config import Params, load_params
 from tests.conftest import ROOT
 
 BASE = yaml.safe_load((ROOT / "params.yaml").read_text())
-SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=150,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+SETTINGS = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=150,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, FieldInfo]:
@@ -47,15 +52,21 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> dict[str, FieldInfo]:
 
 
 LEAVES = _leaves(Params)
-SECTIONS = [name for name, field in Params.model_fields.items()
-            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)]  # fmt: skip
+SECTIONS = [
+    name
+    for name, field in Params.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+]
 
 
 def _kinds(annotation: Any) -> tuple[set[type], set[Any], bool]:
     """(python types accepted, literal values accepted, None accepted) for a field's annotation."""
     types, literals, optional = set(), set(), False
-    for arg in typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, type(int | None)) \
-            else (annotation,):  # fmt: skip
+    for arg in (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, type(int | None))
+        else (annotation,)
+    ):
         if arg is type(None):
             optional = True
         elif typing.get_origin(arg) is typing.Literal:
@@ -82,11 +93,15 @@ def _accepts_type(field: FieldInfo, key: str, value: Any) -> bool:
     return any(isinstance(value, t) for t in types if t is not bool)
 
 
-YAML_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
-                        st.floats(allow_nan=False, allow_infinity=False).filter(lambda f: not f.is_integer()),
-                        st.text(string.ascii_letters + string.digits + " .:-", max_size=12),
-                        st.lists(st.integers(0, 9), max_size=3),
-                        st.dictionaries(st.sampled_from("abc"), st.integers()))  # fmt: skip
+YAML_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=False, allow_infinity=False).filter(lambda f: not f.is_integer()),
+    st.text(string.ascii_letters + string.digits + " .:-", max_size=12),
+    st.lists(st.integers(0, 9), max_size=3),
+    st.dictionaries(st.sampled_from("abc"), st.integers()),
+)
 
 
 def _out_of_range(field: FieldInfo) -> list[Any]:
@@ -165,8 +180,11 @@ def _never_run(*args: Any) -> None:
 
 def _run_main(entry: str, params: Path) -> tuple[int, str]:
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-            pytest.MonkeyPatch.context() as patch:  # fmt: skip
+    with (
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+        pytest.MonkeyPatch.context() as patch,
+    ):
         # tripwires, should validation let bad params through: never run anything on the repository
         patch.setattr(flows.pipeline, "_run_with_local_api", _never_run)
         patch.setattr(tasks.stages, "run_stage", _never_run)
@@ -180,8 +198,9 @@ def _run_main(entry: str, params: Path) -> tuple[int, str]:
 @pytest.mark.parametrize("entry", ["tasks", "flows.pipeline"])
 @SETTINGS
 @given(case=bad_documents())
-def test_bad_params_exit_2_with_one_line_naming_the_key(entry: str, case: tuple[str, str | None],
-                                                       tmp_path: Path) -> None:  # fmt: skip
+def test_bad_params_exit_2_with_one_line_naming_the_key(
+    entry: str, case: tuple[str, str | None], tmp_path: Path
+) -> None:
     text, key = case
     params = tmp_path / "params.yaml"
     params.write_text(text)
@@ -204,8 +223,11 @@ def test_in_range_values_of_the_right_type_are_accepted(key: str, data: st.DataO
     """The strictness does not refuse good input: numbers inside their bounds validate."""
     types, _, _ = _kinds(LEAVES[key].annotation)
     assume(types & {int, float} and not types & {list, str})
-    bounds = {type(rule).__name__: getattr(rule, type(rule).__name__.lower()) for rule in LEAVES[key].metadata
-              if isinstance(rule, (annotated_types.Gt, annotated_types.Ge, annotated_types.Lt, annotated_types.Le))}
+    bounds = {
+        type(rule).__name__: getattr(rule, type(rule).__name__.lower())
+        for rule in LEAVES[key].metadata
+        if isinstance(rule, (annotated_types.Gt, annotated_types.Ge, annotated_types.Lt, annotated_types.Le))
+    }
     low = bounds.get("Ge", bounds.get("Gt", -1000))
     high = bounds.get("Le", bounds.get("Lt", 1000))
     if float in types:
@@ -232,15 +254,18 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
     assert code == 2 and err == f"error: {params}: lr: given twice (lines 2 and 4); keep one\n"
 
 
-@pytest.mark.parametrize(("content", "shown"), [
-    (b"seed: 1\n\xff\xfe", "not UTF-8 text"),
-    (None, "cannot be read: Is a directory"),
-    (b"- a\n- b\n", "expected a mapping of sections, got list"),
-    (b"train: 5\n", "train: Input should be a valid dictionary"),
-    (b"train:\n  epochs: true\n", "train.epochs: Input should be a valid integer (got True)"),
-    (b"train:\n  lr: .inf\n", "train.lr: Input should be a finite number"),
-    (b"1: x\nnull: y\n", "1: Keys should be strings (got 1); None: Keys should be strings (got None)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("content", "shown"),
+    [
+        (b"seed: 1\n\xff\xfe", "not UTF-8 text"),
+        (None, "cannot be read: Is a directory"),
+        (b"- a\n- b\n", "expected a mapping of sections, got list"),
+        (b"train: 5\n", "train: Input should be a valid dictionary"),
+        (b"train:\n  epochs: true\n", "train.epochs: Input should be a valid integer (got True)"),
+        (b"train:\n  lr: .inf\n", "train.lr: Input should be a finite number"),
+        (b"1: x\nnull: y\n", "1: Keys should be strings (got 1); None: Keys should be strings (got None)"),
+    ],
+)
 def test_unreadable_and_odd_files(tmp_path: Path, content: bytes | None, shown: str) -> None:
     params = tmp_path / "params.yaml"
     params.mkdir() if content is None else params.write_bytes(content)

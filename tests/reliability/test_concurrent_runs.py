@@ -20,8 +20,9 @@ def test_one_run_waits_for_the_other_and_the_project_stays_consistent(two_make_r
     for done in runs:
         assert done.returncode == 0, done.stdout[-5000:]
     outputs = [done.stdout for done in runs]
-    ran_all = [out for out in outputs if "stages run: download, stats, preprocess, train, evaluate, compress, export"
-               in out]  # fmt: skip
+    ran_all = [
+        out for out in outputs if "stages run: download, stats, preprocess, train, evaluate, compress, export" in out
+    ]
     waited = [out for out in outputs if "stages run: none (everything up to date)" in out]
     assert len(ran_all) == 1 and len(waited) == 1, outputs
     assert "waiting up to 3600 s for the pipeline run in progress: Prefect flow run" in waited[0]
@@ -34,7 +35,8 @@ def test_one_run_waits_for_the_other_and_the_project_stays_consistent(two_make_r
     stages = [r for r in runs_logged if "lockstep.stage" in r.data.tags]
     assert [r.info.status for r in parents] == ["FINISHED", "FINISHED"]
     assert sorted(r.data.tags["lockstep.stage"] for r in stages) == sorted(
-        ["download", "stats", "preprocess", "train", "evaluate", "compress", "export"])
+        ["download", "stats", "preprocess", "train", "evaluate", "compress", "export"]
+    )
     assert {r.info.status for r in stages} == {"FINISHED"}
     assert {r.data.tags["mlflow.parentRunId"] for r in stages} < {r.info.run_id for r in parents}
     assert len(client.search_model_versions("name = 'lockstep-classifier'")) == 1

@@ -34,7 +34,8 @@ def _rewrite_metadata(path: Path, **changes: object) -> None:
 
 @pytest.mark.parametrize("damage", [_flip_a_byte, _truncate])
 def test_corrupt_preprocessed_data_is_refused_by_a_stage_and_rebuilt_by_the_pipeline(
-        trained: Trained, tmp_path: Path, damage) -> None:  # fmt: skip
+    trained: Trained, tmp_path: Path, damage
+) -> None:
     repo = clone(trained, tmp_path / "repo")
     damage(repo / "artifacts/preprocessed/train_images.npy")
     error = one_line_error(stage(repo, "train"))
@@ -47,13 +48,20 @@ def test_corrupt_preprocessed_data_is_refused_by_a_stage_and_rebuilt_by_the_pipe
         assert (repo / path).read_bytes() == (trained.repo / path).read_bytes()
 
 
-@pytest.mark.parametrize(("damage", "shown"), [
-    (_truncate, "artifacts/train/best.safetensors: not a readable safetensors file"),
-    (lambda path: _rewrite_metadata(path, model="resnet18"),
-     "artifacts/train/best.safetensors: weights do not fit model 'resnet18'"),
-    (lambda path: _rewrite_metadata(path, classes=[f"class {i}" for i in range(10)]),
-     "artifacts/train/best.safetensors: trained on other data (classes"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("damage", "shown"),
+    [
+        (_truncate, "artifacts/train/best.safetensors: not a readable safetensors file"),
+        (
+            lambda path: _rewrite_metadata(path, model="resnet18"),
+            "artifacts/train/best.safetensors: weights do not fit model 'resnet18'",
+        ),
+        (
+            lambda path: _rewrite_metadata(path, classes=[f"class {i}" for i in range(10)]),
+            "artifacts/train/best.safetensors: trained on other data (classes",
+        ),
+    ],
+)
 def test_a_checkpoint_that_does_not_fit_is_refused(trained: Trained, tmp_path: Path, damage, shown: str) -> None:
     repo = clone(trained, tmp_path / "repo")
     damage(repo / "artifacts/train/best.safetensors")

@@ -19,13 +19,17 @@ from tests.reliability.conftest import Trained, clone, digests, one_line_error, 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("name", "target", "shown"), [
-    ("train", "best.safetensors", "artifacts/train"),  # a checkpoint, written with the other train outputs
-    ("stats", "stats.json", "artifacts/stats/stats.json"),  # a JSON output
-    ("preprocess", "train_images.npy", "artifacts/preprocessed"),  # a directory output
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "target", "shown"),
+    [
+        ("train", "best.safetensors", "artifacts/train"),  # a checkpoint, written with the other train outputs
+        ("stats", "stats.json", "artifacts/stats/stats.json"),  # a JSON output
+        ("preprocess", "train_images.npy", "artifacts/preprocessed"),  # a directory output
+    ],
+)
 def test_a_full_disk_fails_the_stage_clearly_and_keeps_the_previous_outputs(
-        trained: Trained, tmp_path: Path, name: str, target: str, shown: str) -> None:  # fmt: skip
+    trained: Trained, tmp_path: Path, name: str, target: str, shown: str
+) -> None:
     repo = clone(trained, tmp_path / "repo")
     write_params(repo / "params.yaml", {"seed": 7, "train": {"epochs": 1}}, base=repo / "params.yaml")
     error = one_line_error(stage(repo, name, "enospc", target))
@@ -40,8 +44,10 @@ def _mount_namespaces_work() -> bool:
     return shutil.which("unshare") is not None and subprocess.run(probe, capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(not _mount_namespaces_work(), reason="this kernel refuses unprivileged mount namespaces "
-                    "(the ENOSPC cases above cover the behaviour)")  # fmt: skip
+@pytest.mark.skipif(
+    not _mount_namespaces_work(),
+    reason="this kernel refuses unprivileged mount namespaces (the ENOSPC cases above cover the behaviour)",
+)
 def test_a_real_full_filesystem(trained: Trained, tmp_path: Path) -> None:
     repo = clone(trained, tmp_path / "repo")
     write_params(repo / "params.yaml", {"seed": 7, "train": {"epochs": 1}}, base=repo / "params.yaml")
@@ -58,8 +64,13 @@ def test_a_real_full_filesystem(trained: Trained, tmp_path: Path) -> None:
         echo $? > {tmp_path}/rc
         cd {train_dir} && sha256sum * > {tmp_path}/after && ls -A > {tmp_path}/listing
     """
-    subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], cwd=repo, check=True,
-                   env=subprocess_env(), timeout=600)  # fmt: skip
+    subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        cwd=repo,
+        check=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
     stderr = (tmp_path / "stderr").read_text()
     assert (tmp_path / "rc").read_text().strip() == "1", stderr
     assert "Traceback" not in stderr

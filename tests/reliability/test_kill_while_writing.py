@@ -48,13 +48,17 @@ def test_killed_while_writing_a_checkpoint_resumes_to_identical_weights(trained:
     assert not _leftovers(repo) and not resume.exists()  # the dead writer's temporary swept, the run finished
 
 
-@pytest.mark.parametrize(("name", "target", "nth"), [
-    ("train", "best.safetensors", 1),  # a checkpoint (safetensors)
-    ("train", "history.json", 1),  # a JSON output
-    ("preprocess", "val_images.npy", 1),  # a directory output (artifacts/preprocessed/)
-])  # fmt: skip
-def test_killed_while_writing_an_output_leaves_the_previous_one(trained: Trained, tmp_path: Path, name: str,
-                                                                target: str, nth: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "target", "nth"),
+    [
+        ("train", "best.safetensors", 1),  # a checkpoint (safetensors)
+        ("train", "history.json", 1),  # a JSON output
+        ("preprocess", "val_images.npy", 1),  # a directory output (artifacts/preprocessed/)
+    ],
+)
+def test_killed_while_writing_an_output_leaves_the_previous_one(
+    trained: Trained, tmp_path: Path, name: str, target: str, nth: int
+) -> None:
     repo = clone(trained, tmp_path / "repo")
     # other params, so the new output would differ from the previous one
     write_params(repo / "params.yaml", {"seed": 7, "train": {"epochs": 1}}, base=repo / "params.yaml")

@@ -43,8 +43,11 @@ def test_a_diverging_run_of_the_pipeline_stops_and_registers_nothing(two_make_ru
 
 def test_ddp_ranks_stop_together_on_a_nan_loss(trained: Trained, tmp_path: Path) -> None:
     repo = clone(trained, tmp_path / "repo")
-    write_params(repo / "params.yaml", {"train": {"lr": float(DIVERGING), "strategy": "ddp", "nproc_per_node": 2}},
-                 base=repo / "params.yaml")  # fmt: skip
+    write_params(
+        repo / "params.yaml",
+        {"train": {"lr": float(DIVERGING), "strategy": "ddp", "nproc_per_node": 2}},
+        base=repo / "params.yaml",
+    )
     # every rank raises at the same step (a collective check): none waits forever for the others
     error = one_line_error(stage(repo, "train"), launcher_log=True)
     assert "error: train: training diverged: the loss is not finite" in error and "at epoch 1, step" in error, error

@@ -32,8 +32,10 @@ def test_no_secret_reaches_mlflow(two_make_runs: TwoRuns) -> None:
     download = next(r for r in runs if r.data.tags.get("lockstep.stage") == "download")
     assert download.data.params["data.mirror"] == "https://***@mirror.invalid/datasets"
     train = next(r for r in runs if r.data.tags.get("lockstep.stage") == "train")
-    assert train.data.tags["mlflow.source.git.repoURL"] in ("https://***@git.invalid/team/repo.git",
-                                                            "https://git.invalid/team/repo.git")  # MLflow strips it too
+    assert train.data.tags["mlflow.source.git.repoURL"] in (
+        "https://***@git.invalid/team/repo.git",
+        "https://git.invalid/team/repo.git",
+    )  # MLflow strips it too
     # every artifact file (the resolved params.yaml and dvc.lock carry data.mirror), and the store's bytes
     store = Path(urllib.parse.urlparse(client.get_experiment_by_name("lockstep").artifact_location).path)
     assert store == repo / "mlartifacts"

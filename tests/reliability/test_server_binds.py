@@ -40,17 +40,22 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
     commands = {
         "mlflow": (["make", "mlflow-server", f"MLFLOW_PORT={ports['mlflow']}"], f"127.0.0.1:{ports['mlflow']}/health"),
         # asked otherwise: another address (of the loopback network, so the test exposes nothing)
-        "ui": (["make", "ui", "MLFLOW_HOST=127.0.0.2", f"MLFLOW_PORT={ports['ui']}"],
-               f"127.0.0.2:{ports['ui']}/health"),
-        "prefect": (["make", "serve", f"PREFECT_PORT={ports['prefect']}"],
-                    f"127.0.0.1:{ports['prefect']}/api/deployments/name/lockstep-pipeline/nightly"),
-    }  # fmt: skip
+        "ui": (
+            ["make", "ui", "MLFLOW_HOST=127.0.0.2", f"MLFLOW_PORT={ports['ui']}"],
+            f"127.0.0.2:{ports['ui']}/health",
+        ),
+        "prefect": (
+            ["make", "serve", f"PREFECT_PORT={ports['prefect']}"],
+            f"127.0.0.1:{ports['prefect']}/api/deployments/name/lockstep-pipeline/nightly",
+        ),
+    }
     procs = {}
     try:  # started together (their start-ups overlap), each stopped by PID
         for name, (cmd, _) in commands.items():
             with open(tmp_path / f"{name}.log", "wb") as log:
-                procs[name] = subprocess.Popen(cmd, cwd=repo, env=subprocess_env(), stdout=log,
-                                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                procs[name] = subprocess.Popen(
+                    cmd, cwd=repo, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
         for name, (_, url) in commands.items():
             try:
                 wait_until_healthy(f"http://{url}", procs[name], 180)

@@ -61,8 +61,14 @@ def project(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_pipeline_fails_fast_naming_the_uri(project: Path, trained: Trained, kind: str, entry: list[str]) -> None:
     with _server(kind) as uri:
         started = time.monotonic()
-        done = run([sys.executable, "-m", *entry, "--force"] if entry == ["flows.pipeline"] else
-                   [sys.executable, "-m", *entry], project, check=False, MLFLOW_TRACKING_URI=uri)  # fmt: skip
+        done = run(
+            [sys.executable, "-m", *entry, "--force"]
+            if entry == ["flows.pipeline"]
+            else [sys.executable, "-m", *entry],
+            project,
+            check=False,
+            MLFLOW_TRACKING_URI=uri,
+        )
         elapsed = time.monotonic() - started
     error = one_line_error(done)
     assert elapsed < 10, f"{elapsed:.1f} s"

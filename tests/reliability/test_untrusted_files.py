@@ -49,19 +49,25 @@ def _assert_live(payload: bytes, loader: str, tmp_path: Path) -> None:
     """The payload does run when loaded the unsafe way (so refusing it below means something)."""
     probe = tmp_path / "probe.bin"
     probe.write_bytes(payload)
-    code = {"torch": f"import torch; torch.load({str(probe)!r}, weights_only=False)",
-            "numpy": f"import numpy; numpy.load({str(probe)!r}, allow_pickle=True)"}[loader]  # fmt: skip
+    code = {
+        "torch": f"import torch; torch.load({str(probe)!r}, weights_only=False)",
+        "numpy": f"import numpy; numpy.load({str(probe)!r}, allow_pickle=True)",
+    }[loader]
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
-@pytest.mark.parametrize(("planted", "loader", "name", "shown"), [
-    ("artifacts/train/best.safetensors", "torch", "evaluate", "not a readable safetensors file"),
-    ("artifacts/train/best.safetensors", "torch", "export", "not a readable safetensors file"),
-    ("artifacts/train-resume/resume.safetensors", "torch", "train", "not a readable safetensors file"),
-    ("data/labels.npy", "numpy", "stats", "Object arrays cannot be loaded when allow_pickle=False"),
-])  # fmt: skip
-def test_a_pickle_payload_is_refused_and_never_runs(trained: Trained, tmp_path: Path, planted: str, loader: str,
-                                                    name: str, shown: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("planted", "loader", "name", "shown"),
+    [
+        ("artifacts/train/best.safetensors", "torch", "evaluate", "not a readable safetensors file"),
+        ("artifacts/train/best.safetensors", "torch", "export", "not a readable safetensors file"),
+        ("artifacts/train-resume/resume.safetensors", "torch", "train", "not a readable safetensors file"),
+        ("data/labels.npy", "numpy", "stats", "Object arrays cannot be loaded when allow_pickle=False"),
+    ],
+)
+def test_a_pickle_payload_is_refused_and_never_runs(
+    trained: Trained, tmp_path: Path, planted: str, loader: str, name: str, shown: str
+) -> None:
     repo = clone(trained, tmp_path / "repo")
     marker = tmp_path / "payload-ran"
     payload = (_torch_pickle if loader == "torch" else _npy_pickle)(marker)
@@ -75,8 +81,9 @@ def test_a_pickle_payload_is_refused_and_never_runs(trained: Trained, tmp_path: 
     assert not marker.exists(), "the payload ran"
 
 
-def test_a_payload_in_preprocessed_data_is_refused_even_with_a_matching_checksum(trained: Trained,
-                                                                                  tmp_path: Path) -> None:  # fmt: skip
+def test_a_payload_in_preprocessed_data_is_refused_even_with_a_matching_checksum(
+    trained: Trained, tmp_path: Path
+) -> None:
     """The checksum in meta.json is a guard against corruption, not against an attacker who rewrites it
     too: the array is still loaded without unpickling."""
     repo = clone(trained, tmp_path / "repo")
@@ -94,13 +101,27 @@ def test_a_payload_in_preprocessed_data_is_refused_even_with_a_matching_checksum
 
 # Calls that unpickle (run code from) a file. None may appear in the pipeline's code: every file it
 # reads is safetensors, .npy without pickle, JSON/YAML (safe_load) or ONNX (protobuf).
-UNPICKLING = {"pickle.load", "pickle.loads", "torch.load", "joblib.load", "dill.load", "cloudpickle.load",
-              "pd.read_pickle", "pandas.read_pickle", "yaml.load", "yaml.unsafe_load", "np.lib.format.read_array"}
+UNPICKLING = {
+    "pickle.load",
+    "pickle.loads",
+    "torch.load",
+    "joblib.load",
+    "dill.load",
+    "cloudpickle.load",
+    "pd.read_pickle",
+    "pandas.read_pickle",
+    "yaml.load",
+    "yaml.unsafe_load",
+    "np.lib.format.read_array",
+}
 # torch.export.load / torch.jit.load read the files export has just written into its own staging
 # directory (the parity check); they never read a file from elsewhere.
 # tasks/config.py's yaml.load uses a yaml.SafeLoader subclass (no Python objects).
-ALLOWED = {("tasks/export.py", "torch.export.load"), ("tasks/export.py", "torch.jit.load"),
-           ("tasks/config.py", "yaml.load")}
+ALLOWED = {
+    ("tasks/export.py", "torch.export.load"),
+    ("tasks/export.py", "torch.jit.load"),
+    ("tasks/config.py", "yaml.load"),
+}
 
 
 def _calls(path: Path) -> set[tuple[str, str, bool]]:
@@ -114,10 +135,12 @@ def _calls(path: Path) -> set[tuple[str, str, bool]]:
 
 
 def test_no_code_path_unpickles_a_file() -> None:
-    calls = {call for folder in ("tasks", "flows") for path in sorted((ROOT / folder).rglob("*.py"))
-             for call in _calls(path)}  # fmt: skip
-    unpickling = {(where, name) for where, name, _ in calls if name in UNPICKLING or name.endswith(
-        (".jit.load", ".export.load"))} - ALLOWED  # fmt: skip
+    calls = {
+        call for folder in ("tasks", "flows") for path in sorted((ROOT / folder).rglob("*.py")) for call in _calls(path)
+    }
+    unpickling = {
+        (where, name) for where, name, _ in calls if name in UNPICKLING or name.endswith((".jit.load", ".export.load"))
+    } - ALLOWED
     assert not unpickling
     np_loads = [call for call in calls if call[1] in ("np.load", "numpy.load")]
     assert np_loads, "the scan sees the np.load calls"
