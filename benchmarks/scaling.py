@@ -21,8 +21,8 @@ peak RSS is its own and not what an earlier step left behind. The child reports:
   DataLoader's worker processes through shared memory: a copy of the split, in this process).
 
 Steps, each the stage's own code: stats = `tasks.stats.compute_stats`; preprocess =
-`tasks.preprocess.preprocess`; epoch = one epoch of `tasks.train`'s loop (`_train_loader` with the
-stage's DataLoader settings and `num_workers`, `_run_epoch`), set up as `train` sets it up.
+`tasks.preprocess.preprocess`; epoch = one epoch of `tasks.training`'s loop (`build_training` with the
+stage's DataLoader settings and `num_workers`, then `Training.train_epoch`), set up as `train` sets it up.
 
 Scales multiply a base of copies of digits (`benchmarks.data.raw`; digits is 1,797 8x8 greyscale
 images, 115 KB), one base for stats + preprocess (`data_unit`, default 32) and one for the epoch
@@ -171,55 +171,27 @@ def child(step: str, data: Path, folder: Path, repeats: int, smoke: bool = False
 def _epoch(pre: Path, p: Params, cfg: TrainConfig) -> tuple[Callable[[], None], Callable[[], int]]:
     """One epoch of the train stage's loop as a callable; set-up happens on its first call.
 
-    Mirrors `tasks.train.train` for one process: pin_everything (as the stage runner does), the
-    split as uint8 tensors, the model, optimiser, loss, `_train_loader` (seeded sampler, whole-batch
-    fetches, persistent workers), then `set_epoch` and `_run_epoch` per epoch. Validation,
-    checkpoints and tracking are per-epoch costs of the stage but not of "an epoch" of training.
-    The loader's workers are processes of their own: their RSS is not in this one's (a copy of
-    the split that torch moves to shared memory for them is, where this process writes it).
+    As `tasks.train.train` runs it for one process: pin_everything (as the stage runner does), then
+    `tasks.training.build_training` (the split as uint8 tensors, the model, optimiser, loss, the
+    seeded loader with whole-batch fetches and persistent workers) and `train_epoch` per epoch.
+    Validation, checkpoints and tracking are per-epoch costs of the stage but not of "an epoch" of
+    training. The loader's workers are processes of their own: their RSS is not in this one's (a
+    copy of the split that torch moves to shared memory for them is, where this process writes it).
     """
-    import torch
-    from torch import nn
-
-    from tasks import train as stage
     from tasks.determinism import pin_everything
-    from tasks.models import build_model
+    from tasks.distributed import resolve_device
+    from tasks.preprocess import load_split
+    from tasks.training import build_training
 
     pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
     state: dict[str, Any] = {"epoch": 0}
 
     def run() -> None:
         if not state["epoch"]:  # set-up is part of the step (loading the split is its memory)
-            split = stage.load_split(pre, "train")
-            device = stage.resolve_device(cfg.device)
-            model = build_model(cfg.model, len(split.classes), split.mean, split.std).to(device)
-            ranks = stage.Distributed()
-            sampler, loader = stage._train_loader(split, cfg, p.seed, ranks, device)
-            state.update(
-                split=split,
-                device=device,
-                model=model,
-                ranks=ranks,
-                sampler=sampler,
-                loader=loader,
-                optimizer=stage._make_optimizer(cfg, model),
-                criterion=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
-                scaler=torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16"),
-            )
+            state["split"] = load_split(pre, "train")
+            state["training"] = build_training(cfg, p.seed, state["split"], resolve_device(cfg.device))
         state["epoch"] += 1
-        s = state
-        s["sampler"].set_epoch(s["epoch"])
-        stage._run_epoch(
-            s["model"],
-            stage._limited(s["loader"], cfg.max_batches),
-            s["criterion"],
-            s["optimizer"],
-            s["scaler"],
-            stage._autocast(cfg.amp, s["device"]),
-            s["device"],
-            s["ranks"],
-            s["epoch"],
-        )
+        state["training"].train_epoch(state["epoch"])
 
     def held() -> int:
         return int(state["split"].images.nbytes + state["split"].labels.nbytes)

@@ -46,34 +46,24 @@ class TutorialDigits(Dataset):
 
 
 def _stage_epoch(pre: Path, deterministic: bool = True):
-    """One epoch of the train stage's own loop (tasks/train.py), as a callable returning nothing."""
-    from tasks import train as stage
+    """One epoch of the train stage's own loop (tasks/training.py), as a callable returning nothing."""
     from tasks.determinism import pin_everything
-    from tasks.models import build_model
+    from tasks.distributed import resolve_device
+    from tasks.preprocess import load_split
+    from tasks.training import build_training
 
     p = params()
-    cfg = p.train
     pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
     if not deterministic:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.benchmark = True
         torch.backends.cudnn.deterministic = False
-    split = stage.load_split(pre, "train")
-    device = stage.resolve_device(cfg.device)
-    model = build_model(cfg.model, len(split.classes), split.mean, split.std).to(device)
-    optimizer = stage._make_optimizer(cfg, model)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    scaler = torch.amp.GradScaler(device.type, enabled=False)
-    ranks = stage.Distributed()
-    sampler, loader = stage._train_loader(split, cfg, p.seed, ranks, device)
+    training = build_training(p.train, p.seed, load_split(pre, "train"), resolve_device(p.train.device))
     epoch = [0]
 
     def one_epoch() -> None:
         epoch[0] += 1
-        sampler.set_epoch(epoch[0])
-        stage._run_epoch(
-            model, loader, criterion, optimizer, scaler, stage._autocast("none", device), device, ranks, epoch[0]
-        )
+        training.train_epoch(epoch[0])
 
     return one_epoch
 
@@ -120,16 +110,15 @@ def _tutorial_epoch(pre: Path, num_workers: int):
 def _compute_floor(pre: Path):
     """What any loop pays: the model's forward + backward + step over batches already stacked as
     normalised floats (no sampling, no augmentation, no conversion)."""
-    from tasks import train as stage
-    from tasks.models import build_model
+    from tasks.preprocess import load_split
+    from tasks.training import build_training
 
     p = params()
     cfg = p.train
     torch.manual_seed(p.seed)
-    split = stage.load_split(pre, "train")
-    model = build_model(cfg.model, len(split.classes), split.mean, split.std)
-    optimizer = stage._make_optimizer(cfg, model)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    split = load_split(pre, "train")
+    training = build_training(cfg, p.seed, split, torch.device("cpu"))  # its model, optimiser and loss
+    model, optimizer, criterion = training.model, training.optimizer, training.criterion
     images, labels = torch.from_numpy(np.asarray(split.images)).float() / 255, torch.from_numpy(split.labels)
     batches = [
         (images[i : i + cfg.batch_size], labels[i : i + cfg.batch_size]) for i in range(0, len(labels), cfg.batch_size)
@@ -147,19 +136,21 @@ def _compute_floor(pre: Path):
 
 def _stage_data_only(pre: Path):
     """The stage's data path alone: its loader (same settings) and the conversion to floats."""
-    from tasks import train as stage
+    from tasks.distributed import resolve_device
+    from tasks.models import to_float
+    from tasks.preprocess import load_split
+    from tasks.training import build_training
 
     p = params()
-    split = stage.load_split(pre, "train")
-    device = stage.resolve_device(p.train.device)
-    sampler, loader = stage._train_loader(split, p.train, p.seed, stage.Distributed(), device)
+    device = resolve_device(p.train.device)
+    training = build_training(p.train, p.seed, load_split(pre, "train"), device)
     epoch = [0]
 
     def data_only() -> None:
         epoch[0] += 1
-        sampler.set_epoch(epoch[0])
-        for images, _ in loader:
-            stage.to_float(images, device)
+        training.sampler.set_epoch(epoch[0])
+        for images, _ in training.loader:
+            to_float(images, device)
 
     return data_only
 

@@ -31,7 +31,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from flows import prefect_env
-from tasks.config import PARAMS_FILE, ConfigError, OrchestrationConfig, load_params
+from tasks.cli import exit_code
+from tasks.config import PARAMS_FILE, OrchestrationConfig, load_params
 from tasks.layout import ROOT
 
 
@@ -117,12 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     deploy_cmd.add_argument("--name", help="deployment name (default: orchestration.deployment)")
     args = parser.parse_args(argv)
     prefect_env.configure()  # before Prefect is imported, and inherited by the server we start
-    try:
-        cfg = load_params(ROOT / args.params).orchestration
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return exit_code(lambda: _run(args))
 
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = load_params(ROOT / args.params).orchestration
     if args.command == "deploy":
         print(f"deployed {deploy(cfg, args.pool, args.name)}; start a worker: prefect worker start --pool {args.pool}")
         return 0

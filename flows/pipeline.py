@@ -14,7 +14,7 @@ overlapping run, from any entry point, waits for it or is refused.
     python -m flows.pipeline --reingest      # re-read the source first, as scheduled runs do
     python -m flows.pipeline --set train.lr=0.01   # written into params.yaml first, like `dvc exp run -S`
 
-As a service: flows/serve.py (`make serve`) and flows/deploy.py (work pools).
+As a service: flows/deployments.py (`make serve`, and work pools).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.tasks import exponential_backoff  # noqa: E402
 
-from tasks.config import PARAMS_FILE, STAGES, ConfigError, Params, load_params, set_params, with_overrides  # noqa: E402
-from tasks.data_format import DataError  # noqa: E402
+from tasks.cli import exit_code  # noqa: E402
+from tasks.config import PARAMS_FILE, STAGES, Params, load_params, set_params, with_overrides  # noqa: E402
 
 FLOW_NAME = "lockstep-pipeline"
 
@@ -137,8 +137,9 @@ def pipeline(
     from prefect.artifacts import create_markdown_artifact
     from prefect.runtime import flow_run
 
+    from tasks.hashing import data_md5
     from tasks.pipeline_lock import pipeline_lock
-    from tasks.tracking import data_hash, pipeline_run, tag_run
+    from tasks.tracking import pipeline_run, tag_run
 
     os.chdir(ROOT)
     logger = get_run_logger()
@@ -149,12 +150,12 @@ def pipeline(
         if overrides:
             params = set_params(params_file, overrides)
             logger.info("params.yaml updated: %s", json.dumps(overrides))
-        before = data_hash()
+        before = data_md5()
         results: dict[str, dict[str, Any]] = {}
         with pipeline_run(params.tracking, entry_point="prefect") as run_id:
             for name in STAGES:
                 results[name] = STAGE_TASKS[name](name, params, force or (reingest and name == "download"))
-            summary = summarize(results, before, data_hash())
+            summary = summarize(results, before, data_md5())
             if run_id:
                 retrained = str(results["train"]["ran"]).lower()
                 tag_run(run_id, {"lockstep.summary": summary, "lockstep.retrained": retrained})
@@ -229,19 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         help="write a value into params.yaml first (repeatable)",
     )
     args = parser.parse_args(argv)
-    try:  # fail fast, exit 2, before Prefect starts a server
-        _, params = with_overrides(ROOT / args.params, dict(args.overrides))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        from tasks.tracking import check_store
+    return exit_code(lambda: _run(args))
 
-        check_store(params.tracking)  # a tracking server that is down fails the run now, not after training
-        results = _run_with_local_api(args)
-    except DataError as exc:  # bad data, a failed download, or another run holding the lock: one line
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+
+def _run(args: argparse.Namespace) -> int:
+    from tasks.tracking import check_store
+
+    _, params = with_overrides(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
+    check_store(params.tracking)  # a tracking server that is down fails the run now, not after training
+    results = _run_with_local_api(args)
     ran = [name for name, result in results.items() if result["ran"]]
     print(f"stages run: {', '.join(ran) or 'none (everything up to date)'}")
     if "test_accuracy" in results["evaluate"]:

@@ -16,12 +16,12 @@ import zipfile
 from pathlib import Path
 
 from tasks.atomic import atomic_dir
-from tasks.data_format import DataError
+from tasks.errors import ExpectedFailure
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 
 
-class UnsafeArchiveError(DataError):
+class UnsafeArchiveError(ExpectedFailure):
     """The archive would write outside its destination; nothing was extracted."""
 
 
@@ -39,7 +39,7 @@ def extract(archive: Path, dest: Path) -> Path:
         elif archive.name.lower().endswith(TAR_SUFFIXES):
             _extract_tar(archive, staging)
         else:
-            raise DataError(f"{archive.name}: unknown archive type (expected {', '.join(TAR_SUFFIXES)} or .zip)")
+            raise ExpectedFailure(f"{archive.name}: unknown archive type (expected {', '.join(TAR_SUFFIXES)} or .zip)")
     return Path(dest)
 
 
@@ -72,7 +72,7 @@ def _extract_tar(archive: Path, staging: Path) -> None:
             # The 'data' filter re-checks all of the above (and strips modes such as setuid).
             tar.extractall(staging, filter="data")
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise DataError(f"{archive.name}: not a readable tar archive: {exc}") from None
+        raise ExpectedFailure(f"{archive.name}: not a readable tar archive: {exc}") from None
 
 
 def _extract_zip(archive: Path, staging: Path) -> None:
@@ -86,4 +86,4 @@ def _extract_zip(archive: Path, staging: Path) -> None:
                     raise _refuse(archive, info.filename, "is a symbolic link (not supported in zip archives)")
             zf.extractall(staging)
     except (zipfile.BadZipFile, OSError) as exc:
-        raise DataError(f"{archive.name}: not a readable zip archive: {exc}") from None
+        raise ExpectedFailure(f"{archive.name}: not a readable zip archive: {exc}") from None

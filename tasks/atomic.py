@@ -20,14 +20,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tasks.errors import DataError
+from tasks.errors import ExpectedFailure
 
 # Failures of the write itself, wherever in the block they surface (a write() on a full disk carries
 # no file name). Other errors inside the block (a missing input, bad data) propagate as they are.
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
 
 
-class WriteError(DataError):
+class WriteError(ExpectedFailure):
     """An output could not be written; the previous version of it is intact."""
 
     def __init__(self, target: Path, exc: OSError) -> None:

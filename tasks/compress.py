@@ -35,10 +35,11 @@ from torch import nn
 
 from tasks import prune, quantize
 from tasks.atomic import atomic_dir
+from tasks.checkpoints import load_checkpoint
 from tasks.config import CompressConfig, TrainConfig
 from tasks.onnx_model import as_pixels, export_onnx, median_latency_ms, predict, session, weight_counts
 from tasks.preprocess import load_split
-from tasks.train import fine_tune, load_checkpoint
+from tasks.training import fine_tune
 
 log = logging.getLogger(__name__)
 LATENCY_BATCHES = (1, 64)

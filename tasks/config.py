@@ -185,7 +185,7 @@ class TrackingConfig(_Section):
 
 
 class OrchestrationConfig(_Section):
-    """How the pipeline runs as a service (flows/serve.py, flows/deploy.py); read by no stage, so
+    """How the pipeline runs as a service (flows/deployments.py); read by no stage, so
     changing a schedule never retrains a model."""
 
     deployment: str = Field("nightly", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # lockstep-pipeline/<deployment>

@@ -24,7 +24,7 @@ import numpy as np
 
 from tasks.atomic import atomic_dir
 from tasks.config import SplitConfig
-from tasks.errors import DataError  # re-exported: stages import it from here
+from tasks.errors import ExpectedFailure
 
 FORMAT = "lockstep-raw/1"
 SPLITS = ("train", "val", "test")
@@ -87,16 +87,20 @@ class NpyRows:
             version = np.lib.format.read_magic(handle)
             read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
             if version not in read_header:
-                raise DataError(f"{self.path}: .npy format version {version} is not supported")
+                raise ExpectedFailure(f"{self.path}: .npy format version {version} is not supported")
             shape, fortran, dtype = read_header[version](handle)
             self._offset = handle.tell()
         if dtype != np.uint8 or fortran:
-            raise DataError(f"{self.path}: expected a C-ordered uint8 array, got {dtype} (fortran_order={fortran})")
+            raise ExpectedFailure(
+                f"{self.path}: expected a C-ordered uint8 array, got {dtype} (fortran_order={fortran})"
+            )
         self.shape: tuple[int, ...] = tuple(shape)
         self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64))
         expected = self._offset + self.shape[0] * self._row_bytes
         if self.path.stat().st_size != expected:
-            raise DataError(f"{self.path}: {self.path.stat().st_size} bytes, expected {expected}: truncated or corrupt")
+            raise ExpectedFailure(
+                f"{self.path}: {self.path.stat().st_size} bytes, expected {expected}: truncated or corrupt"
+            )
 
     def read(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows `indices` (sorted ascending), into `out` if given; each run of consecutive rows is one read."""
@@ -111,7 +115,9 @@ class NpyRows:
                 handle.seek(self._offset + int(indices[start]) * size)
                 got = handle.readinto(flat[start * size : end * size])
                 if got != (end - start) * size:
-                    raise DataError(f"{self.path}: short read at row {indices[start]}: file changed while reading")
+                    raise ExpectedFailure(
+                        f"{self.path}: short read at row {indices[start]}: file changed while reading"
+                    )
         return out
 
     def chunks(self, indices: np.ndarray, chunk_size: int) -> Iterator[np.ndarray]:
@@ -178,14 +184,14 @@ def read_meta(folder: Path, expected_format: str, producer: str) -> dict[str, An
     """`folder/meta.json`, checked to be of `expected_format`; errors say which stage makes it."""
     meta_path = Path(folder) / "meta.json"
     if not meta_path.exists():
-        raise DataError(f"{meta_path}: missing; run {producer} first")
+        raise ExpectedFailure(f"{meta_path}: missing; run {producer} first")
     try:
         meta = json.loads(meta_path.read_text())
     except (ValueError, OSError) as exc:
-        raise DataError(f"{meta_path}: unreadable ({exc}); run {producer} again") from None
+        raise ExpectedFailure(f"{meta_path}: unreadable ({exc}); run {producer} again") from None
     if not isinstance(meta, dict) or meta.get("format") != expected_format:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise DataError(f"{meta_path}: format is {found!r}, expected {expected_format!r}; run {producer} again")
+        raise ExpectedFailure(f"{meta_path}: format is {found!r}, expected {expected_format!r}; run {producer} again")
     return meta
 
 
@@ -207,9 +213,9 @@ def open_raw(data_dir: Path) -> RawSnapshot:
     try:  # never unpickled: an object array (a pickle in disguise) is refused here
         labels = np.load(data_dir / "labels.npy", allow_pickle=False)
     except (ValueError, OSError) as exc:
-        raise DataError(f"{data_dir / 'labels.npy'}: not a readable label array: {exc}") from None
+        raise ExpectedFailure(f"{data_dir / 'labels.npy'}: not a readable label array: {exc}") from None
     if rows.shape[0] != labels.shape[0] or list(rows.shape[1:]) != meta["image_shape"]:
-        raise DataError(f"{data_dir}: images {rows.shape} and labels {labels.shape} disagree with meta.json")
+        raise ExpectedFailure(f"{data_dir}: images {rows.shape} and labels {labels.shape} disagree with meta.json")
     return RawSnapshot(rows=rows, labels=labels, classes=list(meta["classes"]), source=meta["source"])
 
 

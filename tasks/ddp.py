@@ -24,12 +24,13 @@ import tempfile
 from pathlib import Path
 
 from tasks import layout
+from tasks.cli import configure_logging
 from tasks.config import PARAMS_FILE, Params, load_params
-from tasks.errors import DataError
+from tasks.errors import ExpectedFailure
 from tasks.train import TrainResult
 
 PARAMS_ENV = "LOCKSTEP_PARAMS_JSON"  # the launcher's validated params, passed to every rank
-# Where a rank that fails with an expected error (DataError: diverged, a refused checkpoint, a full
+# Where a rank that fails with an expected error (ExpectedFailure: diverged, a refused checkpoint, a full
 # disk) leaves its one-line message, so the stage can report it instead of "torchrun exited 1".
 ERRORS_ENV = "LOCKSTEP_RANK_ERRORS_DIR"
 RDZV_ID = "lockstep-train"
@@ -69,7 +70,7 @@ def launch(params: Params) -> TrainResult:
         done = subprocess.run(torchrun_command(params), env=env, check=False)
         reported = sorted(Path(errors).glob("rank*.txt"), key=lambda path: int(path.stem[4:]))
         if done.returncode != 0 and reported:
-            raise DataError(reported[0].read_text())  # the lowest failing rank's message
+            raise ExpectedFailure(reported[0].read_text())  # the lowest failing rank's message
     if done.returncode != 0:
         raise RuntimeError(f"torchrun exited with code {done.returncode}; the failing rank's error is printed above")
     summary = layout.TRAIN_DIR / "train.json"
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default=PARAMS_FILE)
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "?")
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {rank} %(name)s: %(message)s")
+    configure_logging(f"%(levelname)s rank {rank} %(name)s: %(message)s")
     from_launcher = os.environ.get(PARAMS_ENV)
     params = Params.model_validate_json(from_launcher) if from_launcher else load_params(args.params)
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
     try:
         train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, resume_dir=layout.TRAIN_RESUME_DIR)
-    except DataError as exc:  # the launching stage reports it (one line); torchrun stops the other ranks
+    except ExpectedFailure as exc:  # the launching stage reports it (one line); torchrun stops the other ranks
         logging.getLogger("tasks.ddp").error("%s", exc)
         if os.environ.get(ERRORS_ENV):
             (Path(os.environ[ERRORS_ENV]) / f"rank{rank}.txt").write_text(str(exc))

@@ -27,7 +27,8 @@ import numpy as np
 
 from tasks.archive import extract, is_archive
 from tasks.config import DataConfig
-from tasks.data_format import DataError, RawDataset, read_raw, write_raw
+from tasks.data_format import RawDataset, read_raw, write_raw
+from tasks.errors import ExpectedFailure
 from tasks.fetch import Checksum, Retry, fetch, verify
 from tasks.imagefolder import ingest_folder
 
@@ -139,11 +140,11 @@ def _imagefolder_archive(ctx: _Context) -> Path | None:
         return archive
     local = Path(cfg.path or "")
     if not local.exists():
-        raise DataError(f"data.path: {local} does not exist")
+        raise ExpectedFailure(f"data.path: {local} does not exist")
     if local.is_dir():
         return None
     if not is_archive(local):
-        raise DataError(f"data.path: {local} is neither a folder nor an archive (.tar.gz, .zip, ...)")
+        raise ExpectedFailure(f"data.path: {local} is neither a folder nor an archive (.tar.gz, .zip, ...)")
     if cfg.sha256 is not None:
         verify(local, Checksum("sha256", cfg.sha256))
         ctx.files[local.name] = f"sha256:{cfg.sha256}"
@@ -164,7 +165,7 @@ SOURCES: dict[str, Callable[[_Context, Path], None]] = {
 def download(cfg: DataConfig, out_dir: Path, cache_dir: Path, retry: Retry | None = None) -> DownloadResult:
     """Ingest `cfg.source` into `out_dir`, replacing any previous snapshot atomically.
 
-    Raises DataError (a DownloadError for network and checksum failures) with a message naming
+    Raises ExpectedFailure (a DownloadError for network and checksum failures) with a message naming
     the file or URL; `out_dir` is then exactly as it was.
     """
     retry = retry or Retry(attempts=cfg.retries + 1, timeout_s=cfg.timeout_s)

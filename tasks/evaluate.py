@@ -15,9 +15,11 @@ import torch
 from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
 from tasks.atomic import atomic_file, write_text
+from tasks.checkpoints import load_checkpoint
 from tasks.config import EvaluateConfig
+from tasks.distributed import resolve_device
+from tasks.models import predict
 from tasks.preprocess import load_split
-from tasks.train import load_checkpoint, predict, resolve_device
 
 
 @dataclass(frozen=True)

@@ -32,19 +32,19 @@ import numpy as np
 import torch
 
 from tasks.atomic import atomic_dir
+from tasks.checkpoints import load_checkpoint
 from tasks.config import ExportConfig
-from tasks.data_format import DataError
-from tasks.fetch import file_digest
+from tasks.errors import ExpectedFailure
+from tasks.hashing import file_digest
 from tasks.onnx_model import as_pixels, predict, session
-from tasks.preprocess import load_split
-from tasks.train import load_checkpoint
+from tasks.preprocess import Preprocessed, load_split
 
 SHIPPED, FP32 = "model.onnx", "model_fp32.onnx"
 PT2, TORCHSCRIPT = "model.pt2", "model.torchscript.pt"
 CARD, GATES = "model_card.md", "gates.json"
 
 
-class GateError(DataError):
+class GateError(ExpectedFailure):
     """A shipped model failed a gate (an expected failure: one line, exit code 1)."""
 
 
@@ -80,6 +80,8 @@ class ExportResult:
     accuracy: float  # test split, the shipped model.onnx in ONNX Runtime
     gates: list[Gate]
     sha256: dict[str, str]  # exported file name -> digest
+    input_shape: tuple[int, int, int]  # (C, H, W) of one image; the batch axis is dynamic
+    num_classes: int
 
 
 def export(
@@ -103,44 +105,22 @@ def export(
     with atomic_dir(out_dir) as staging:
         shutil.copyfile(compress_dir / "models" / "fp32.onnx", staging / FP32)
         shutil.copyfile(compress_dir / "models" / f"{cfg.variant}.onnx", staging / SHIPPED)
-        program = torch.export.export(model, (parity,), dynamic_shapes=({0: torch.export.Dim("batch")},))
-        for node in program.graph.nodes:  # stack traces name this checkout's paths: bytes would depend on it
-            node.meta.pop("stack_trace", None)
-        torch.export.save(program, staging / PT2)
-        with torch.no_grad():
-            # Not byte-reproducible: TorchScript archives carry a random serialization id and pickled
-            # debug info. It is for legacy consumers; the ONNX and .pt2 files are reproducible.
-            torch.jit.save(torch.jit.trace(model, parity), staging / TORCHSCRIPT)
-
-        fp32_sess, shipped_sess = session(staging / FP32, threads), session(staging / SHIPPED, threads)
-        reloaded = {
-            "fp32 ONNX": predict(fp32_sess, test.images[: cfg.parity_batch]),
-            ".pt2": _run_torch(torch.export.load(staging / PT2).module(), parity),
-            "TorchScript": _run_torch(torch.jit.load(staging / TORCHSCRIPT), parity),
-        }
-        gates = [
-            Gate(f"{name} vs eager max |logit diff|", float(np.abs(out - eager).max()), cfg.max_abs_diff, True)
-            for name, out in reloaded.items()
-        ]
-        fp32_pred = predict(fp32_sess, test.images).argmax(1)
-        shipped_pred = predict(shipped_sess, test.images).argmax(1)
-        fp32_acc, acc = float((fp32_pred == test.labels).mean()), float((shipped_pred == test.labels).mean())
-        if cfg.variant != "fp32":
-            gates += [
-                Gate(
-                    f"{cfg.variant} top-1 agreement with fp32",
-                    float((shipped_pred == fp32_pred).mean()),
-                    cfg.min_top1_agreement,
-                    False,
-                ),
-                Gate(f"{cfg.variant} accuracy drop from fp32", fp32_acc - acc, cfg.max_accuracy_drop, True),
-            ]
+        _save_torch_programs(model, parity, staging)
+        gates, fp32_acc, acc = _gates(cfg, threads, staging, test, parity, eager)
         failed = [gate for gate in gates if not gate.passed]
         if failed:
             raise GateError(f"{len(failed)} export gate(s) failed: " + "; ".join(g.describe() for g in failed))
 
         digests = {name: file_digest(staging / name) for name in (SHIPPED, FP32, PT2, TORCHSCRIPT)}
-        result = ExportResult(variant=cfg.variant, fp32_accuracy=fp32_acc, accuracy=acc, gates=gates, sha256=digests)
+        result = ExportResult(
+            variant=cfg.variant,
+            fp32_accuracy=fp32_acc,
+            accuracy=acc,
+            gates=gates,
+            sha256=digests,
+            input_shape=tuple(test.images.shape[1:]),
+            num_classes=len(test.classes),
+        )
         gate_report = {
             "variant": cfg.variant,
             "fp32_accuracy": fp32_acc,
@@ -152,6 +132,44 @@ def export(
         table = (compress_dir / "compression.md").read_text()
         (staging / CARD).write_text(_model_card(result, meta, evaluated, table, card))
     return result
+
+
+def _save_torch_programs(model: torch.nn.Module, parity: torch.Tensor, staging: Path) -> None:
+    """The fp32 model as a torch.export program (.pt2) and as TorchScript."""
+    program = torch.export.export(model, (parity,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    for node in program.graph.nodes:  # stack traces name this checkout's paths: bytes would depend on it
+        node.meta.pop("stack_trace", None)
+    torch.export.save(program, staging / PT2)
+    with torch.no_grad():
+        # Not byte-reproducible: TorchScript archives carry a random serialization id and pickled
+        # debug info. It is for legacy consumers; the ONNX and .pt2 files are reproducible.
+        torch.jit.save(torch.jit.trace(model, parity), staging / TORCHSCRIPT)
+
+
+def _gates(
+    cfg: ExportConfig, threads: int, staging: Path, test: Preprocessed, parity: torch.Tensor, eager: np.ndarray
+) -> tuple[list[Gate], float, float]:
+    """Every gate, measured on the files as written; with the fp32 and shipped test accuracies."""
+    fp32_sess, shipped_sess = session(staging / FP32, threads), session(staging / SHIPPED, threads)
+    reloaded = {
+        "fp32 ONNX": predict(fp32_sess, test.images[: cfg.parity_batch]),
+        ".pt2": _run_torch(torch.export.load(staging / PT2).module(), parity),
+        "TorchScript": _run_torch(torch.jit.load(staging / TORCHSCRIPT), parity),
+    }
+    gates = [
+        Gate(f"{name} vs eager max |logit diff|", float(np.abs(out - eager).max()), cfg.max_abs_diff, True)
+        for name, out in reloaded.items()
+    ]
+    fp32_pred = predict(fp32_sess, test.images).argmax(1)
+    shipped_pred = predict(shipped_sess, test.images).argmax(1)
+    fp32_acc, acc = float((fp32_pred == test.labels).mean()), float((shipped_pred == test.labels).mean())
+    if cfg.variant != "fp32":
+        agreement = float((shipped_pred == fp32_pred).mean())
+        gates += [
+            Gate(f"{cfg.variant} top-1 agreement with fp32", agreement, cfg.min_top1_agreement, False),
+            Gate(f"{cfg.variant} accuracy drop from fp32", fp32_acc - acc, cfg.max_accuracy_drop, True),
+        ]
+    return gates, fp32_acc, acc
 
 
 @torch.no_grad()

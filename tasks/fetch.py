@@ -15,7 +15,6 @@ Concurrency: an exclusive `flock` on `<name>.lock` makes every process that want
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import http.client
 import logging
 import os
@@ -29,7 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.data_format import DataError
+from tasks.errors import ExpectedFailure
+from tasks.hashing import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ BLOCK = 1 << 20
 USER_AGENT = "lockstep (+https://github.com/lockstep)"
 
 
-class DownloadError(DataError):
+class DownloadError(ExpectedFailure):
     """A file could not be fetched or failed verification; the message names it.
 
     `transient`: the source was unreachable or failing (connection errors, HTTP 5xx) on every
@@ -50,12 +50,6 @@ class DownloadError(DataError):
 
     def __reduce__(self) -> tuple[type, tuple[str, bool]]:  # keep `transient` across pickling (Prefect states)
         return type(self), (str(self), self.transient)
-
-
-def file_digest(path: Path, algorithm: str = "sha256") -> str:
-    """The hex digest of a file, read in blocks: the project's one way to hash a file."""
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, algorithm).hexdigest()
 
 
 @dataclass(frozen=True)

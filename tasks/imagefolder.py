@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from tasks.data_format import DataError, write_raw_blocks
+from tasks.data_format import write_raw_blocks
+from tasks.errors import ExpectedFailure
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,13 @@ def find_root(path: Path) -> Path:
 
 
 def scan(root: Path) -> FolderScan:
-    """Classes and image files under `root`; raises DataError for layouts that cannot be a dataset."""
+    """Classes and image files under `root`; raises ExpectedFailure for layouts that cannot be a dataset."""
     root = Path(root)
     if not root.is_dir():
-        raise DataError(f"{root}: not a directory (data.path must be a folder of class folders, or an archive)")
+        raise ExpectedFailure(f"{root}: not a directory (data.path must be a folder of class folders, or an archive)")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and _visible(e.name))
     if len(classes) < 2:
-        raise DataError(f"{root}: found {len(classes)} class folder(s) {classes}; a classifier needs at least 2")
+        raise ExpectedFailure(f"{root}: found {len(classes)} class folder(s) {classes}; a classifier needs at least 2")
     files: list[str] = []
     labels: list[int] = []
     skipped: list[str] = []
@@ -80,7 +81,7 @@ def scan(root: Path) -> FolderScan:
                 else:
                     skipped.append(path)
         if found == 0:
-            raise DataError(f"{root / name}: class folder has no images (extensions: {' '.join(IMG_EXTENSIONS)})")
+            raise ExpectedFailure(f"{root / name}: class folder has no images (extensions: {' '.join(IMG_EXTENSIONS)})")
     if skipped:
         shown = ", ".join(os.path.relpath(p, root) for p in skipped[:5])
         log.warning(
@@ -104,7 +105,7 @@ def _decode(path: str, mode: str, size: tuple[int, int] | None) -> np.ndarray:
                 image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
             pixels = np.asarray(image, dtype=np.uint8)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise DataError(f"{path}: not a readable image: {exc}") from None
+        raise ExpectedFailure(f"{path}: not a readable image: {exc}") from None
     return pixels.reshape(pixels.shape[0], pixels.shape[1], -1)
 
 
@@ -127,7 +128,7 @@ def ingest_folder(
         for path in tqdm(found.files, desc="decoding images", unit="img", disable=None, leave=False):
             pixels = _decode(path, mode, image_size)
             if pixels.shape[:2] != (height, width):
-                raise DataError(
+                raise ExpectedFailure(
                     f"{path}: {pixels.shape[1]}x{pixels.shape[0]} pixels, but {found.files[0]} is "
                     f"{width}x{height}; set data.image_size: [height, width] to resize all images"
                 )

@@ -1,4 +1,4 @@
-"""Model factory: the architectures `train.model` can name.
+"""The models: the architectures `train.model` can name, and running one on uint8 images.
 
 Both accept any input size and channel count; weights start random (pretrained weights would need
 the internet, and their download is not reproducible offline).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -75,3 +76,19 @@ def build_model(name: str, num_classes: int, mean: Sequence[float], std: Sequenc
     else:
         raise ValueError(f"train.model: unknown model {name!r}; expected small_cnn or resnet18")
     return Classifier(net, mean, std)
+
+
+def to_float(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """uint8 pixels -> float32 in [0, 1] on `device` (the model normalises from there)."""
+    return images.to(device, non_blocking=True).float().div_(255.0)
+
+
+@torch.no_grad()
+def predict(model: nn.Module, images: np.ndarray, device: torch.device, batch_size: int) -> torch.Tensor:
+    """Logits for uint8 (N, C, H, W) `images`, in order, on the CPU."""
+    model.eval()
+    outputs = [
+        model(to_float(torch.from_numpy(images[i : i + batch_size]), device)).cpu()
+        for i in range(0, len(images), batch_size)
+    ]
+    return torch.cat(outputs) if outputs else torch.empty(0)

@@ -21,8 +21,9 @@ import numpy as np
 
 from tasks.atomic import atomic_dir
 from tasks.config import SplitConfig
-from tasks.data_format import SPLITS, DataError, NpyRows, NpyWriter, open_raw, read_meta, split_indices
-from tasks.fetch import file_digest
+from tasks.data_format import SPLITS, NpyRows, NpyWriter, open_raw, read_meta, split_indices
+from tasks.errors import ExpectedFailure
+from tasks.hashing import file_digest
 from tasks.stats import ChannelStats
 
 FORMAT = "lockstep-preprocessed/2"
@@ -92,7 +93,9 @@ def load_split(pre_dir: Path, name: str) -> Preprocessed:
     images, labels = (_load_verified(pre_dir / f"{name}_{kind}.npy", meta) for kind in ("images", "labels"))
     expected = (meta["split_sizes"][name], *meta["image_shape"])
     if images.shape != expected or labels.shape != expected[:1]:
-        raise DataError(f"{pre_dir / f'{name}_images.npy'}: shape {images.shape}, expected {expected} (meta.json)")
+        raise ExpectedFailure(
+            f"{pre_dir / f'{name}_images.npy'}: shape {images.shape}, expected {expected} (meta.json)"
+        )
     return Preprocessed(images, labels, list(meta["classes"]), list(meta["mean"]), list(meta["std"]))
 
 
@@ -104,13 +107,13 @@ def _load_verified(path: Path, meta: dict) -> np.ndarray:
     """
     expected = meta.get("sha256", {}).get(path.name)
     if not path.exists():
-        raise DataError(f"{path}: missing; run the preprocess stage again")
+        raise ExpectedFailure(f"{path}: missing; run the preprocess stage again")
     if expected is None or file_digest(path) != expected:
-        raise DataError(
+        raise ExpectedFailure(
             f"{path}: its sha256 does not match meta.json (corrupt or changed since preprocess wrote "
             "it); run the preprocess stage again (`dvc repro` does so by itself)"
         )
     try:
         return np.load(path, allow_pickle=False)
     except (ValueError, OSError) as exc:
-        raise DataError(f"{path}: not a readable array: {exc}") from None
+        raise ExpectedFailure(f"{path}: not a readable array: {exc}") from None

@@ -40,7 +40,8 @@ import yaml
 
 from tasks import layout, tracking
 from tasks.atomic import write_text
-from tasks.fetch import file_digest
+from tasks.cli import configure_logging, exit_code
+from tasks.hashing import data_md5, file_digest
 
 log = logging.getLogger("tasks.reproduce")  # not __name__: that is "__main__" under -m
 
@@ -202,11 +203,6 @@ def _download_record(client: Any, run: Any, dest: Path) -> Path:
     for path in (LOGGED_DIR, "checkpoints"):
         download_artifacts(run_id=run_id, artifact_path=path, dst_path=str(dest), tracking_uri=client.tracking_uri)
     return dest
-
-
-def _data_md5(data_dvc: Path) -> str:
-    outs = (yaml.safe_load(data_dvc.read_text()) or {}).get("outs") or [{}]
-    return str(outs[0].get("md5", "none"))
 
 
 # --------------------------------------------------------------------------- the workspace
@@ -469,7 +465,7 @@ def reproduce(
             run_id=train_id,
             experiment_id=run.info.experiment_id,
             code="",
-            data_md5=_data_md5(record / LOGGED_DIR / "data.dvc"),
+            data_md5=data_md5(record / LOGGED_DIR / "data.dvc"),
         )
         report.code = _checkout_code(project, run, workspace, report.warnings)
         _write_inputs(record, workspace)
@@ -551,8 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temporary workspace")
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("tasks").setLevel(logging.INFO)
+    configure_logging("%(message)s")
+    return exit_code(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         report = reproduce(args.run_id, args.workdir, keep=args.keep)
     except ReproduceError as exc:

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -19,7 +19,11 @@ from tasks import layout
 from tasks.atomic import write_text
 from tasks.config import Params
 from tasks.determinism import pin_everything
-from tasks.tracking import StageRun, data_hash, lineage_tags, stage_run
+from tasks.hashing import data_md5
+from tasks.tracking import StageRun, lineage_tags, stage_run
+
+if TYPE_CHECKING:
+    from tasks.export import ExportResult
 
 
 def track_data_with_dvc() -> None:
@@ -35,7 +39,7 @@ def _download(params: Params, run: StageRun) -> dict[str, float]:
 
     result = download(params.data, layout.DATA_DIR, layout.download_cache())
     track_data_with_dvc()
-    receipt = {**asdict(result), "data_md5": data_hash()}
+    receipt = {**asdict(result), "data_md5": data_md5()}
     write_text(layout.DOWNLOAD_RECEIPT, json.dumps(receipt, indent=2) + "\n")
     run.log_artifact(layout.DOWNLOAD_RECEIPT)
     run.log_artifact(layout.DATA_DVC)
@@ -67,8 +71,7 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
         from tasks.ddp import launch
 
         result = launch(params)
-        for row in json.loads((layout.TRAIN_DIR / "history.json").read_text()):  # rank 0 wrote it
-            run.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=row["epoch"])
+        run.log_history(json.loads((layout.TRAIN_DIR / "history.json").read_text()))  # rank 0 wrote it
     else:
         from tasks.train import train
 
@@ -77,8 +80,8 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
             params.seed,
             layout.PREPROCESSED_DIR,
             layout.TRAIN_DIR,
-            run,
             resume_dir=layout.TRAIN_RESUME_DIR,
+            on_epoch=lambda row: run.log_history([row]),
         )
     run.set_tags(
         {
@@ -130,8 +133,7 @@ def _compress(params: Params, run: StageRun) -> dict[str, float]:
     )
     run.set_tags({"compress.runtime": "onnxruntime", "compress.threads": result.threads})
     for name, curve in result.history.items():  # fine-tuning curves, one metric series per variant
-        for row in curve:
-            run.log_metrics({f"{name}.{k}": v for k, v in row.items() if k != "epoch"}, step=row["epoch"])
+        run.log_history(curve, prefix=f"{name}.")
     for name in ("metrics.json", "compression.csv", "compression.md", "finetune.json"):
         run.log_artifact(layout.COMPRESS_DIR / name)
     return {
@@ -143,7 +145,7 @@ def _export(params: Params, run: StageRun) -> dict[str, float]:
     from tasks.export import CARD, GATES, PT2, TORCHSCRIPT, CardContext, export
 
     lineage = {k: v for k, v in lineage_tags().items() if k.startswith(("git.", "version."))}
-    card = CardContext(data_md5=data_hash(), params=params.model_dump(mode="json"), lineage=lineage)
+    card = CardContext(data_md5=data_md5(), params=params.model_dump(mode="json"), lineage=lineage)
     result = export(
         params.export,
         params.determinism.num_threads,
@@ -158,11 +160,11 @@ def _export(params: Params, run: StageRun) -> dict[str, float]:
         run.log_artifact(layout.EXPORT_DIR / name)
     run.set_tags({f"sha256.{name}": digest for name, digest in result.sha256.items()})
     if run.enabled:  # only after every gate passed: a failing model is never registered
-        _register(params, run, result.accuracy)
+        _register(params, run, result)
     return {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}
 
 
-def _register(params: Params, run: StageRun, accuracy: float) -> None:
+def _register(params: Params, run: StageRun, exported: ExportResult) -> None:
     """Log both ONNX models (onnx flavour, explicit signature), register the shipped one and
     decide champion/challenger (tasks/registry.py)."""
     import numpy as np
@@ -171,16 +173,14 @@ def _register(params: Params, run: StageRun, accuracy: float) -> None:
     from mlflow.types import Schema, TensorSpec
 
     from tasks.export import FP32, SHIPPED
-    from tasks.onnx_model import INPUT, OUTPUT, as_pixels
-    from tasks.preprocess import load_split
+    from tasks.onnx_model import INPUT, OUTPUT
     from tasks.registry import decide_promotion
 
     mlflow, name = run.mlflow, params.tracking.registered_model
-    test = load_split(layout.PREPROCESSED_DIR, "test")
-    example = as_pixels(test.images[:1])  # float32 in [0, 1], (N, C, H, W)
+    example = np.zeros((1, *exported.input_shape), dtype=np.float32)  # a black image: pixels in [0, 1], (N, C, H, W)
     signature = ModelSignature(
-        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *example.shape[1:]), INPUT)]),
-        outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, len(test.classes)), OUTPUT)]),
+        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *exported.input_shape), INPUT)]),
+        outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, exported.num_classes), OUTPUT)]),
     )
     # What serving an ONNX model needs, pinned to what was measured here (MLflow adds itself). Left
     # to infer them, MLflow would record the whole project lock (`uv export`: torch, Prefect, DVC...)
@@ -196,7 +196,7 @@ def _register(params: Params, run: StageRun, accuracy: float) -> None:
     info = mlflow.onnx.log_model(
         onnx.load(str(layout.EXPORT_DIR / SHIPPED)), name="model", registered_model_name=name, **logged
     )
-    promotion = decide_promotion(mlflow.MlflowClient(), name, str(info.registered_model_version), accuracy)
+    promotion = decide_promotion(mlflow.MlflowClient(), name, str(info.registered_model_version), exported.accuracy)
     run.set_tags(
         {
             "registry.model": name,

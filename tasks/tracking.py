@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -34,9 +34,9 @@ from typing import Any
 import psutil
 
 from tasks.config import TrackingConfig
-from tasks.errors import DataError
-from tasks.fetch import file_digest
-from tasks.layout import DATA_DVC, project_root
+from tasks.errors import ExpectedFailure
+from tasks.hashing import data_md5, file_digest
+from tasks.layout import project_root
 from tasks.redact import redact, redact_mapping
 
 PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
@@ -62,7 +62,7 @@ def _mlflow():
     return mlflow
 
 
-class TrackingUnavailable(DataError):
+class TrackingUnavailable(ExpectedFailure):
     """The MLflow store cannot take this run's records (server down or failing, store not writable)."""
 
 
@@ -135,16 +135,6 @@ def _sha256(path: Path) -> str:
     return file_digest(path) if path.exists() else "none"
 
 
-def data_hash() -> str:
-    """The md5 DVC recorded for `data/` in data.dvc ('none' before the first download)."""
-    if not DATA_DVC.exists():
-        return "none"
-    import yaml
-
-    outs = yaml.safe_load(DATA_DVC.read_text()).get("outs") or [{}]
-    return str(outs[0].get("md5", "none"))
-
-
 def lineage_tags() -> dict[str, str]:
     """Where a run came from: code, data, pipeline state and library versions.
 
@@ -162,7 +152,7 @@ def lineage_tags() -> dict[str, str]:
     tags = {
         "git.commit": commit or "none (not a git repository)",
         "git.dirty": "unknown" if status is None else str(bool(status)).lower(),
-        "data.md5": data_hash(),
+        "data.md5": data_md5(),
         "dvc_lock.sha256": _sha256(Path("dvc.lock")),
         "version.python": platform.python_version(),
         "version.torch": version("torch"),
@@ -214,6 +204,12 @@ class StageRun:
         self._pending += [Metric(key, float(value), stamp, step or 0) for key, value in metrics.items()]
         if time.monotonic() - self._written_at >= METRICS_WRITE_EVERY_S:
             self.flush()
+
+    def log_history(self, rows: Iterable[dict[str, float]], prefix: str = "") -> None:
+        """Per-epoch rows (each with its `epoch`) as metric series stepped by epoch: the one way a
+        curve is logged (training, its resumed part, DDP's history.json, fine-tuning in compress)."""
+        for row in rows:
+            self.log_metrics({f"{prefix}{k}": v for k, v in row.items() if k != "epoch"}, step=int(row["epoch"]))
 
     def flush(self) -> None:
         """Write the metrics logged so far; raises if MLflow cannot."""

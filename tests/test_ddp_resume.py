@@ -25,12 +25,13 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from tasks.checkpoints import load_checkpoint
 from tasks.config import DataConfig, SplitConfig
 from tasks.ddp import RDZV_ID
 from tasks.download import download
+from tasks.models import predict
 from tasks.preprocess import load_split, preprocess
 from tasks.stats import compute_stats
-from tasks.train import load_checkpoint, predict
 from tests.conftest import ROOT, free_port, run, subprocess_env, write_params
 
 pytestmark = pytest.mark.slow

@@ -22,8 +22,9 @@ import pytest
 import torchvision.datasets
 
 from tasks.config import DataConfig, SplitConfig
-from tasks.data_format import DataError, read_raw, split_indices
+from tasks.data_format import read_raw, split_indices
 from tasks.download import download
+from tasks.errors import ExpectedFailure
 from tasks.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
 from tasks.imagefolder import IMG_EXTENSIONS
 from tasks.stats import compute_stats
@@ -273,7 +274,7 @@ def test_unsafe_archives_are_refused_whole(case: str, tmp_path: Path, server: Fi
     sha = build(archive)
     url = server.add_file(f"/{archive.name}", archive)
     before = _digest(data_dir)
-    with pytest.raises(DataError, match=f"{archive.name}: refusing to extract, member .* {reason}"):
+    with pytest.raises(ExpectedFailure, match=f"{archive.name}: refusing to extract, member .* {reason}"):
         download(_folder_cfg(url, sha), data_dir, tmp_path / "cache", FAST)
     assert _digest(data_dir) == before
     assert not (tmp_path / "evil.txt").exists() and not Path("/tmp/lockstep-evil.txt").exists()
@@ -284,7 +285,7 @@ def test_empty_class_folder_is_an_error_naming_it(tmp_path: Path, data_dir: Path
     imagefolder_tree(tmp_path / "tree")
     (tmp_path / "tree" / "zebra").mkdir()
     before = _digest(data_dir)
-    with pytest.raises(DataError, match=r"tree/zebra: class folder has no images"):
+    with pytest.raises(ExpectedFailure, match=r"tree/zebra: class folder has no images"):
         download(DataConfig(source="imagefolder", path=str(tmp_path / "tree")), data_dir, tmp_path / "cache")
     assert _digest(data_dir) == before
 
@@ -294,14 +295,14 @@ def test_corrupt_image_is_an_error_naming_it(tmp_path: Path, data_dir: Path) -> 
     bad = files["dog"][1]
     bad.write_bytes(bad.read_bytes()[:40])  # a PNG cut short
     before = _digest(data_dir)
-    with pytest.raises(DataError, match=f"{bad}: not a readable image"):
+    with pytest.raises(ExpectedFailure, match=f"{bad}: not a readable image"):
         download(DataConfig(source="imagefolder", path=str(tmp_path / "tree")), data_dir, tmp_path / "cache")
     assert _digest(data_dir) == before
 
 
 def test_mixed_sizes_without_image_size_say_how_to_fix(tmp_path: Path, data_dir: Path) -> None:
     imagefolder_tree(tmp_path / "tree", size=[(12, 10), (9, 14)])
-    with pytest.raises(DataError, match=r"set data.image_size: \[height, width\]"):
+    with pytest.raises(ExpectedFailure, match=r"set data.image_size: \[height, width\]"):
         download(DataConfig(source="imagefolder", path=str(tmp_path / "tree")), data_dir, tmp_path / "cache")
 
 

@@ -1,4 +1,5 @@
-"""dvc.yaml and the code agree: each stage lists exactly the params sections it reads."""
+"""dvc.yaml and the code agree: each stage lists exactly the params sections it reads and the code it
+imports, so that a change to either re-runs the stage and nothing else does."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import yaml
 
 from tasks import layout
 from tasks.config import STAGE_PARAMS, STAGES
-from tests.conftest import ROOT
+from tests.code_graph import PACKAGES, ROOT, closure, module_path
 
 
 def _stages() -> dict:
@@ -28,3 +29,32 @@ def test_outputs_never_overlap_the_dvc_tracked_data_dir() -> None:
         for entry in stage.get("outs", []) + stage.get("metrics", []):
             path = entry if isinstance(entry, str) else next(iter(entry))
             assert path.startswith(f"{layout.ARTIFACTS}/"), (name, path)
+
+
+# What each stage's command computes with: its module, and the determinism pinning every stage runs
+# under (tasks/stages.py's run_stage); train also runs tasks/ddp.py's ranks. The rest of the runner
+# (tasks/stages.py, tracking.py) is the edge that logs, not a dep: how a run is logged does not
+# change what it computes.
+STAGE_MODULES = {name: (f"tasks.{name}", "tasks.determinism") for name in STAGES}
+STAGE_MODULES["train"] += ("tasks.ddp",)
+
+
+def _code_deps(deps: list[str]) -> set[str]:
+    """The .py files a stage's deps name, folders expanded."""
+    files: set[str] = set()
+    for dep in deps:
+        path = ROOT / dep
+        if path.is_dir() and dep.split("/")[0] in PACKAGES:
+            files |= {str(p.relative_to(ROOT)) for p in path.rglob("*.py")}
+        elif dep.endswith(".py"):
+            files.add(dep)
+    return files
+
+
+def test_each_stage_lists_exactly_the_code_it_imports() -> None:
+    for name, stage in _stages().items():
+        imported = {str(module_path(m).relative_to(ROOT)) for m in closure(*STAGE_MODULES[name])}
+        listed = _code_deps(stage["deps"])
+        assert listed == imported, (
+            f"{name}: missing {sorted(imported - listed)}, not imported {sorted(listed - imported)}"
+        )

@@ -13,13 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tasks.checkpoints import CheckpointError, load_checkpoint, result_config
 from tasks.config import DataConfig, EvaluateConfig, SplitConfig, TrainConfig
 from tasks.determinism import pin_everything
 from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.preprocess import load_split, preprocess
 from tasks.stats import compute_stats
-from tasks.train import CheckpointError, load_checkpoint, result_config, train
+from tasks.train import train
 from tests.conftest import ROOT, run, subprocess_env, write_params
 
 SPLIT = SplitConfig()

@@ -1,0 +1,60 @@
+"""The code's shape, checked: layers import only downwards, no import cycles, short functions."""
+
+from __future__ import annotations
+
+import ast
+
+from tests.code_graph import PACKAGES, ROOT, imports, module_path, project_modules
+
+# Lower layers never import higher ones: the stages know nothing of the orchestrator or benchmarks.
+LAYER = {"tasks": 0, "flows": 1, "benchmarks": 2}
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> list[str]:
+    return [module for package in PACKAGES for module in project_modules(package)]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    upward = [
+        (module, dep)
+        for module in _modules()
+        for dep in imports(module)
+        if LAYER[dep.split(".")[0]] > LAYER[module.split(".")[0]]
+    ]
+    assert not upward, f"imports of a higher layer: {upward}"
+
+
+def test_imports_have_no_cycles() -> None:
+    """Lazy (in-function) imports count: a cycle through one still ties the two modules together."""
+    state: dict[str, str] = {}  # module -> "visiting" | "done"
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "visiting"
+        for dep in sorted(imports(module)):
+            if state.get(dep) == "visiting":
+                cycles.append([*path[path.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = "done"
+
+    for module in _modules():
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_function_in_tasks_or_flows_is_longer_than_60_lines() -> None:
+    long = []
+    for package in ("tasks", "flows"):
+        for module in project_modules(package):
+            tree = ast.parse(module_path(module).read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(
+                            f"{module_path(module).relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)"
+                        )
+    assert not long, "split these: " + ", ".join(long)

@@ -1,0 +1,68 @@
+"""The default run's weights, pinned: a change to the code that changes them on the same machine is a
+change in results, and must be meant (tests/golden/default_weights.json says which bytes to expect).
+
+Weight bytes depend on the CPU's kernels (torch picks code paths by instruction set), so the record
+is keyed by machine: a machine with no record yet is skipped, saying how to add one. Record (after
+checking that the change in results is intended) with:
+
+    LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden_weights.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.config import load_params
+from tasks.determinism import pin_everything
+from tasks.download import download
+from tasks.preprocess import preprocess
+from tasks.stats import compute_stats
+from tasks.train import train
+from tests.conftest import ROOT, sha256
+
+GOLDEN = Path(__file__).parent / "golden" / "default_weights.json"
+pytestmark = pytest.mark.slow
+
+
+def machine() -> str:
+    """What decides the bytes besides the code: CPU model, the kernels torch picked, torch itself."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = (
+        [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        if cpuinfo.exists()
+        else []
+    )
+    cpu = names[0] if names else platform.processor() or platform.machine()
+    return f"{cpu} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__}"
+
+
+def test_default_run_weights_are_unchanged(tmp_path: Path) -> None:
+    params = load_params(ROOT / "params.yaml")
+    shaping = params.model_dump(mode="json", include={"seed", "data", "split", "determinism", "train"})
+    params_digest = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
+    download(params.data, tmp_path / "data", tmp_path / "cache")
+    stats = compute_stats(tmp_path / "data", params.split, params.seed, params.stats.chunk_size)
+    preprocess(tmp_path / "data", stats, params.split, params.seed, tmp_path / "preprocessed")
+    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)  # as the stage runner does
+    train(params.train, params.seed, tmp_path / "preprocessed", tmp_path / "train")
+    made = {name: sha256(tmp_path / "train" / name) for name in ("best.safetensors", "last.safetensors")}
+
+    records = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    key = machine()
+    if os.environ.get("LOCKSTEP_RECORD_GOLDEN") == "1":
+        records[key] = {"params_sha256": params_digest, **made}
+        GOLDEN.write_text(json.dumps(records, indent=2, sort_keys=True) + "\n")
+    if key not in records:
+        pytest.skip(f"no default-run weights recorded for this machine ({key}); see {GOLDEN.name}'s test docstring")
+    expected = records[key]
+    assert expected["params_sha256"] == params_digest, (
+        "params.yaml's defaults changed since the weights were recorded: record them again (module docstring)"
+    )
+    assert made == {name: expected[name] for name in made}, f"the default run's weights changed on {key}"
