@@ -14,7 +14,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-fast bench repro serve ui mlflow-server reproduce env clean
+.PHONY: run test test-all lint bench repro serve ui mlflow-server reproduce env clean
 
 # Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
 # MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
@@ -26,11 +26,20 @@ PREFECT_PORT ?= 4200
 run: $(STAMP)  ## run the whole pipeline (Prefect flow, local ephemeral mode) on the default dataset
 	$(VENV)/bin/python -m flows.pipeline
 
-test: $(STAMP)  ## run the whole test suite
-	$(VENV)/bin/python -m pytest
+# Tests run in a new random order each time (pytest-randomly; it prints the seed to repeat one with
+# `-p randomly -p "randomly_seed=N"`), so a test that leans on another's leftovers fails. Two xdist
+# workers, each taking whole modules (their fixtures are built once): most tests spend their time
+# in one single-threaded subprocess, which leaves the second core idle.
+PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadscope
+test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow
+	$(PYTEST) -m "not slow"
 
-test-fast: $(STAMP)  ## unit tests only (no end-to-end pipeline runs)
-	$(VENV)/bin/python -m pytest -m "not slow"
+test-all: $(STAMP)  ## every test: end-to-end pipelines, servers, faults (what CI runs)
+	$(PYTEST)
+
+lint: $(STAMP)  ## ruff: lint and formatting (what CI checks)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/bench.json (minutes)
 	$(VENV)/bin/python -m benchmarks

@@ -50,9 +50,9 @@ def _env(work: Path) -> dict[str, str]:
     return env
 
 
-def project_copy(work: Path, smoke: bool, scale: int = 1) -> tuple[Path, dict[str, str]]:
-    """The repository's tracked files in `work/project-x<scale>`, its pipeline run once there on
-    digits `scale` times over (benchmarks/data.py); (path, env)."""
+def project_copy(work: Path, smoke: bool, scale: int = 1, first_run: bool = True) -> tuple[Path, dict[str, str]]:
+    """The repository's tracked files in `work/project-x<scale>`, its pipeline run once there (unless
+    not `first_run`) on digits `scale` times over (benchmarks/data.py); (path, env)."""
     dest, env = work / f"project-x{scale}", _env(work)
     if (dest / "dvc.lock").exists():
         return dest, env
@@ -70,21 +70,27 @@ def project_copy(work: Path, smoke: bool, scale: int = 1) -> tuple[Path, dict[st
         shutil.rmtree(dest / "data")
         shutil.copytree(raw(work, scale), dest / "data")
         run_timed(["dvc", "add", "data"], dest, env)
-    # through the flow (one process, not one per stage as under `dvc repro`): also its warm-up
-    run_timed([sys.executable, "-m", "flows.pipeline"], dest, env, expect="stages run:")
+    if first_run:  # through the flow (one process, not one per stage as under `dvc repro`): also its warm-up
+        run_timed([sys.executable, "-m", "flows.pipeline"], dest, env, expect="stages run:")
     return dest, env
 
 
 def b2(work: Path, rounds: int, rounds_large: int, smoke: bool = False) -> list[Figure]:
-    """`rounds` timed pairs on digits, `rounds_large` on the 20x dataset (minutes each)."""
-    return [_b2_at(work, 1, rounds, smoke), _b2_at(work, 2 if smoke else 20, rounds_large, smoke)]
+    """`rounds` timed pairs on digits, `rounds_large` on the 20x dataset (minutes each; 0: not run)."""
+    figures = [_b2_at(work, 1, rounds, smoke)]
+    if rounds_large:
+        figures.append(_b2_at(work, 2 if smoke else 20, rounds_large, smoke))
+    return figures
 
 
 def _b2_at(work: Path, scale: int, rounds: int, smoke: bool) -> Figure:
-    project, env = project_copy(work, smoke, scale)
+    # The smoke run times nothing, so it skips the warm-up run: its one timed flow run is the first.
+    project, env = project_copy(work, smoke, scale, first_run=not smoke)
     plain = work / f"plain-x{scale}"
     if not plain.exists():
-        shutil.copytree(project / "data", plain / "data")
+        plain.mkdir(parents=True)
+        if (project / "data").exists():  # (at 1x the plain process downloads it anyway)
+            shutil.copytree(project / "data", plain / "data")
     after = STAGES if scale == 1 else STAGES[1:]
     derived = [
         layout.STATS_FILE.parent,
@@ -98,7 +104,8 @@ def _b2_at(work: Path, scale: int, rounds: int, smoke: bool) -> Figure:
     def flow() -> float:
         if scale > 1:  # stale outputs, not --force (that would download digits over the snapshot)
             for path in derived:
-                shutil.rmtree(project / path)
+                if (project / path).exists():  # (not after a smoke run's set-up: nothing ran yet)
+                    shutil.rmtree(project / path)
         cmd = [sys.executable, "-m", "flows.pipeline", *(["--force"] if scale == 1 else [])]
         return run_timed(cmd, project, env, expect=f"stages run: {', '.join(after)}\n")
 

@@ -40,6 +40,13 @@ class Progress:
     def epoch(self) -> int:
         return int(self.history[-1]["epoch"]) if self.history else 0
 
+    def record(self, row: dict[str, float], model: torch.nn.Module) -> None:
+        """Add an epoch's row; keep a copy of `model`'s weights if it is the best so far on validation."""
+        self.history.append(row)
+        if row["val_accuracy"] > self.best_acc:
+            self.best_acc, self.best_epoch = row["val_accuracy"], int(row["epoch"])
+            self.best_state = cpu_state(model)
+
 
 def signature(cfg: TrainConfig, seed: int, pre_dir: Path) -> str:
     """What a resume checkpoint must match: the config that shapes the result, the seed, the data."""

@@ -79,12 +79,9 @@ def train(
     bar = tqdm(epochs, desc="train", unit="epoch", dynamic_ncols=True, disable=ranks.rank != 0)
     for epoch in bar:
         row = training.epoch(epoch, val_split)
-        progress.history.append(row)
+        progress.record(row, training.model)
         on_epoch(row)
         bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=f"{row['val_accuracy']:.4f}")
-        if row["val_accuracy"] > progress.best_acc:
-            progress.best_acc, progress.best_epoch = row["val_accuracy"], epoch
-            progress.best_state = cpu_state(training.model)
         if resume_path is not None and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs):
             resume.save(resume_path, training, progress, signature)
 

@@ -4,7 +4,6 @@ on the project `dvc repro` built (tests/conftest.py `dvc_repo`)."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import onnx
 import pytest
 import yaml
 
-from tests.conftest import TINY, client_for, run, sha256
+from tests.conftest import TINY, client_for, clone_project, run, sha256
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +136,7 @@ def test_exported_onnx_in_a_fresh_process_scores_the_logged_accuracy(
 
 def test_a_failed_gate_fails_the_stage_and_registers_nothing(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     repo = tmp_path / "repo"
-    shutil.copytree(dvc_repo["repo"], repo, symlinks=True)
+    clone_project(dvc_repo["repo"], repo)
     before = {p.name: sha256(p) for p in (repo / "artifacts/export").iterdir()}
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["export"].update(max_abs_diff=1e-12, min_top1_agreement=1.0)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from tests.conftest import copy_project, run
+from tests.conftest import clone_project, run, write_params
 from tests.fakedata import imagefolder_tree
 
 pytestmark = pytest.mark.slow
@@ -31,14 +32,15 @@ def _ran(output: str) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", output)
 
 
-def test_push_pull_round_trip_reproduces_weights_and_reingest_updates_data_dvc(tmp_path: Path) -> None:
-    repo = copy_project(tmp_path / "origin", {"tracking": {"enabled": False}})  # MLflow: tested elsewhere
+def test_push_pull_round_trip_reproduces_weights_and_reingest_updates_data_dvc(
+    dvc_repo: dict[str, Any], tmp_path: Path
+) -> None:
+    repo = clone_project(dvc_repo["repo"], tmp_path / "origin")  # the session's trained project
+    write_params(repo / "params.yaml", {"tracking": {"enabled": False}}, base=repo / "params.yaml")  # tested elsewhere
     run(["dvc", "remote", "add", "-d", "storage", str(tmp_path / "remote")], repo)
-    run(["dvc", "repro", "download"], repo)
-    run(["dvc", "repro", "evaluate"], repo)  # the data's part of the pipeline (compress/export: tested elsewhere)
     weights = _sha(repo / "artifacts/train/best.safetensors")
     run(["dvc", "push"], repo)
-    run([*GIT, "add", "dvc.lock", "data.dvc", ".dvc/config"], repo)
+    run([*GIT, "add", "dvc.lock", "data.dvc", ".dvc/config", "params.yaml"], repo)
     run([*GIT, "commit", "-q", "-m", "pipeline run"], repo)
 
     # 1. a fresh clone restores everything from the remote: nothing left to run

@@ -1,7 +1,7 @@
 """`python -m tasks.reproduce RUN_ID`: a past train run rebuilt from what it logged, byte for byte.
 
-The slow tests train once in a copy of the project (`dvc repro`, real MLflow sqlite store), then
-reproduce that run from the DVC cache, refuse when its data version is gone, and pull it from a
+The slow tests take the session's trained project (`dvc repro`, real MLflow sqlite store), a clone
+each, then reproduce that run from the DVC cache, refuse when its data version is gone, and pull it from a
 local DVC remote. The fast ones check which runs are refused, on a real sqlite store.
 """
 
@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tasks.reproduce import ReproduceError, find_train_run, main, reproduce
-from tests.conftest import client_for, copy_project, run, sha256
+from tests.conftest import TINY, client_for, clone_project, run, sha256
 
 # --------------------------------------------------------------------------- fast: refusals
 
@@ -115,12 +115,11 @@ def _reproduce(repo: Path, run_id: str, tmp_path: Path, *options: str) -> tuple[
     return done, json.loads(report.read_text()) if report.exists() else None
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A copy of the project after `dvc repro train`, with its train run and pipeline run ids."""
-    repo = copy_project(tmp_path_factory.mktemp("reproduce") / "repo")
-    run(["dvc", "repro", "download"], repo)
-    run(["dvc", "repro", "train"], repo)
+@pytest.fixture
+def trained(dvc_repo: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A clone of the session's trained project (its own for each test, which may change it), with
+    its train run and pipeline run ids."""
+    repo = clone_project(dvc_repo["repo"], tmp_path_factory.mktemp("reproduce") / "repo")
     client = client_for(repo)
     experiment = client.get_experiment_by_name("lockstep").experiment_id
     (train,) = client.search_runs([experiment], filter_string="tags.`lockstep.stage` = 'train'")
@@ -137,7 +136,7 @@ def test_train_run_is_rebuilt_byte_identical_and_logged(trained: dict[str, Any],
     repo, train = trained["repo"], trained["train"]
     train_id = train.info.run_id
     logged = client_for(repo).download_artifacts(train_id, "reproduce/params.yaml", str(tmp_path))
-    assert yaml.safe_load(Path(logged).read_text())["train"]["epochs"] == 2  # the resolved (tiny) params
+    assert yaml.safe_load(Path(logged).read_text())["train"]["epochs"] == TINY["train"]["epochs"]  # resolved
 
     done, report = _reproduce(repo, train_id, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr

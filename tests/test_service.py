@@ -106,6 +106,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             yield Stack(repo, images, api, mlflow, serve_proc)
 
 
+@dataclass(frozen=True)
+class FirstRun:
+    flow_run_id: str
+    output: str  # what `prefect deployment run --watch` printed
+
+
+@pytest.fixture(scope="module")
+def first_run(stack: Stack) -> FirstRun:
+    """The deployment's first run: a full pipeline, champion version 1. Every test that needs a trained
+    service asks for it, so that it holds whichever test runs first, or alone; each test leaves the
+    pipeline up to date (DVC) for the next."""
+    flow_run_id, done = deployment_run(stack)
+    return FirstRun(flow_run_id, done.stdout)
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -159,10 +174,9 @@ def executions(stack: Stack) -> list[tuple[Any, dict[str, Any]]]:
 # --------------------------------------------------------------------------- the tests, in order
 
 
-def test_deployment_run_completes_and_logs_to_the_mlflow_server(stack: Stack) -> None:
-    flow_run_id, done = deployment_run(stack)
-    assert "Completed" in done.stdout
-    ((parent, children),) = executions(stack)
+def test_deployment_run_completes_and_logs_to_the_mlflow_server(stack: Stack, first_run: FirstRun) -> None:
+    assert "Completed" in first_run.output
+    parent, children = executions(stack)[0]
     assert set(children) == {"download", "stats", "preprocess", "train", "evaluate", "compress", "export"}
     assert parent.data.tags["lockstep.entry_point"] == "prefect" and parent.info.status == "FINISHED"
     assert all(child.info.status == "FINISHED" for child in children.values())
@@ -170,15 +184,17 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(stack: Stack) ->
     artifacts = {a.path for a in mlflow_client(stack).list_artifacts(children["train"].info.run_id)}
     assert {"checkpoints", "history.json", "train.json"} <= artifacts
     assert "test_accuracy" in children["evaluate"].data.metrics
-    version = mlflow_client(stack).get_model_version_by_alias("lockstep-classifier", "champion")
-    assert version.run_id == children["export"].info.run_id
+    # the shipped ONNX registered by export, version 1, champion at once (later tests may promote others)
+    export = children["export"]
+    assert mlflow_client(stack).get_model_version("lockstep-classifier", "1").run_id == export.info.run_id
+    assert export.data.tags["registry.decision"] == "promoted to champion"
     # the stages' own log lines reach Prefect's run log
-    messages = [entry["message"] for entry in flow_run_logs(stack, flow_run_id)]
+    messages = [entry["message"] for entry in flow_run_logs(stack, first_run.flow_run_id)]
     assert any(m.startswith("train: {") for m in messages), messages
     print(f"prefect deployment run -> completed pipeline: {stack.timings[DEPLOYMENT]:.1f} s")
 
 
-def test_unchanged_source_retrains_nothing_and_says_so(stack: Stack) -> None:
+def test_unchanged_source_retrains_nothing_and_says_so(stack: Stack, first_run: FirstRun) -> None:
     lock_before = (stack.repo / "dvc.lock").read_text()
     flow_run_id, _ = deployment_run(stack)  # the deployment's reingest=true: the source is read again
     parent, children = executions(stack)[-1]
@@ -190,7 +206,10 @@ def test_unchanged_source_retrains_nothing_and_says_so(stack: Stack) -> None:
     assert (stack.repo / "dvc.lock").read_text() == lock_before
 
 
-def test_new_data_retrains_and_goes_through_the_promotion_gate(stack: Stack) -> None:
+def test_new_data_retrains_and_goes_through_the_promotion_gate(stack: Stack, first_run: FirstRun) -> None:
+    client = mlflow_client(stack)
+    latest_before = max(int(v.version) for v in client.search_model_versions("name = 'lockstep-classifier'"))
+    champion_before = client.get_model_version_by_alias("lockstep-classifier", "champion").version
     write_digits(stack.images, range(FIRST_IMAGES, 1797))
     deployment_run(stack)
     parent, children = executions(stack)[-1]
@@ -198,17 +217,21 @@ def test_new_data_retrains_and_goes_through_the_promotion_gate(stack: Stack) -> 
     assert parent.data.tags["lockstep.retrained"] == "true" and "new data" in parent.data.tags["lockstep.summary"]
     assert children["train"].data.tags["data.md5"] != executions(stack)[0][1]["train"].data.tags["data.md5"]
     export = children["export"].data.tags
-    assert export["registry.version"] == "2" and export["registry.champion_version_before"] == "1"
-    client = mlflow_client(stack)
-    assert client.get_model_version_by_alias("lockstep-classifier", "challenger").version == "2"
+    version = str(latest_before + 1)
+    assert export["registry.version"] == version and export["registry.champion_version_before"] == champion_before
+    assert client.get_model_version_by_alias("lockstep-classifier", "challenger").version == version
     champion = client.get_model_version_by_alias("lockstep-classifier", "champion").version
-    assert export["registry.decision"] == ("promoted to champion" if champion == "2" else "kept current champion")
+    assert export["registry.decision"] == ("promoted to champion" if champion == version else "kept current champion")
 
 
-def test_a_failed_stage_is_visible_in_prefect_with_its_log(stack: Stack) -> None:
+def test_a_failed_stage_is_visible_in_prefect_with_its_log(stack: Stack, first_run: FirstRun) -> None:
     # an impossible export gate: the export stage fails after compress
     impossible = {"overrides": {"export.max_abs_diff": 1e-12}}
-    flow_run_id, done = deployment_run(stack, DEPLOYMENT, "--params", json.dumps(impossible), check=False)
+    params_before = (stack.repo / "params.yaml").read_text()
+    try:
+        flow_run_id, done = deployment_run(stack, DEPLOYMENT, "--params", json.dumps(impossible), check=False)
+    finally:  # the override is written into params.yaml: put it back, leaving the pipeline up to date
+        (stack.repo / "params.yaml").write_text(params_before)
     assert done.returncode != 0 and "Failed" in done.stdout, done.stdout
     task_runs = api(stack, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
     states = {t["name"]: t["state"]["type"] for t in task_runs}
@@ -219,7 +242,7 @@ def test_a_failed_stage_is_visible_in_prefect_with_its_log(stack: Stack) -> None
     assert executions(stack)[-1][1]["export"].info.status == "FAILED"
 
 
-def test_a_changed_parameter_reruns_from_the_stage_that_reads_it(stack: Stack) -> None:
+def test_a_changed_parameter_reruns_from_the_stage_that_reads_it(stack: Stack, first_run: FirstRun) -> None:
     # a value the flow's signature does not accept is refused by Prefect before any run starts
     refused = run(
         ["prefect", "deployment", "run", DEPLOYMENT, "--param", "force=maybe"],
@@ -229,20 +252,22 @@ def test_a_changed_parameter_reruns_from_the_stage_that_reads_it(stack: Stack) -
     )
     assert refused.returncode != 0 and "force" in refused.stdout + refused.stderr
     before = len(executions(stack))
-    overrides = {"overrides": {"train.lr": 0.03, "export.max_abs_diff": 1e-4}}
+    lr = yaml.safe_load((stack.repo / "params.yaml").read_text())["train"]["lr"]
+    lr = round(lr * 0.6, 6)  # a value not run before
+    overrides = {"overrides": {"train.lr": lr}}
     deployment_run(stack, DEPLOYMENT, "--params", json.dumps(overrides))
     assert len(executions(stack)) == before + 1  # the refused run never started
     parent, children = executions(stack)[-1]
     assert set(children) == {"download", "train", "evaluate", "compress", "export"}
-    assert children["train"].data.params["train.lr"] == "0.03"
+    assert float(children["train"].data.params["train.lr"]) == lr
     # written into params.yaml like `dvc exp run -S`, comments kept; DVC agrees the pipeline is done
     params_text = (stack.repo / "params.yaml").read_text()
-    assert yaml.safe_load(params_text)["train"]["lr"] == 0.03
+    assert yaml.safe_load(params_text)["train"]["lr"] == lr
     status = run(["dvc", "status"], stack.repo).stdout
     assert "Data and pipelines are up to date" in status, status
 
 
-def test_overlapping_runs_on_a_process_worker_wait_for_each_other(stack: Stack) -> None:
+def test_overlapping_runs_on_a_process_worker_wait_for_each_other(stack: Stack, first_run: FirstRun) -> None:
     deployed = run(
         [sys.executable, "-m", "flows.deployments", "deploy", "--pool", "lockstep-test", "--name", "pooled"],
         stack.repo,
@@ -318,7 +343,7 @@ def test_the_schedule_created_upcoming_runs(stack: Stack) -> None:
     assert starts[0] > datetime.now(starts[0].tzinfo)
 
 
-def test_the_mlflow_ui_shows_the_run_in_headless_chromium(stack: Stack, tmp_path: Path) -> None:
+def test_the_mlflow_ui_shows_the_run_in_headless_chromium(stack: Stack, first_run: FirstRun, tmp_path: Path) -> None:
     chromium = shutil.which("chromium")
     if chromium is None:
         if os.environ.get("CI"):
@@ -352,11 +377,19 @@ def test_the_mlflow_ui_shows_the_run_in_headless_chromium(stack: Stack, tmp_path
     assert SCREENSHOT.stat().st_size > 10_000  # kept for a human: test-artifacts/mlflow-run-page.png
 
 
-def test_stopping_serve_stops_its_prefect_server(stack: Stack) -> None:
-    children = psutil.Process(stack.serve.pid).children(recursive=True)
-    server = [p for p in children if "server" in p.cmdline() and "start" in p.cmdline()]
-    assert server, [p.cmdline() for p in children]
-    stop_group(stack.serve)  # SIGTERM to `serve`, by PID, as `make serve` gets Ctrl-C
-    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+def test_stopping_serve_stops_its_prefect_server(tmp_path: Path) -> None:
+    # a serve of its own (in a project copy that needs no data): stopping the module's would end the others
+    repo = copy_project(tmp_path / "repo")
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    serve = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(port)]
+    with service(serve, repo, f"{api_url}/deployments/name/{DEPLOYMENT}", tmp_path / "serve.log") as serve_proc:
+        children = psutil.Process(serve_proc.pid).children(recursive=True)
+        server = [p for p in children if "server" in p.cmdline() and "start" in p.cmdline()]
+        assert server, [p.cmdline() for p in children]
+        stop_group(serve_proc)  # SIGTERM to `serve`, by PID, as `make serve` gets Ctrl-C
+    # the server goes with it, shutting down in its own time (bounded)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in alive]
     with pytest.raises(OSError):
-        urllib.request.urlopen(f"{stack.api}/health", timeout=2)
+        urllib.request.urlopen(f"{api_url}/health", timeout=2)

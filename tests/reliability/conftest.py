@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from secrets import token_hex
+from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, copy_project, run, subprocess_env
+from tests.conftest import ROOT, clone_project, run, write_params
 
 FAULTS = Path(__file__).parent / "faults"
-EPOCHS = 3
 
 
 @dataclass(frozen=True)
@@ -42,19 +40,17 @@ def digests(repo: Path, under: str = "artifacts") -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    repo = copy_project(
-        tmp_path_factory.mktemp("trained") / "repo", {"tracking": {"enabled": False}, "train": {"epochs": EPOCHS}}
-    )
-    run(["dvc", "repro", "download"], repo)
-    run(["dvc", "repro", "train"], repo)
+def trained(dvc_repo: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """The session's trained project (tests/conftest.py `dvc_repo`) with tracking off; each test breaks
+    a clone of it. (`tracking` is read by no stage: DVC still finds the pipeline up to date.)"""
+    repo = clone_project(dvc_repo["repo"], tmp_path_factory.mktemp("trained") / "repo")
+    write_params(repo / "params.yaml", {"tracking": {"enabled": False}}, base=repo / "params.yaml")
     return Trained(repo, digests(repo))
 
 
 def clone(trained: Trained, dest: Path) -> Path:
     """A copy of the trained project to break (the session's one stays as it was)."""
-    shutil.copytree(trained.repo, dest, symlinks=True)
-    return dest
+    return clone_project(trained.repo, dest)
 
 
 def stage(
@@ -97,34 +93,3 @@ def with_environment(repo: Path) -> Path:
     for env_dir in (".venv", ".uv"):
         (repo / env_dir).symlink_to(ROOT / env_dir)
     return repo
-
-
-@dataclass(frozen=True)
-class TwoRuns:
-    """A project on which `make run` was started twice at the same moment (tracking on), by a user with
-    secrets in the environment, in a git remote URL and in a param."""
-
-    repo: Path
-    runs: list[subprocess.CompletedProcess[str]]
-    secrets: dict[str, str]  # where -> value
-
-
-@pytest.fixture(scope="session")
-def two_make_runs(tmp_path_factory: pytest.TempPathFactory) -> TwoRuns:
-    places = ("LOCKSTEP_API_TOKEN", "MY_DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "git remote", "data.mirror")
-    secrets = {where: f"s3cr3t-{token_hex(12)}" for where in places}
-    mirror = f"https://lockstep-user:{secrets['data.mirror']}@mirror.invalid/datasets"  # digits never fetches it
-    repo = with_environment(copy_project(tmp_path_factory.mktemp("two") / "repo", {"data": {"mirror": mirror}}))
-    run(["git", "remote", "add", "origin", f"https://oauth2:{secrets['git remote']}@git.invalid/team/repo.git"], repo)
-    env = subprocess_env(**{name: value for name, value in secrets.items() if name.isupper()})
-    procs = [
-        subprocess.Popen(
-            ["make", "run"], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for _ in range(2)
-    ]
-    runs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=900)
-        runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
-    return TwoRuns(repo, runs, secrets)

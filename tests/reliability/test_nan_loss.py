@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from tests.conftest import client_for, run, sha256, write_params
-from tests.reliability.conftest import Trained, TwoRuns, clone, one_line_error, stage
+from tests.conftest import client_for, clone_project, run, sha256, write_params
+from tests.reliability.conftest import Trained, clone, one_line_error, stage
 
 pytestmark = pytest.mark.slow
 DIVERGING = "1.0e+10"  # train.lr: the loss is NaN within a few steps
 
 
-def test_a_diverging_run_of_the_pipeline_stops_and_registers_nothing(two_make_runs: TwoRuns) -> None:
-    repo = two_make_runs.repo  # a finished pipeline: version 1 is the champion
+def test_a_diverging_run_of_the_pipeline_stops_and_registers_nothing(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+    repo = clone_project(dvc_repo["repo"], tmp_path / "repo")  # a finished pipeline: version 1 is the champion
     client = client_for(repo)
     champion = client.get_model_version_by_alias("lockstep-classifier", "champion")
     before = {"best": sha256(repo / "artifacts/train/best.safetensors"), "lock": (repo / "dvc.lock").read_text()}

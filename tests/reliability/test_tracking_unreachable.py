@@ -71,7 +71,9 @@ def test_the_pipeline_fails_fast_naming_the_uri(project: Path, trained: Trained,
         )
         elapsed = time.monotonic() - started
     error = one_line_error(done)
-    assert elapsed < 10, f"{elapsed:.1f} s"
+    # Seconds, where MLflow's own retries took minutes (249 s): the bound leaves room for the
+    # command's start-up on a loaded 2-core machine (the tests run two at a time).
+    assert elapsed < 30, f"{elapsed:.1f} s"
     assert f"MLflow tracking server {uri} (MLFLOW_TRACKING_URI)" in error, error
     assert {"refused": "connection refused", "500": "answered HTTP 500", "hanging": "no answer within"}[kind] in error
     assert digests(project) == trained.digests  # nothing ran: no stage, no training
