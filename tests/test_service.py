@@ -203,7 +203,9 @@ def test_unchanged_source_retrains_nothing_and_says_so(stack: Stack, first_run: 
     assert "nothing retrained" in parent.data.tags["lockstep.summary"]
     messages = [entry["message"] for entry in flow_run_logs(stack, flow_run_id)]
     assert any("data unchanged" in m and "nothing retrained" in m for m in messages), messages
-    assert (stack.repo / "dvc.lock").read_text() == lock_before
+    # the same entries (compared as data: DVC may write a null differently after a params.yaml
+    # that the flow itself rewrote, as an earlier test's override does)
+    assert yaml.safe_load((stack.repo / "dvc.lock").read_text()) == yaml.safe_load(lock_before)
 
 
 def test_new_data_retrains_and_goes_through_the_promotion_gate(stack: Stack, first_run: FirstRun) -> None:
