@@ -28,9 +28,10 @@ run: $(STAMP)  ## run the whole pipeline (Prefect flow, local ephemeral mode) on
 
 # Tests run in a new random order each time (pytest-randomly; it prints the seed to repeat one with
 # `-p randomly -p "randomly_seed=N"`), so a test that leans on another's leftovers fails. Two xdist
-# workers, each taking whole modules (their fixtures are built once): most tests spend their time
-# in one single-threaded subprocess, which leaves the second core idle.
-PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadscope
+# workers, each taking whole modules (their fixtures are built once), longest first
+# (tests/conftest.py): most tests spend their time in one single-threaded subprocess, which leaves
+# the second core idle.
+PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow
 	$(PYTEST) -m "not slow"
 

@@ -7,6 +7,7 @@ The expensive one, `dvc_repo` (a project the whole pipeline ran in), is built on
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -177,13 +178,29 @@ def clone_project(source: Path, dest: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def dvc_repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[str, Any]:
     """A copy reproduced by `dvc repro` (every stage, MLflow on), with what it looked like right after.
 
-    Session-wide: the end-to-end and the compress/export tests read it; tests that write to a
-    project make their own copy.
+    Built once per test run: under xdist the first worker to need it builds it (the other waits on a
+    file lock) in the run's common temporary directory. Tests only read it; a test that changes a
+    project clones it (`clone_project`).
     """
-    repo = copy_project(tmp_path_factory.mktemp("dvc") / "repo")
+    if worker_id == "master":  # one process: nothing to share
+        return _build_dvc_repo(tmp_path_factory.mktemp("dvc"))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, common to its workers
+    record = shared / "dvc_repo.json"
+    with FileLock(shared / "dvc_repo.lock"):
+        if not record.exists():
+            built = _build_dvc_repo(shared / "dvc")
+            record.write_text(json.dumps({**built, "repo": str(built["repo"])}))
+    loaded = json.loads(record.read_text())
+    return {**loaded, "repo": Path(loaded["repo"])}
+
+
+def _build_dvc_repo(base: Path) -> dict[str, Any]:
+    repo = copy_project(base / "repo")
     committed_data_dvc = (repo / "data.dvc").read_text()
     # A fresh clone has no data/ yet: the download stage (or `dvc pull`) brings it first.
     first = run(["dvc", "repro", "download"], repo)
@@ -195,3 +212,37 @@ def dvc_repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "lock": yaml.safe_load((repo / "dvc.lock").read_text()),
         "weights": sha256(repo / "artifacts/train/last.safetensors"),
     }
+
+
+# Seconds each module took on the 2-core machine (`LOCKSTEP_RECORD_DURATIONS=1 make test-all` writes
+# them). xdist hands whole modules to its two workers in collection order; the longest go first, so
+# that the run does not end on a long module with the other worker idle. Only an order: a stale or
+# missing entry costs time, never a result; the tests within a module keep pytest-randomly's order.
+MODULE_DURATIONS = Path(__file__).parent / "module_durations.json"
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    seconds = json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(_module(item), index)
+    items.sort(key=lambda item: (-seconds.get(_module(item), 0.0), first_seen[_module(item)]))
+
+
+_spent: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("LOCKSTEP_RECORD_DURATIONS") == "1":
+        module = report.nodeid.split("::")[0]
+        _spent[module] = _spent.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _spent and not hasattr(session.config, "workerinput"):  # the controller sees every report
+        MODULE_DURATIONS.write_text(json.dumps({k: round(v) for k, v in sorted(_spent.items())}, indent=2) + "\n")
