@@ -5,8 +5,17 @@ which starts `torch.distributed.run` (torchrun) with `python -m tasks.ddp` as ea
 and waits for it. Each rank runs the same `tasks.train.train` a lone process runs; rank 0 writes
 the outputs, the launching stage logs them to MLflow (one run, not one per rank).
 
-For several machines (`train.nnodes` > 1, a shared filesystem): the stage on the main node
-launches its ranks and logs the run; every other node starts its ranks with torchrun directly:
+On one machine (`train.nnodes: 1`) nothing listens beyond loopback, and no other machine can join:
+torchrun's `--standalone` would host its c10d stores on every interface (`::`, measured with torch
+2.14), and torch's rendezvous unpickles the state it reads from its store. So the rendezvous is a
+c10d FileStore in a private (0700) temporary directory, the agent shares no TCP store with the ranks
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE), and rank 0 hosts the ranks' store on 127.0.0.1
+(tasks/distributed.py); gloo and NCCL open their sockets on the loopback interface.
+
+For several machines (`train.nnodes` > 1, a shared filesystem, a private network: every machine
+that can reach `rdzv_endpoint` can join the job and send what torch unpickles): the stage on the
+main node launches its ranks and logs the run; every other node starts its ranks with torchrun
+directly:
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
              --rdzv-id lockstep-train -m tasks.ddp --params params.yaml
@@ -21,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 from tasks import layout
@@ -36,7 +46,8 @@ ERRORS_ENV = "LOCKSTEP_RANK_ERRORS_DIR"
 RDZV_ID = "lockstep-train"
 
 
-def torchrun_command(params: Params) -> list[str]:
+def torchrun_command(params: Params, private_dir: Path) -> list[str]:
+    """The torchrun command line; `private_dir` (mode 0700, ours) holds a one-node job's rendezvous file."""
     cfg = params.train
     cmd = [
         sys.executable,
@@ -45,8 +56,15 @@ def torchrun_command(params: Params) -> list[str]:
         f"--nproc-per-node={cfg.nproc_per_node}",
         f"--max-restarts={cfg.max_restarts}",
     ]
-    if cfg.nnodes == 1:
-        cmd.append("--standalone")  # c10d rendezvous on a free local port
+    if cfg.nnodes == 1:  # rdzv_endpoint is not used: no other machine takes part
+        cmd += [
+            "--nnodes=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={Path(private_dir) / 'rendezvous'}",
+            "--rdzv-conf=store_type=file",
+            f"--rdzv-id={RDZV_ID}-{uuid.uuid4().hex}",
+            "--local-addr=127.0.0.1",  # MASTER_ADDR for the ranks
+        ]
     else:
         cmd += [
             f"--nnodes={cfg.nnodes}",
@@ -57,17 +75,25 @@ def torchrun_command(params: Params) -> list[str]:
     return [*cmd, "-m", "tasks.ddp"]
 
 
+def launch_env(params: Params, private_dir: Path) -> dict[str, str]:
+    """The environment torchrun and the ranks run in."""
+    env = {
+        **os.environ,
+        PARAMS_ENV: params.model_dump_json(),
+        ERRORS_ENV: str(private_dir),
+        # torchrun would otherwise set 1 and warn; each rank pins its own count anyway
+        "OMP_NUM_THREADS": str(params.determinism.num_threads),
+    }
+    if params.train.nnodes == 1:
+        # The agent would host a TCP store for the ranks on every interface; rank 0 hosts it on loopback.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
 def launch(params: Params) -> TrainResult:
     """Run the training job under torchrun and return rank 0's result."""
-    with tempfile.TemporaryDirectory(prefix="lockstep-ranks-") as errors:
-        env = {
-            **os.environ,
-            PARAMS_ENV: params.model_dump_json(),
-            ERRORS_ENV: errors,
-            # torchrun would otherwise set 1 and warn; each rank pins its own count anyway
-            "OMP_NUM_THREADS": str(params.determinism.num_threads),
-        }
-        done = subprocess.run(torchrun_command(params), env=env, check=False)
+    with tempfile.TemporaryDirectory(prefix="lockstep-ranks-") as errors:  # mkdtemp: mode 0700
+        done = subprocess.run(torchrun_command(params, Path(errors)), env=launch_env(params, Path(errors)), check=False)
         reported = sorted(Path(errors).glob("rank*.txt"), key=lambda path: int(path.stem[4:]))
         if done.returncode != 0 and reported:
             raise ExpectedFailure(reported[0].read_text())  # the lowest failing rank's message

@@ -2,11 +2,18 @@
 
 A lone process is rank 0 of 1 and every collective below returns its input; under torchrun
 (RANK/WORLD_SIZE set) `join_process_group` joins the process group: gloo on CPU, NCCL on GPUs.
+
+What ranks exchange is tensors, never pickles (`gather` sends JSON as bytes): no peer, whatever
+reached the store, can make a rank unpickle. A one-node job listens on loopback only: rank 0 hosts
+the ranks' TCP store on 127.0.0.1 (TCPStore itself binds every interface), and gloo and NCCL use
+the loopback interface.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +70,22 @@ class Distributed:
                 dist.broadcast(buffer, src=0)
 
     def gather(self, obj: Any) -> list[Any]:
-        """`obj` from every rank, in rank order, on every rank."""
+        """`obj` (JSON-ready) from every rank, in rank order, on every rank.
+
+        Not `all_gather_object`: it unpickles what the other ranks send.
+        """
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        data = json.dumps(obj).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self._device())
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8, device=self._device()) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine.to(self._device()))
+        return [json.loads(part[: int(n.item())].cpu().numpy().tobytes()) for part, n in zip(parts, sizes, strict=True)]
 
 
 def join_process_group(device_spec: str) -> tuple[Distributed, torch.device]:
@@ -85,6 +102,10 @@ def join_process_group(device_spec: str) -> tuple[Distributed, torch.device]:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if _one_node(world):
+        loopback = _loopback_interface()
+        if loopback:  # else the OS's default; the stores are on 127.0.0.1 regardless
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = loopback
     if not dist.is_initialized():
         dist.init_process_group(
             backend,
@@ -105,5 +126,31 @@ def _attempt_store(rank: int, world: int) -> dist.Store:
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(host, port, world, is_master=not agent_hosts_it and rank == 0)
+    hosts_it = not agent_hosts_it and rank == 0
+    if _one_node(world):
+        host = "127.0.0.1"
+    if hosts_it and host == "127.0.0.1":
+        # TCPStore binds every interface; a socket we bound ourselves keeps the store on loopback
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(world)
+        store = dist.TCPStore(host, port, world, is_master=True, master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(host, port, world, is_master=hosts_it)
     return dist.PrefixStore(f"lockstep/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def _one_node(world: int) -> bool:
+    """Every rank of the job runs on this machine (torchrun sets LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == world
+
+
+def _loopback_interface() -> str | None:
+    """The name of the interface that holds 127.0.0.1 (`lo` on Linux, `lo0` on macOS)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None

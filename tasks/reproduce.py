@@ -10,11 +10,21 @@ device and determinism settings are compared too, since a difference there expla
 The outcome is one MLflow run in the same experiment (tag `reproduce.of`).
 
     python -m tasks.reproduce RUN_ID [--workdir DIR] [--keep] [--json PATH]
+                              [--trust-commit SHA] [--use-current-code]
+
+What it trusts: the tracking server may be shared, so a run's record is input, not instruction.
+Its params must pass params.yaml's validation and ask for one machine (`train.nnodes: 1`: a
+rebuild joins no rendezvous but its own, on loopback); the files it downloads are capped in size;
+the paths in its `dvc.lock` and `data.dvc` must stay inside the workspace; and its code is rebuilt
+only from a commit on one of this repository's local branches or tags (or named with
+`--trust-commit`), never silently from whatever tasks/ holds now (`--use-current-code` asks for
+that). DVC remote credentials (`.dvc/config.local`) reach DVC in memory, never a workspace file;
+the workspace is private (0700) and what is printed or logged passes tasks/redact.py.
 
 Exit codes: 0 byte-identical; 1 the weights differ, or a stage failed (its output tail is shown);
-2 refused: an unknown run, not a train or pipeline run, a run logged without `reproduce/`, or a
-data version neither in the DVC cache nor fetchable from the remote. The project is left as it was,
-except for data a remote fetch adds to the DVC cache and the MLflow run.
+2 refused: an unknown run, not a train or pipeline run, a run logged without `reproduce/`, a record
+refused as above, or a data version neither in the DVC cache nor fetchable from the remote. The
+project is left as it was, except for data a remote fetch adds to the DVC cache and the MLflow run.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import io
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
 import subprocess
@@ -41,7 +52,9 @@ import yaml
 from tasks import layout, tracking
 from tasks.atomic import write_text
 from tasks.cli import configure_logging, exit_code
+from tasks.config import ConfigError, load_params, load_yaml
 from tasks.hashing import data_md5, file_digest
+from tasks.redact import redact
 
 log = logging.getLogger("tasks.reproduce")  # not __name__: that is "__main__" under -m
 
@@ -53,6 +66,14 @@ UPSTREAM = ("stats", "preprocess")  # their outputs are checked against the run'
 # Tags that describe the machine rather than the run's inputs; a difference explains different bytes.
 MACHINE_TAG_PREFIXES = ("version.", "determinism.", "device")
 TAIL_LINES = 25
+# What reproduce downloads from a tracking server that others may write to, at most (bytes).
+RECORD_FILES = ("params.yaml", "data.dvc", "dvc.lock")  # dvc.lock: optional
+MAX_RECORD_BYTES = 1 << 20  # each is a few KB
+MAX_WEIGHTS_BYTES = 1 << 30  # each checkpoint; resnet18 in fp32 is 45 MB
+# Refs whose commits are the user's own: local branches and tags. Not remote-tracking branches
+# (whatever anyone with push rights, or a fetched pull request, put on a remote), refs/pull/*,
+# refs/stash or unreachable objects: those need --trust-commit.
+TRUSTED_REFS = ("refs/heads", "refs/tags")
 
 # Run in the workspace, by its code and with the stages' environment: what the rebuilt train saw.
 _PROBE = """
@@ -183,66 +204,211 @@ def find_train_run(client: Any, run_id: str) -> Any:
     raise ReproduceError(f"run {run_id} is a pipeline run with {len(children)} train stage runs ({ids}): pass one")
 
 
+def _listed(client: Any, run_id: str, folder: str) -> dict[str, int | None]:
+    """The files in one of the run's artifact folders, with the sizes the store reports."""
+    return {Path(a.path).name: a.file_size for a in client.list_artifacts(run_id, folder) if not a.is_dir}
+
+
 def _download_record(client: Any, run: Any, dest: Path) -> Path:
-    """Download what the run logged for reproduction, and its checkpoints, into `dest`."""
+    """Download what the run logged for reproduction, and its checkpoints, into `dest`: the named
+    files only (not whatever else the folders hold), each within its size cap."""
     from mlflow.artifacts import download_artifacts
 
     run_id = run.info.run_id
-    logged = {Path(a.path).name for a in client.list_artifacts(run_id, LOGGED_DIR)}
-    missing = sorted({"params.yaml", "data.dvc"} - logged)
+    logged = _listed(client, run_id, LOGGED_DIR)
+    missing = sorted({"params.yaml", "data.dvc"} - set(logged))
     if missing:
         raise ReproduceError(
             f"run {run_id}: lacks the artifacts {', '.join(f'{LOGGED_DIR}/{m}' for m in missing)} "
             "(logged before train runs recorded their inputs): cannot reproduce it"
         )
-    checkpoints = {Path(a.path).name for a in client.list_artifacts(run_id, "checkpoints")}
-    if not set(WEIGHTS) <= checkpoints:
+    checkpoints = _listed(client, run_id, "checkpoints")
+    if not set(WEIGHTS) <= set(checkpoints):
         raise ReproduceError(
             f"run {run_id}: its checkpoints ({', '.join(WEIGHTS)}) were not logged: nothing to compare with"
         )
-    for path in (LOGGED_DIR, "checkpoints"):
-        download_artifacts(run_id=run_id, artifact_path=path, dst_path=str(dest), tracking_uri=client.tracking_uri)
+    wanted = {f"{LOGGED_DIR}/{name}": (logged[name], MAX_RECORD_BYTES) for name in RECORD_FILES if name in logged}
+    wanted.update({f"checkpoints/{name}": (checkpoints[name], MAX_WEIGHTS_BYTES) for name in WEIGHTS})
+    for path, (size, cap) in wanted.items():  # all checked before any is downloaded
+        _check_size(run_id, path, size, cap)
+    for path, (_, cap) in wanted.items():
+        folder = dest / Path(path).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        got = download_artifacts(
+            run_id=run_id, artifact_path=path, dst_path=str(folder), tracking_uri=client.tracking_uri
+        )
+        _check_size(run_id, path, Path(got).stat().st_size, cap)  # the store may not know a size
     return dest
+
+
+def _check_size(run_id: str, path: str, size: int | None, cap: int) -> None:
+    if size is not None and size > cap:
+        raise ReproduceError(f"run {run_id}: its artifact {path} is {size} bytes, more than the {cap} reproduce reads")
+
+
+# --------------------------------------------------------------------------- what the record may ask for
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """A value from the run's record as one short line (it may hold anything, newlines included)."""
+    text = value if isinstance(value, str) and value.isprintable() else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_params(record: Path, run_id: str) -> dict[str, Any]:
+    """The run's params, validated as params.yaml is, and asking for this machine only; the raw mapping."""
+    path = record / LOGGED_DIR / "params.yaml"
+    try:
+        params = load_params(path)
+    except ConfigError as exc:
+        raise ReproduceError(
+            f"run {run_id}: its {LOGGED_DIR}/params.yaml is refused: {str(exc).removeprefix(f'{path}: ')}"
+        ) from None
+    train = params.train
+    if train.nnodes != 1:
+        # Other machines would join through the c10d rendezvous at rdzv_endpoint, and torch unpickles
+        # what that store sends: a rebuild rendezvouses with nothing but itself.
+        raise ReproduceError(
+            f"run {run_id}: its params ask for train.nnodes: {train.nnodes} (a rendezvous with other machines "
+            f"at train.rdzv_endpoint {_shown(train.rdzv_endpoint)}): reproduce rebuilds on this machine only"
+        )
+    cores = os.cpu_count() or 1
+    if train.strategy == "ddp" and train.nproc_per_node > cores:
+        raise ReproduceError(
+            f"run {run_id}: its params ask for train.nproc_per_node: {train.nproc_per_node} processes, more than "
+            f"this machine's {cores} cores: reproduce it on a machine like the run's"
+        )
+    return _record_yaml(record, "params.yaml", run_id)
+
+
+def _safe_relative(value: object) -> bool:
+    """A relative POSIX path that stays below its root by its text (no `..`, no absolute, no drive)."""
+    if not isinstance(value, str) or not value or not value.isprintable() or "\\" in value:
+        return False
+    if value.startswith("/") or re.match(r"^[A-Za-z]:", value):
+        return False
+    normal = posixpath.normpath(value)
+    return normal not in (".", "..") and not normal.startswith("../")
+
+
+def _record_yaml(record: Path, name: str, run_id: str) -> Any:
+    """One of the run's YAML files, read as params.yaml is (no aliases, no duplicate keys)."""
+    try:
+        return load_yaml((record / LOGGED_DIR / name).read_text(encoding="utf-8"))
+    except (ConfigError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        cause = " ".join(str(exc).split())
+        raise ReproduceError(f"run {run_id}: its {LOGGED_DIR}/{name} is refused: {_shown(cause, 200)}") from None
+
+
+def _check_record_paths(record: Path, run_id: str) -> None:
+    """data.dvc and the run's dvc.lock name paths the rebuild checks out and hashes: inside the workspace only."""
+    where = f"run {run_id}: its {LOGGED_DIR}"
+    dvc_file = _record_yaml(record, "data.dvc", run_id)
+    outs = dvc_file.get("outs") if isinstance(dvc_file, dict) else None
+    if not (isinstance(outs, list) and len(outs) == 1 and isinstance(outs[0], dict)):
+        raise ReproduceError(f"{where}/data.dvc is refused: expected one entry under outs")
+    if outs[0].get("path") != str(layout.DATA_DIR):
+        raise ReproduceError(
+            f"{where}/data.dvc is refused: its output path is {_shown(outs[0].get('path'))}, "
+            f"expected {str(layout.DATA_DIR)!r}"
+        )
+    lock_file = record / LOGGED_DIR / "dvc.lock"
+    if not lock_file.exists():
+        return
+    lock = _record_yaml(record, "dvc.lock", run_id) or {}
+    stages = lock.get("stages", {}) if isinstance(lock, dict) else None
+    if not isinstance(stages, dict) or not all(isinstance(entry, dict) for entry in stages.values()):
+        raise ReproduceError(f"{where}/dvc.lock is refused: expected a mapping of stages")
+    for name, entry in stages.items():
+        for kind in ("deps", "outs"):
+            items = entry.get(kind, [])
+            if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+                raise ReproduceError(f"{where}/dvc.lock is refused: stage {_shown(name)}: {kind} is not a list")
+            for item in items:
+                if not _safe_relative(item.get("path")):
+                    raise ReproduceError(
+                        f"{where}/dvc.lock is refused: stage {_shown(name)} names the path {_shown(item.get('path'))}, "
+                        "outside the workspace (absolute, or with '..')"
+                    )
+
+
+def _inside(workspace: Path, relative: str) -> Path:
+    """`workspace / relative`, refused if it resolves outside the workspace (a symlink on the way)."""
+    path = workspace / relative
+    if not path.resolve().is_relative_to(workspace.resolve()):
+        raise ReproduceError(f"{relative}: resolves outside the workspace ({path.resolve()}): not hashed")
+    return path
 
 
 # --------------------------------------------------------------------------- the workspace
 
 
+def _git(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True)
+
+
 def _has_commit(project: Path, commit: str) -> bool:
     if not re.fullmatch(r"[0-9a-f]{40}", commit):  # e.g. "none (not a git repository)"
         return False
-    found = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=project, capture_output=True)
-    return found.returncode == 0
+    return _git(project, "cat-file", "-e", f"{commit}^{{commit}}").returncode == 0
 
 
-def _checkout_code(project: Path, run: Any, workspace: Path, warnings: list[str]) -> str:
-    """Put the run's code in `workspace`; return where it came from (and warn where it may differ)."""
-    tags = run.data.tags
-    commit = tags.get("git.commit", "none")
+def _is_trusted(project: Path, commit: str, trust_commit: str | None) -> bool:
+    """On a local branch or tag (an ancestor of one, or its head), or the commit the user named."""
+    if trust_commit is not None:
+        named = _git(project, "rev-parse", "--verify", "--quiet", f"{trust_commit}^{{commit}}").stdout.strip()
+        if named == commit:
+            return True
+    holding = _git(project, "for-each-ref", "--contains", commit, "--format=%(refname)", *TRUSTED_REFS)
+    return holding.returncode == 0 and bool(holding.stdout.strip())
+
+
+def _code_source(project: Path, run: Any, trust_commit: str | None, use_current_code: bool) -> str | None:
+    """The run's commit when its code may be rebuilt; None: the current tasks/ (asked for). Else refused."""
+    commit = run.data.tags.get("git.commit", "none")
+    run_id = run.info.run_id
     if shutil.which("git") and _has_commit(project, commit):
+        if _is_trusted(project, commit, trust_commit):
+            return commit
+        raise ReproduceError(
+            f"run {run_id}: its commit {commit} is on no local branch or tag of {project} (a stash, a fetched "
+            "pull request or remote branch, an unreachable object?): its code is not rebuilt unless you name it "
+            f"with --trust-commit {commit}"
+        )
+    if use_current_code:
+        return None
+    raise ReproduceError(
+        f"run {run_id}: its commit {_shown(commit)} is not in the repository at {project}: fetch it, or pass "
+        "--use-current-code to rebuild with the current tasks/ (which may differ from the run's)"
+    )
+
+
+def _checkout_code(project: Path, run: Any, commit: str | None, workspace: Path, warnings: list[str]) -> str:
+    """Put the run's code (`commit`, or the current tasks/) in `workspace`; return where it came from."""
+    if commit is not None:
         archive = subprocess.run(
             ["git", "archive", "--format=tar", commit], cwd=project, capture_output=True, check=True
         ).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(workspace, filter="data")
-        if tags.get("git.dirty") == "true":
+        if run.data.tags.get("git.dirty") == "true":
             warnings.append(
                 f"the run was made with uncommitted changes to commit {commit[:12]}: they were not "
                 "recorded, so the rebuild used the commit as committed"
             )
         return f"git commit {commit}"
-    # Without the commit the best we have is the code here now; the stages need only tasks/.
+    # --use-current-code: the stages need only tasks/.
     shutil.copytree(project / "tasks", workspace / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    commit_tag = _shown(run.data.tags.get("git.commit", "none"))
     warnings.append(
-        f"the run's commit ({commit}) is not in the repository at {project}: rebuilt with the "
-        "current tasks/ code, which may differ from the run's"
+        f"the run's commit ({commit_tag}) is not in the repository at {project}: rebuilt with the "
+        "current tasks/ code (--use-current-code), which may differ from the run's"
     )
-    return f"current tasks/ in {project} (commit {commit} not found)"
+    return f"current tasks/ in {project} (commit {commit_tag} not found; --use-current-code)"
 
 
-def _write_inputs(record: Path, workspace: Path) -> None:
-    """The run's params (tracking off: the rebuild logs no stage runs), data.dvc and dvc.lock."""
-    params = yaml.safe_load((record / LOGGED_DIR / "params.yaml").read_text())
+def _write_inputs(record: Path, workspace: Path, params: dict[str, Any]) -> None:
+    """The run's params (validated; tracking off: the rebuild logs no stage runs), data.dvc and dvc.lock."""
     params.setdefault("tracking", {})["enabled"] = False
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     shutil.copyfile(record / LOGGED_DIR / "data.dvc", workspace / layout.DATA_DVC)
@@ -253,25 +419,29 @@ def _write_inputs(record: Path, workspace: Path) -> None:
         (workspace / "dvc.lock").unlink(missing_ok=True)
 
 
-def _configure_dvc(project: Path, workspace: Path) -> tuple[str, str | None]:
-    """Make the workspace a DVC repo on the project's cache and remotes; return (cache dir, default remote)."""
+def _configure_dvc(project: Path, workspace: Path) -> tuple[str, str | None, dict[str, Any]]:
+    """Make the workspace a DVC repo on the project's cache; return (cache dir, default remote, the
+    project's config for `Repo(config=...)`: its remotes' credentials reach DVC in memory, no file)."""
     from dvc.config import Config, merge
 
     # The project's config as it is now (not the commit's): remotes and the cache may have moved.
     source = Config(dvc_dir=str(project / ".dvc"), validate=False)
     cache_dir = str(source["cache"].get("dir") or project / ".dvc" / "cache")
     dvc_dir = workspace / ".dvc"
+    workspace_only = {
+        "core": {"no_scm": True, "site_cache_dir": str(dvc_dir / "tmp" / "site")},  # no git; DVC's state goes
+        "cache": {"dir": cache_dir},  # with the workspace
+    }
+    in_memory: dict[str, Any] = {}
+    for level in ("repo", "local"):  # local: credentials that are not committed
+        merge(in_memory, source.load_one(level))
+    merge(in_memory, workspace_only)
     shutil.rmtree(dvc_dir, ignore_errors=True)
     dvc_dir.mkdir()
     config = Config.init(str(dvc_dir))
-    with config.edit("repo") as conf:
-        for level in ("repo", "local"):  # local: credentials that are not committed
-            merge(conf, source.load_one(level))
-        conf["core"]["no_scm"] = True  # the workspace is no git repository
-        conf["cache"]["dir"] = cache_dir
-        # DVC's per-repo state and index: inside the workspace, so they go with it
-        conf["core"]["site_cache_dir"] = str(dvc_dir / "tmp" / "site")
-    return cache_dir, source["core"].get("remote")
+    with config.edit("repo") as conf:  # what is no secret: `Repo(workspace)` without `in_memory` works too
+        merge(conf, workspace_only)
+    return cache_dir, source["core"].get("remote"), in_memory
 
 
 def _bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> str:
@@ -279,9 +449,9 @@ def _bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> s
     from dvc.exceptions import CheckoutError, DvcException
     from dvc.repo import Repo
 
-    cache_dir, remote = _configure_dvc(project, workspace)
+    cache_dir, remote, config = _configure_dvc(project, workspace)
     target = [str(workspace / layout.DATA_DVC)]
-    with Repo(str(workspace)) as repo:
+    with Repo(str(workspace), config=config) as repo:
         try:
             repo.checkout(targets=target)
             return "DVC cache"
@@ -300,7 +470,7 @@ def _bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> s
             raise ReproduceError(refusal) from None
         except DvcException as exc:  # e.g. unreachable remote, credentials: say so
             cause = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # DVC colours its messages
-            raise ReproduceError(f"{refusal} (dvc: {cause})") from None
+            raise ReproduceError(f"{refusal} (dvc: {redact(cause)})") from None
     return f"DVC remote {remote!r}"
 
 
@@ -362,21 +532,28 @@ def _compare_upstream(workspace: Path, data_md5: str, warnings: list[str]) -> li
     from dvc.repo import Repo
     from dvc_data.hashfile.build import build
 
-    stages = (yaml.safe_load(lock_file.read_text()) or {}).get("stages", {})
+    stages = (load_yaml(lock_file.read_text(encoding="utf-8")) or {}).get("stages", {})  # checked on download
+    checked = {name: stages.get(name) or {} for name in UPSTREAM}
+    checked = {
+        name: entry
+        for name, entry in checked.items()
+        if any(dep["path"] == "data" and dep.get("md5") == data_md5 for dep in entry.get("deps", []))
+    }
+    warnings += [
+        f"the run's dvc.lock has no {name} entry for data {data_md5}: its outputs not checked"
+        for name in UPSTREAM
+        if name not in checked
+    ]
+    # every path first, then hash: a symlink out of the workspace stops the comparison before any read
+    outs = [(out, _inside(workspace, out["path"])) for entry in checked.values() for out in entry.get("outs", [])]
     found: list[Comparison] = []
     with Repo(str(workspace)) as repo:
-        for name in UPSTREAM:
-            entry = stages.get(name) or {}
-            if not any(dep["path"] == "data" and dep.get("md5") == data_md5 for dep in entry.get("deps", [])):
-                warnings.append(f"the run's dvc.lock has no {name} entry for data {data_md5}: its outputs not checked")
-                continue
-            for out in entry.get("outs", []):
-                path = workspace / out["path"]
-                digest = None
-                if path.exists():  # DVC's own md5 (a directory's is over its listing): the lock's algorithm
-                    _, _, obj = build(repo.cache.local, str(path), repo.fs, "md5", dry_run=True, ignore=repo.dvcignore)
-                    digest = obj.hash_info.value
-                found.append(Comparison(out["path"], "md5", out["md5"], digest))
+        for out, path in outs:
+            digest = None
+            if path.exists():  # DVC's own md5 (a directory's is over its listing): the lock's algorithm
+                _, _, obj = build(repo.cache.local, str(path), repo.fs, "md5", dry_run=True, ignore=repo.dvcignore)
+                digest = obj.hash_info.value
+            found.append(Comparison(out["path"], "md5", str(out.get("md5")), digest))
     return found
 
 
@@ -419,20 +596,34 @@ def _log_outcome(client: Any, report: ReproduceReport, workdir: Path) -> str:
     for stage, seconds in report.stage_seconds.items():
         client.log_metric(run.info.run_id, f"{stage}_seconds", seconds)
     path = workdir / "reproduce.json"
-    path.write_text(report.to_json())
+    path.write_text(redact(report.to_json()))
     client.log_artifact(run.info.run_id, str(path))
     client.set_terminated(run.info.run_id, "FAILED" if report.failed_stage else "FINISHED")
     return run.info.run_id
 
 
 def _workdir(workdir: Path | None) -> Path:
+    """A private (0700) directory for the record and the workspace: it holds what the run logged."""
     if workdir is None:
-        return Path(tempfile.mkdtemp(prefix="lockstep-reproduce-"))
+        return Path(tempfile.mkdtemp(prefix="lockstep-reproduce-"))  # 0700
     workdir = Path(workdir).resolve()
     if workdir.exists() and any(workdir.iterdir()):
         raise ReproduceError(f"--workdir {workdir} is not empty: give a new or empty directory")
     workdir.mkdir(parents=True, exist_ok=True)
+    workdir.chmod(0o700)
     return workdir
+
+
+def _old_launcher(workspace: Path, params: dict[str, Any]) -> list[str]:
+    """A warning when the commit's DDP launcher predates loopback-only rendezvous (tasks/ddp.py)."""
+    launcher = workspace / "tasks" / "ddp.py"
+    ddp = (params.get("train") or {}).get("strategy") == "ddp"
+    if not ddp or not launcher.exists() or "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in launcher.read_text():
+        return []
+    return [
+        "the run's commit launches DDP with torchrun --standalone, whose c10d stores listened on every "
+        "network interface during the rebuild (fixed in later commits: loopback only)"
+    ]
 
 
 def reproduce(
@@ -443,12 +634,16 @@ def reproduce(
     tracking_uri: str | None = None,
     project: Path | None = None,
     log_run: bool = True,
+    trust_commit: str | None = None,
+    use_current_code: bool = False,
 ) -> ReproduceReport:
     """Rebuild train run `run_id` (or a pipeline run's one train stage) and compare its weights.
 
     `workdir` (kept afterwards) holds `record/` (what the run logged) and `workspace/` (the rebuild);
     by default a temporary directory, removed at the end unless `keep`. Raises ReproduceError when
-    the run cannot be reproduced; a failed stage or different weights are in the report.
+    the run cannot be reproduced, or its record is refused (module docstring): before anything is
+    checked out or run. `trust_commit` names a commit to rebuild although no local branch or tag holds
+    it; `use_current_code` rebuilds with the current tasks/ when the run's commit is not here.
     """
     client = _client(tracking_uri or tracking.tracking_uri())
     project = (project or layout.project_root()).resolve()
@@ -456,10 +651,13 @@ def reproduce(
     root = _workdir(workdir)
     log.info("reproduce %s: working in %s", run_id, root)
     try:
+        train_id = run.info.run_id
         record = _download_record(client, run, root / "record")
+        params = _check_params(record, train_id)
+        _check_record_paths(record, train_id)
+        commit = _code_source(project, run, trust_commit, use_current_code)
         workspace = root / "workspace"
         workspace.mkdir()
-        train_id = run.info.run_id
         report = ReproduceReport(
             requested_run_id=run_id,
             run_id=train_id,
@@ -467,8 +665,9 @@ def reproduce(
             code="",
             data_md5=data_md5(record / LOGGED_DIR / "data.dvc"),
         )
-        report.code = _checkout_code(project, run, workspace, report.warnings)
-        _write_inputs(record, workspace)
+        report.code = _checkout_code(project, run, commit, workspace, report.warnings)
+        report.warnings += _old_launcher(workspace, params)
+        _write_inputs(record, workspace, params)
         log.info("reproduce %s: data %s, code from %s", train_id, report.data_md5, report.code)
         report.data_from = _bring_data(project, workspace, train_id, report.data_md5)
         env = _stage_env()
@@ -546,6 +745,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="rebuild here (new or empty; kept) instead of a temp dir")
     parser.add_argument("--keep", action="store_true", help="keep the temporary workspace")
     parser.add_argument("--json", type=Path, help="also write the report as JSON here")
+    parser.add_argument(
+        "--trust-commit",
+        metavar="SHA",
+        help="rebuild the run's code from this commit although no local branch or tag holds it (you read it)",
+    )
+    parser.add_argument(
+        "--use-current-code",
+        action="store_true",
+        help="when the run's commit is not in this repository, rebuild with the current tasks/ instead of refusing",
+    )
     args = parser.parse_args(argv)
     configure_logging("%(message)s")
     return exit_code(lambda: _run(args))
@@ -553,23 +762,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        report = reproduce(args.run_id, args.workdir, keep=args.keep)
+        report = reproduce(
+            args.run_id,
+            args.workdir,
+            keep=args.keep,
+            trust_commit=args.trust_commit,
+            use_current_code=args.use_current_code,
+        )
     except ReproduceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
         if args.json:
             refused = {
                 "verdict": "refused",
                 "identical": False,
                 "exit_code": 2,
                 "requested_run_id": args.run_id,
-                "error": str(exc),
+                "error": redact(str(exc)),
             }
             write_text(args.json, json.dumps(refused, indent=2) + "\n")
         return 2
-    print(format_report(report))
+    print(redact(format_report(report)))
     if args.json:
-        write_text(args.json, report.to_json())
+        write_text(args.json, redact(report.to_json()))
     return report.exit_code
+
+
+def _one_line(text: str) -> str:
+    # the message quotes the run's record, which may hold newlines: they must not forge a second line
+    return redact(text).replace("\n", "\\n").replace("\r", "\\r")
 
 
 if __name__ == "__main__":

@@ -196,18 +196,20 @@ def test_a_failing_stage_is_reported_with_its_output_and_workdir_is_kept(
 ) -> None:
     repo, train = trained["repo"], trained["train"]
     train_id = train.info.run_id
-    logged = Path(urlparse(train.info.artifact_uri).path) / "reproduce" / "params.yaml"
-    original = logged.read_text()
-    params = yaml.safe_load(original)
-    params["train"]["epochs"] = 0  # the rebuilt stats stage refuses these params
-    logged.write_text(yaml.safe_dump(params))
-    try:
-        done, report = _reproduce(repo, train_id, tmp_path, "--workdir", str(tmp_path / "work"))
-    finally:
-        logged.write_text(original)
+    # The run's commit: one on a local branch (so trusted) whose stats stage fails. (Params that fail
+    # validation are refused before anything runs: tests/test_reproduce_security.py.)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
+    run([*git, "checkout", "-q", "-b", "broken"], repo)
+    with (repo / "tasks" / "stats.py").open("a") as stats:
+        stats.write('\nraise SystemExit("error: planted: this commit\'s stats stage fails")\n')
+    run([*git, "commit", "-q", "-am", "broken stats"], repo)
+    broken = run(["git", "rev-parse", "HEAD"], repo).stdout.strip()
+    run([*git, "checkout", "-q", "-"], repo)
+    client_for(repo).set_tag(train_id, "git.commit", broken)
+    done, report = _reproduce(repo, train_id, tmp_path, "--workdir", str(tmp_path / "work"))
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.splitlines()[0] == f"reproduce {train_id}: stage stats failed: weights not compared"
-    assert "error: params.yaml: train.epochs: Input should be greater than or equal to 1" in done.stdout
+    assert "error: planted: this commit's stats stage fails" in done.stdout
     assert report is not None and report["verdict"] == "stage_failed" and report["weights"] == []
     assert report["workspace"] == str(tmp_path / "work" / "workspace")  # --workdir is kept, for a look
     assert (tmp_path / "work" / "workspace" / "params.yaml").exists()
