@@ -19,10 +19,21 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PARAMS_FILE = "params.yaml"
+MAX_PARAMS_BYTES = 1 << 20
 
 
 class ConfigError(ValueError):
     """params.yaml is malformed; the message names the file and the key."""
+
+
+# Upper bounds: every number has one, so that a typo or a hostile run record (tasks/reproduce.py
+# rebuilds from params logged on a shared server) is a clear error, not hours of training, a
+# process per core times a thousand, or an OverflowError deep in torch.
+MAX_EPOCHS = 10_000
+MAX_BATCH = 65_536
+MAX_STEPS = 10**9
+MAX_PROCESSES = 256  # per node (GPUs or CPU ranks)
+MAX_NODES = 1024
 
 
 class _Section(BaseModel):
@@ -42,13 +53,25 @@ class DataConfig(_Section):
     source: Source = "digits"
     # Base URL that replaces the published hosts (air-gapped sites): files are fetched from
     # <mirror>/<file name> and still verified against the published checksums.
-    mirror: str | None = Field(None, pattern=r"^(https?|file)://\S+$")
+    # Credentials for mirror and url: LOCKSTEP_DATA_TOKEN / LOCKSTEP_DATA_AUTH or ~/.netrc (tasks/fetch.py),
+    # not user:pass@ in the URL, which params.yaml and dvc.lock would then record.
+    mirror: str | None = Field(None, max_length=2048, pattern=r"^(https?|file)://\S+$")
     retries: int = Field(4, ge=0, le=20)  # extra attempts on connection errors and HTTP 5xx
-    timeout_s: float = Field(60.0, gt=0)  # per connection attempt / per read
+    timeout_s: float = Field(60.0, gt=0, le=3600)  # per connection attempt / per read
+    # Limits against a hostile or broken source: a server that never stops sending (or sends a byte
+    # a second), an archive bomb, a decompression-bomb image. A real dataset above one raises it here.
+    deadline_s: float = Field(3600.0, gt=0, le=7 * 86400)  # per downloaded file, every retry included
+    max_download_bytes: int = Field(4 << 30, ge=1, le=1 << 44)  # per file, counted while it streams
+    max_extracted_bytes: int = Field(16 << 30, ge=1, le=1 << 44)  # an archive's content, in total
+    max_compression_ratio: float = Field(100.0, ge=1, le=10_000)  # extracted bytes / archive bytes
+    max_archive_files: int = Field(1_000_000, ge=1, le=100_000_000)  # members (files, folders) per archive
+    # per image, width x height; PIL itself refuses above 2 x 89,478,485 whatever is set here
+    max_image_pixels: int = Field(50_000_000, ge=1, le=178_956_970)
+    max_dataset_bytes: int = Field(16 << 30, ge=1, le=1 << 44)  # decoded images (data/images.npy)
     # imagefolder only: a local directory (or archive) of class sub-folders, or an archive URL
     # with its sha256; images are converted to `channels` and resized to `image_size` [H, W].
-    path: str | None = Field(None, min_length=1)
-    url: str | None = Field(None, pattern=r"^(https?|file)://\S+$")
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    url: str | None = Field(None, max_length=2048, pattern=r"^(https?|file)://\S+$")
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     image_size: tuple[int, int] | None = Field(None, strict=False)
     channels: Literal[1, 3] | None = None
@@ -61,8 +84,8 @@ class DataConfig(_Section):
     @field_validator("image_size")
     @classmethod
     def _positive_size(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
-        if value is not None and min(value) < 1:
-            raise ValueError("must be positive: [height, width] or one int")
+        if value is not None and not 1 <= min(value) <= max(value) <= 16384:
+            raise ValueError("must be positive and at most 16384: [height, width] or one int")
         return value
 
     @model_validator(mode="after")
@@ -100,44 +123,44 @@ class SplitConfig(_Section):
 
 
 class StatsConfig(_Section):
-    chunk_size: int = Field(4096, gt=0)
+    chunk_size: int = Field(4096, gt=0, le=1 << 20)
 
 
 class DeterminismConfig(_Section):
-    num_threads: int = Field(2, ge=1)
+    num_threads: int = Field(2, ge=1, le=1024)
     strict: bool = True
 
 
 class TrainConfig(_Section):
     model: Literal["small_cnn", "resnet18"] = "small_cnn"
-    epochs: int = Field(30, ge=1)
-    batch_size: int = Field(64, ge=1)
+    epochs: int = Field(30, ge=1, le=MAX_EPOCHS)
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH)
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.05, gt=0)
+    lr: float = Field(0.05, gt=0, le=100)
     momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(5e-4, ge=0)
+    weight_decay: float = Field(5e-4, ge=0, le=1)
     scheduler: Literal["cosine", "step", "none"] = "cosine"
-    step_size: int = Field(10, ge=1)
+    step_size: int = Field(10, ge=1, le=MAX_EPOCHS)
     gamma: float = Field(0.1, gt=0, le=1)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
-    random_shift: int = Field(1, ge=0)
-    num_workers: int = Field(0, ge=0)
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    max_batches: int | None = Field(None, ge=1)
+    random_shift: int = Field(1, ge=0, le=64)  # pixels
+    num_workers: int = Field(0, ge=0, le=256)
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$")
+    max_batches: int | None = Field(None, ge=1, le=MAX_STEPS)
     # Distributed data parallel: the train stage launches torchrun itself (tasks/ddp.py).
     strategy: Literal["single", "ddp"] = "single"
-    nproc_per_node: int = Field(2, ge=1)  # processes per machine (GPUs per node; CPU: gloo ranks)
-    nnodes: int = Field(1, ge=1)  # machines; > 1 uses c10d rendezvous at rdzv_endpoint
-    rdzv_endpoint: str = Field("127.0.0.1:29500", pattern=r"^[^\s:]+:\d{1,5}$")
-    max_restarts: int = Field(0, ge=0)  # torchrun restarts all ranks on failure; they resume
-    checkpoint_every: int = Field(1, ge=1)  # epochs between resumable checkpoints
+    nproc_per_node: int = Field(2, ge=1, le=MAX_PROCESSES)  # processes per machine (GPUs per node; CPU: gloo ranks)
+    nnodes: int = Field(1, ge=1, le=MAX_NODES)  # machines; > 1 uses c10d rendezvous at rdzv_endpoint
+    rdzv_endpoint: str = Field("127.0.0.1:29500", max_length=255, pattern=r"^[^\s:]+:\d{1,5}$")
+    max_restarts: int = Field(0, ge=0, le=100)  # torchrun restarts all ranks on failure; they resume
+    checkpoint_every: int = Field(1, ge=1, le=MAX_EPOCHS)  # epochs between resumable checkpoints
     amp: Literal["none", "bf16", "fp16"] = "none"  # mixed precision (fp16: CUDA only, with GradScaler)
     sync_batchnorm: bool = False  # under ddp: BatchNorm statistics over the global batch
 
 
 class EvaluateConfig(_Section):
-    batch_size: int = Field(512, ge=1)
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    batch_size: int = Field(512, ge=1, le=MAX_BATCH)
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$")
 
 
 Variant = Literal["dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln"]
@@ -149,16 +172,16 @@ class CompressConfig(_Section):
     variants: tuple[Variant, ...] = Field(
         ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln"), strict=False
     )
-    calibration_size: int = Field(512, ge=1)  # static int8: seeded subset of the training split
-    qat_epochs: int = Field(2, ge=1)  # quantization-aware fine-tuning epochs (qat_int8)
-    qat_lr: float = Field(0.001, gt=0)
+    calibration_size: int = Field(512, ge=1, le=1_000_000)  # static int8: seeded subset of the training split
+    qat_epochs: int = Field(2, ge=1, le=MAX_EPOCHS)  # quantization-aware fine-tuning epochs (qat_int8)
+    qat_lr: float = Field(0.001, gt=0, le=100)
     prune_amount: float = Field(0.5, gt=0, lt=1)  # pruned_l1: fraction of all conv/linear weights zeroed
     prune_channels: float = Field(0.25, gt=0, lt=1)  # pruned_ln: fraction of each conv's output channels
-    prune_norm: int = Field(2, ge=1)  # pruned_ln: channels ranked by their L-n norm
-    finetune_epochs: int = Field(3, ge=0)  # after pruning (pruned_l1: the pruned weights held at zero)
-    finetune_lr: float = Field(0.005, gt=0)
-    latency_runs: int = Field(30, ge=20)  # timed runs per variant and batch size; the median is reported
-    latency_warmup: int = Field(5, ge=1)
+    prune_norm: int = Field(2, ge=1, le=16)  # pruned_ln: channels ranked by their L-n norm
+    finetune_epochs: int = Field(3, ge=0, le=MAX_EPOCHS)  # after pruning (pruned_l1: the pruned weights held at zero)
+    finetune_lr: float = Field(0.005, gt=0, le=100)
+    latency_runs: int = Field(30, ge=20, le=100_000)  # timed runs per variant and batch size; the median is reported
+    latency_warmup: int = Field(5, ge=1, le=10_000)
 
     @field_validator("variants")
     @classmethod
@@ -172,28 +195,29 @@ class ExportConfig(_Section):
     """What ships, and the gates it must pass first (a failed gate fails the stage; nothing is registered)."""
 
     variant: Literal["fp32"] | Variant = "static_int8"  # shipped beside the fp32 model; must be built by compress
-    parity_batch: int = Field(256, ge=1)  # the first N test images: exported fp32 formats vs eager
-    max_abs_diff: float = Field(1e-4, gt=0)  # fp32 ONNX / .pt2 / TorchScript logits vs eager
+    parity_batch: int = Field(256, ge=1, le=MAX_BATCH)  # the first N test images: exported fp32 formats vs eager
+    max_abs_diff: float = Field(1e-4, gt=0, le=1e3)  # fp32 ONNX / .pt2 / TorchScript logits vs eager
     min_top1_agreement: float = Field(0.99, ge=0, le=1)  # compressed vs fp32 top-1, on the test split
     max_accuracy_drop: float = Field(0.01, ge=0, le=1)  # fp32 accuracy minus compressed, on the test split
 
 
 class TrackingConfig(_Section):
     enabled: bool = True
-    experiment: str = Field("lockstep", min_length=1)
-    registered_model: str = Field("lockstep-classifier", min_length=1)
+    experiment: str = Field("lockstep", min_length=1, max_length=256)
+    registered_model: str = Field("lockstep-classifier", min_length=1, max_length=256)
 
 
 class OrchestrationConfig(_Section):
     """How the pipeline runs as a service (flows/deployments.py); read by no stage, so
     changing a schedule never retrains a model."""
 
-    deployment: str = Field("nightly", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # lockstep-pipeline/<deployment>
+    # lockstep-pipeline/<deployment>
+    deployment: str = Field("nightly", max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     # Five cron fields (Prefect checks the values when the deployment is created); null: no schedule.
-    cron: str | None = Field("0 3 * * *", pattern=r"^\s*(\S+\s+){4}\S+\s*$")
-    timezone: str = "UTC"
+    cron: str | None = Field("0 3 * * *", max_length=256, pattern=r"^\s*(\S+\s+){4}\S+\s*$")
+    timezone: str = Field("UTC", max_length=64)
     reingest: bool = True  # scheduled runs re-read the source first; unchanged data means nothing retrains
-    lock_wait_s: float = Field(3600.0, ge=0)  # an overlapping run waits this long, then is refused
+    lock_wait_s: float = Field(3600.0, ge=0, le=7 * 24 * 3600)  # an overlapping run waits this long, then is refused
 
     @field_validator("timezone")
     @classmethod
@@ -259,8 +283,16 @@ STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)
 
 
 def _shown(value: Any, limit: int = 80) -> str:
-    """A key or value as one short line (YAML keys can be anything: numbers, null, text with newlines)."""
-    text = value if isinstance(value, str) and value.isprintable() and value.strip() == value else repr(value)
+    """A key or value as one short line (YAML keys can be anything: numbers, null, text with newlines).
+    reprlib, not repr: a huge or deeply nested value must not be rendered whole to show 80 characters."""
+    import reprlib
+
+    if isinstance(value, str) and value.isprintable() and value.strip() == value:
+        text = value
+    else:
+        shortener = reprlib.Repr()  # Python 3.11 takes no arguments here
+        shortener.maxlevel, shortener.maxstring, shortener.maxother, shortener.maxlong = 3, limit, limit, limit
+        text = shortener.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -274,7 +306,18 @@ def _format_error(error: dict[str, Any]) -> str:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)
+    and aliases (`*name`): nine nested aliases expand a few lines into a billion values ("billion
+    laughs"), and params.yaml has no need for them."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            line = event.start_mark.line + 1 if event.start_mark else "?"
+            raise ConfigError(
+                f"line {line}: YAML aliases (*{_shown(event.anchor, 40)}) are not accepted; write the value out"
+            )
+        return super().compose_node(parent, index)  # type: ignore[no-any-return]
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -288,11 +331,23 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-# YAML 1.2 floats without a dot (`1e-3`, which ruamel also writes): PyYAML's 1.1 rules read them as
-# strings, which strict validation would then refuse.
+# YAML 1.2 floats with an exponent (`1e-3`, which ruamel also writes, and `1.5e3`): PyYAML's 1.1
+# rules read them as strings unless the exponent has a sign, which strict validation would then refuse.
 _StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
 )
+MAX_NUMBER_DIGITS = 40  # far beyond any bound below; Python refuses over 4,300 digits with a ValueError
+
+
+def _bounded_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+    if len(node.value) > MAX_NUMBER_DIGITS:
+        raise ConfigError(f"line {node.start_mark.line + 1}: a number of {len(node.value)} digits; no key takes one")
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _bounded_int)
 
 
 def load_yaml(text: str) -> Any:
@@ -304,6 +359,8 @@ def load_params(path: str | Path = PARAMS_FILE) -> Params:
     """Read and validate params.yaml; raise ConfigError (one line, naming the file and key) on bad input."""
     path = Path(path)
     try:
+        if path.stat().st_size > MAX_PARAMS_BYTES:
+            raise ConfigError(f"{path}: {path.stat().st_size} bytes; a params file is at most {MAX_PARAMS_BYTES}")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
@@ -366,6 +423,28 @@ def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Pa
     out = io.StringIO()
     rt.dump(doc, out)
     return out.getvalue(), _validate(_parse(out.getvalue(), path), path)
+
+
+# Keys whose values reach the network, other machines or files outside the project. A run started
+# through the Prefect API (a deployment's `overrides`) may not change them unless whoever started the
+# server allowed it (`python -m flows.deployments serve --allow-override KEY`): else a web page or
+# anyone who can reach the API could point the data at their server or the train stage at their
+# rendezvous, and the flow would write it into params.yaml for good.
+REMOTE_KEYS = ("data.url", "data.mirror", "data.path", "data.sha256", "train.rdzv_endpoint", "train.nnodes")
+
+
+def refuse_remote_overrides(overrides: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
+    """Raise ConfigError if `overrides` sets a REMOTE_KEYS key (or its whole section) not in `allowed`."""
+    refused = sorted(
+        key
+        for key in overrides
+        if key not in allowed and any(key == remote or remote.startswith(f"{key}.") for remote in REMOTE_KEYS)
+    )
+    if refused:
+        raise ConfigError(
+            f"overrides: {', '.join(refused)} reach the network or other machines and cannot be overridden "
+            "through a deployment run unless the server was started with --allow-override for them"
+        )
 
 
 def set_params(path: str | Path, overrides: dict[str, Any]) -> Params:

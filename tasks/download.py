@@ -10,6 +10,9 @@ Sources (`data.source`):
 
 Downloads land in a cache outside data/ (`cache_dir`); data/ is replaced in one atomic step only
 after everything was fetched, verified and decoded, so a failure at any point leaves it as it was.
+Every download, archive and image is held to the limits in `data` (size, deadline, extracted size,
+ratio and member count, pixels per image, decoded bytes); credentials come from the environment
+or ~/.netrc (tasks/fetch.py), so that params.yaml and dvc.lock need not hold them.
 Train and test parts of the published datasets are concatenated (train first); the split params
 then cut the whole set, like any other source.
 """
@@ -17,20 +20,26 @@ then cut the whole set, like any other source.
 from __future__ import annotations
 
 import gzip
+import logging
+import posixpath
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import numpy as np
 
-from tasks.archive import extract, is_archive
+from tasks.archive import ArchiveLimits, extract, is_archive
 from tasks.config import DataConfig
 from tasks.data_format import RawDataset, read_raw, write_raw
 from tasks.errors import ExpectedFailure
-from tasks.fetch import Checksum, Retry, fetch, verify
-from tasks.imagefolder import ingest_folder
+from tasks.fetch import AUTH_ENV, TOKEN_ENV, Auth, Checksum, Retry, fetch, verify
+from tasks.imagefolder import ImageLimits, ingest_folder
+from tasks.redact import SECRET_NAME, redact
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,15 +57,22 @@ class _Context:
     cfg: DataConfig
     cache: Path  # this source's download cache folder
     retry: Retry
+    auth: Auth
     files: dict[str, str] = field(default_factory=dict)  # filled with what was fetched and verified
     skipped_files: int = 0
 
     def fetch(self, name: str, published: list[str], checksum: Checksum) -> Path:
         """`name` from the mirror if one is set (else the published base URLs), verified, cached."""
         bases = [self.cfg.mirror] if self.cfg.mirror else published
-        path = fetch([f"{base.rstrip('/')}/{name}" for base in bases], self.cache / name, checksum, self.retry)
+        urls = [f"{base.rstrip('/')}/{name}" for base in bases]
+        path = fetch(urls, self.cache / name, checksum, self.retry, self.cfg.max_download_bytes, self.auth)
         self.files[name] = f"{checksum.algorithm}:{checksum.hexdigest}"
         return path
+
+    def extract(self, archive: Path, dest: Path) -> Path:
+        cfg = self.cfg
+        limits = ArchiveLimits(cfg.max_extracted_bytes, cfg.max_compression_ratio, cfg.max_archive_files)
+        return extract(archive, dest, limits)
 
 
 def _digits(ctx: _Context) -> RawDataset:
@@ -101,7 +117,7 @@ def _cifar(dataset_class: str) -> Callable[[_Context], RawDataset]:
         base_url = cls.url.rsplit("/", 1)[0]
         archive = ctx.fetch(cls.filename, [base_url], Checksum("md5", cls.tgz_md5))
         with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
-            extract(archive, Path(scratch) / "x")
+            ctx.extract(archive, Path(scratch) / "x")
             # The CIFAR batches are Python pickles, which torchvision unpickles. Safe here only
             # because the archive matched its published md5 above, and torchvision checks each
             # batch's md5 again before loading it.
@@ -123,8 +139,9 @@ def _imagefolder(ctx: _Context, out_dir: Path) -> None:
     cfg = ctx.cfg
     archive = _imagefolder_archive(ctx)
     with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
-        folder = Path(cfg.path or "") if archive is None else extract(archive, Path(scratch) / "x")
-        found = ingest_folder(folder, out_dir, cfg.channels or 3, cfg.image_size, "imagefolder")
+        folder = Path(cfg.path or "") if archive is None else ctx.extract(archive, Path(scratch) / "x")
+        limits = ImageLimits(cfg.max_image_pixels, cfg.max_dataset_bytes)
+        found = ingest_folder(folder, out_dir, cfg.channels or 3, cfg.image_size, "imagefolder", limits)
     ctx.skipped_files = len(found.skipped)
 
 
@@ -133,9 +150,10 @@ def _imagefolder_archive(ctx: _Context) -> Path | None:
     cfg = ctx.cfg
     if cfg.url is not None:
         assert cfg.sha256 is not None  # DataConfig requires it with url
-        name = cfg.url.rstrip("/").rsplit("/", 1)[-1]
+        name = _file_name(cfg.url)
         # one folder per content hash: two URLs with the same file name never share a cache entry
-        archive = fetch([cfg.url], ctx.cache / cfg.sha256[:16] / name, Checksum("sha256", cfg.sha256), ctx.retry)
+        dest, checksum = ctx.cache / cfg.sha256[:16] / name, Checksum("sha256", cfg.sha256)
+        archive = fetch([cfg.url], dest, checksum, ctx.retry, cfg.max_download_bytes, ctx.auth)
         ctx.files[name] = f"sha256:{cfg.sha256}"
         return archive
     local = Path(cfg.path or "")
@@ -149,6 +167,36 @@ def _imagefolder_archive(ctx: _Context) -> Path | None:
         verify(local, Checksum("sha256", cfg.sha256))
         ctx.files[local.name] = f"sha256:{cfg.sha256}"
     return local
+
+
+def _file_name(url: str) -> str:
+    """The archive's file name: the URL path's last segment, never its query (a signed URL's token
+    would otherwise name a cache file and the receipt's entry)."""
+    name = posixpath.basename(unquote(urlsplit(url).path))
+    if not name or name in (".", "..") or not name.isprintable() or "\\" in name:
+        raise ExpectedFailure(f"data.url: {redact(url)} does not end in a file name (e.g. .../flowers.tar.gz)")
+    return name
+
+
+def _holds_credentials(url: str) -> bool:
+    """User info, or a query or fragment parameter named like a secret (`?token=`, `&X-Amz-Signature=`)."""
+    try:
+        parts = urlsplit(url)
+        names = [name for name, _ in parse_qsl(f"{parts.query}&{parts.fragment}")]
+    except ValueError:
+        return False
+    return "@" in parts.netloc or any(SECRET_NAME.search(name) or "sig" in name.lower() for name in names)
+
+
+def _warn_about_credentials_in_params(cfg: DataConfig) -> None:
+    for key, url in (("data.mirror", cfg.mirror), ("data.url", cfg.url)):
+        if url and _holds_credentials(url):  # params.yaml, dvc.lock and git hold them now
+            log.warning(
+                "%s carries credentials, which params.yaml and dvc.lock record; set %s or %s, or use ~/.netrc",
+                key,
+                TOKEN_ENV,
+                AUTH_ENV,
+            )
 
 
 # Each source writes `out_dir` (atomically, through tasks/data_format.py).
@@ -168,10 +216,11 @@ def download(cfg: DataConfig, out_dir: Path, cache_dir: Path, retry: Retry | Non
     Raises ExpectedFailure (a DownloadError for network and checksum failures) with a message naming
     the file or URL; `out_dir` is then exactly as it was.
     """
-    retry = retry or Retry(attempts=cfg.retries + 1, timeout_s=cfg.timeout_s)
+    retry = retry or Retry(attempts=cfg.retries + 1, timeout_s=cfg.timeout_s, deadline_s=cfg.deadline_s)
+    _warn_about_credentials_in_params(cfg)
     cache = Path(cache_dir) / cfg.source
     cache.mkdir(parents=True, exist_ok=True)
-    ctx = _Context(cfg, cache, retry)
+    ctx = _Context(cfg, cache, retry, Auth.from_environment([cfg.mirror, cfg.url]))
     SOURCES[cfg.source](ctx, out_dir)
     written = read_raw(out_dir)  # read back: what later stages will see
     return DownloadResult(

@@ -7,15 +7,30 @@ Classes are the sub-folder names, sorted; files are taken recursively, sorted, s
 bytes depend only on the folder's content. Files without an image extension (README.txt,
 .DS_Store) are skipped and reported; a file with an image extension that does not decode is an
 error naming it, as is an empty class folder (a silently missing class would shift every label).
+
+A folder (or an extracted archive) is refused, before anything is decoded, when it holds:
+- a symbolic link: links are not followed (`cat -> .` would list every image again under `cat`,
+  and a link can read files outside the folder);
+- a FIFO, socket or device with an image name (opening a FIFO blocks forever);
+- a name that is not UTF-8 or holds a control character (a newline forges log lines; class names
+  go into meta.json, logs and the exported model's labels);
+- two class names that differ only in case or Unicode form (`Cat`, `cat`): two classes on Linux,
+  one on macOS and Windows;
+- an image larger than `max_pixels` (read from its header, before decoding), or images that
+  would decode to more than `max_bytes` in all.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import unicodedata
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
@@ -23,12 +38,25 @@ from tqdm import tqdm
 from tasks.data_format import write_raw_blocks
 from tasks.errors import ExpectedFailure
 
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage  # imported lazily below: PIL is only needed to decode
+
 log = logging.getLogger(__name__)
 
 # The same list as torchvision.datasets.folder.IMG_EXTENSIONS (a test holds them equal); copied so
 # that the download stage does not import torchvision (~3.5 s) just for a tuple.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-BLOCK = 512  # images decoded per written block
+BLOCK = 512  # images decoded per written block, at most
+BLOCK_BYTES = 64 << 20  # ... and at most this many bytes of them (at least one image)
+# C0 and C1 controls (newline, escape...), line and paragraph separators, bidirectional overrides
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+_NOT_UTF8 = re.compile("[\ud800-\udfff]")  # how Python decodes a file name's non-UTF-8 bytes
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_pixels: int  # per image, width x height (data.max_image_pixels)
+    max_bytes: int  # all images decoded, the size of data/images.npy (data.max_dataset_bytes)
 
 
 @dataclass(frozen=True)
@@ -44,17 +72,73 @@ def _visible(name: str) -> bool:
     return not name.startswith(".")
 
 
+def _shown(path: str | os.PathLike[str]) -> str:
+    """`path` as one printable line: non-UTF-8 bytes as \\xNN, control characters escaped."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return _CONTROL.sub(lambda match: ascii(match.group())[1:-1], text)
+
+
+def _check_name(path: str) -> None:
+    name = os.path.basename(path)
+    if _NOT_UTF8.search(name):
+        raise ExpectedFailure(f"{_shown(path)}: name is not valid UTF-8; rename it (names reach logs and the model)")
+    if _CONTROL.search(name):
+        raise ExpectedFailure(f"{_shown(path)}: name holds a control character; rename it (it would forge log lines)")
+
+
+def _entries(folder: str) -> list[os.DirEntry[str]]:
+    """Visible entries of `folder`, sorted by name, each name checked; links refused."""
+    with os.scandir(folder) as listing:
+        entries = sorted((e for e in listing if _visible(e.name)), key=lambda e: e.name)
+    for entry in entries:
+        _check_name(entry.path)
+        if entry.is_symlink():
+            raise ExpectedFailure(
+                f"{_shown(entry.path)}: a symbolic link; links are not followed (one can list images twice, "
+                "under two classes, or reach outside the folder): copy what it points to instead"
+            )
+    return entries
+
+
 def find_root(path: Path) -> Path:
     """The folder holding the class folders: archives often wrap them in one top-level folder."""
     path = Path(path)
     while True:
-        entries = [e for e in os.scandir(path) if _visible(e.name)]
-        dirs = [e for e in entries if e.is_dir()]
-        files = [e for e in entries if e.is_file()]
-        if len(dirs) == 1 and not files and any(e.is_dir() for e in os.scandir(dirs[0].path)):
-            path = Path(dirs[0].path)
+        entries = _entries(str(path))
+        dirs = [e for e in entries if e.is_dir(follow_symlinks=False)]
+        wrapper = dirs[0].path if len(dirs) == 1 and len(entries) == 1 else None
+        if wrapper is not None and any(e.is_dir(follow_symlinks=False) for e in _entries(wrapper)):
+            path = Path(wrapper)
         else:
             return path
+
+
+def _files_under(folder: str) -> Iterator[str]:
+    """Regular files under `folder`, depth first, sorted (os.walk's order); links and special files refused."""
+    stack = [folder]
+    while stack:  # a stack, not recursion: an archive can nest folders thousands deep
+        dirs = []
+        for entry in _entries(stack.pop()):
+            if entry.is_dir(follow_symlinks=False):
+                dirs.append(entry.path)
+            elif entry.is_file(follow_symlinks=False):
+                yield entry.path
+            else:
+                raise ExpectedFailure(f"{_shown(entry.path)}: not a regular file or folder (a FIFO, socket or device)")
+        stack.extend(reversed(dirs))
+
+
+def _check_classes(root: Path, classes: list[str]) -> None:
+    """Refuse names that one file system holds as two folders and another as one."""
+    seen: dict[str, str] = {}
+    for name in classes:
+        key = unicodedata.normalize("NFC", unicodedata.normalize("NFC", name).casefold())
+        if key in seen:
+            raise ExpectedFailure(
+                f"{_shown(root)}: class folders {seen[key]!r} and {name!r} differ only in case or Unicode form: "
+                "two classes on Linux, one on macOS and Windows; merge or rename them"
+            )
+        seen[key] = name
 
 
 def scan(root: Path) -> FolderScan:
@@ -62,44 +146,60 @@ def scan(root: Path) -> FolderScan:
     root = Path(root)
     if not root.is_dir():
         raise ExpectedFailure(f"{root}: not a directory (data.path must be a folder of class folders, or an archive)")
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and _visible(e.name))
+    classes = [e.name for e in _entries(str(root)) if e.is_dir(follow_symlinks=False)]
     if len(classes) < 2:
         raise ExpectedFailure(f"{root}: found {len(classes)} class folder(s) {classes}; a classifier needs at least 2")
+    _check_classes(root, classes)
     files: list[str] = []
     labels: list[int] = []
     skipped: list[str] = []
     for label, name in enumerate(classes):
-        found = 0
-        for folder, subdirs, names in os.walk(root / name):
-            subdirs[:] = sorted(d for d in subdirs if _visible(d))
-            for file in sorted(n for n in names if _visible(n)):
-                path = os.path.join(folder, file)
-                if os.path.splitext(file)[1].lower() in IMG_EXTENSIONS:
-                    files.append(path)
-                    labels.append(label)
-                    found += 1
-                else:
-                    skipped.append(path)
-        if found == 0:
+        found = len(files)
+        for path in _files_under(str(root / name)):
+            if os.path.splitext(path)[1].lower() in IMG_EXTENSIONS:
+                files.append(path)
+                labels.append(label)
+            else:
+                skipped.append(path)
+        if found == len(files):
             raise ExpectedFailure(f"{root / name}: class folder has no images (extensions: {' '.join(IMG_EXTENSIONS)})")
     if skipped:
-        shown = ", ".join(os.path.relpath(p, root) for p in skipped[:5])
+        shown_skipped = ", ".join(os.path.relpath(p, root) for p in skipped[:5])
         log.warning(
             "%s: skipped %d file(s) without an image extension: %s%s",
             root,
             len(skipped),
-            shown,
+            shown_skipped,
             " ..." if len(skipped) > 5 else "",
         )
     return FolderScan(root, classes, files, np.asarray(labels, dtype=np.int64), skipped)
 
 
-def _decode(path: str, mode: str, size: tuple[int, int] | None) -> np.ndarray:
+def _open_checked(path: str, max_pixels: int) -> PILImage:
+    """`path` opened (header read, nothing decoded), refused when larger than `max_pixels`."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():  # PIL warns above 89 M pixels; our own limit decides, below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(path)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ExpectedFailure(f"{path}: not a readable image: {exc}") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        image.close()
+        raise ExpectedFailure(
+            f"{path}: {width}x{height} = {width * height} pixels, more than data.max_image_pixels ({max_pixels})"
+        )
+    return image
+
+
+def _decode(path: str, mode: str, size: tuple[int, int] | None, max_pixels: int) -> np.ndarray:
     """One image as (H, W, C) uint8; `size` is (height, width) to resize to, or None to keep."""
     from PIL import Image
 
     try:
-        with Image.open(path) as image:
+        with _open_checked(path, max_pixels) as image:
             image = image.convert(mode)  # decodes fully: truncated files fail here, not later
             if size is not None and image.size != (size[1], size[0]):
                 image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
@@ -109,37 +209,60 @@ def _decode(path: str, mode: str, size: tuple[int, int] | None) -> np.ndarray:
     return pixels.reshape(pixels.shape[0], pixels.shape[1], -1)
 
 
+def _common_size(files: list[str], max_pixels: int) -> tuple[int, int]:
+    """(height, width) that every image has, read from the headers alone; refused when one differs."""
+    first: tuple[int, int] | None = None
+    for path in tqdm(files, desc="checking image sizes", unit="img", disable=None, leave=False):
+        with _open_checked(path, max_pixels) as image:
+            width, height = image.size
+        if first is None:
+            first = (height, width)
+        elif (height, width) != first:
+            raise ExpectedFailure(
+                f"{path}: {width}x{height} pixels, but {files[0]} is {first[1]}x{first[0]}; "
+                "set data.image_size: [height, width] to resize all images"
+            )
+    assert first is not None  # scan() found images
+    return first
+
+
 def ingest_folder(
-    root: Path, out_dir: Path, channels: int, image_size: tuple[int, int] | None, source: str
+    root: Path, out_dir: Path, channels: int, image_size: tuple[int, int] | None, source: str, limits: ImageLimits
 ) -> FolderScan:
     """Decode every image under `root` into a raw snapshot at `out_dir` (atomically).
 
     Without `image_size`, every image must have the first image's size; the error names the
-    first that differs and says how to resize.
+    first that differs and says how to resize. Every size is checked (from the image headers)
+    before any buffer is sized from it.
     """
     found = scan(find_root(root))
     mode = "RGB" if channels == 3 else "L"
-    first = _decode(found.files[0], mode, image_size)
-    height, width = first.shape[:2]
+    height, width = image_size if image_size is not None else _common_size(found.files, limits.max_pixels)
+    shape = (len(found.files), height, width, channels)
+    total = int(np.prod(shape, dtype=np.int64))
+    if total > limits.max_bytes:
+        raise ExpectedFailure(
+            f"{found.root}: {shape[0]} images of {width}x{height}x{channels} decode to {total} bytes, more than "
+            f"data.max_dataset_bytes ({limits.max_bytes}); set a smaller data.image_size or raise the limit"
+        )
+    rows = max(1, min(BLOCK, BLOCK_BYTES // (height * width * channels)))
 
     def blocks() -> Iterator[np.ndarray]:
-        block = np.empty((BLOCK, height, width, channels), dtype=np.uint8)
+        block = np.empty((rows, height, width, channels), dtype=np.uint8)
         filled = 0
         for path in tqdm(found.files, desc="decoding images", unit="img", disable=None, leave=False):
-            pixels = _decode(path, mode, image_size)
-            if pixels.shape[:2] != (height, width):
+            pixels = _decode(path, mode, image_size, limits.max_pixels)
+            if pixels.shape[:2] != (height, width):  # a header that lied about the size
                 raise ExpectedFailure(
-                    f"{path}: {pixels.shape[1]}x{pixels.shape[0]} pixels, but {found.files[0]} is "
-                    f"{width}x{height}; set data.image_size: [height, width] to resize all images"
+                    f"{path}: decoded to {pixels.shape[1]}x{pixels.shape[0]}, expected {width}x{height}"
                 )
             block[filled] = pixels
             filled += 1
-            if filled == BLOCK:
+            if filled == rows:
                 yield block
                 filled = 0
         if filled:
             yield block[:filled]
 
-    shape = (len(found.files), height, width, channels)
     write_raw_blocks(out_dir, blocks(), shape, found.labels, found.classes, source)
     return found

@@ -18,6 +18,13 @@ Behaviours for :meth:`FileServer.fail` (each consumed by one request, GET or HEA
 - ``"hang"``: no response until the server shuts down (or ``hang_s`` passes), then the connection is dropped.
 - ``"stall"``: headers and half the body, then silence as for ``"hang"`` (exercises read timeouts, not connect).
 - ``"reset"``: the socket is closed with SO_LINGER 0 without any response, so the client sees a TCP RST.
+- ``"drip"``: 200 with the full Content-Length, then one byte every ``drip_s`` (a slow-loris server).
+- ``"dripheaders"``: the status line and headers themselves one byte every ``drip_s``, then the body.
+- ``"nolength"``: 200 without Content-Length, the whole body, then the connection closes.
+- ``"length:<value>"``: 200 with ``Content-Length: <value>`` as given (``abc``, ``-5``), the body, then close.
+
+``redirect(path, url)`` answers 302 to ``url``; ``require_auth(path, value)`` answers 401 unless the
+request's ``Authorization`` header is ``value``; ``authorizations(path)`` lists the header each request carried.
 
 Paths never added answer 404. ``Range: bytes=N-`` / ``bytes=N-M`` / ``bytes=-K`` get 206 (or 416) but only on
 requests served normally (no behaviour, or ``"ok"``); faulty responses always ignore Range and answer as for a full GET.
@@ -39,7 +46,7 @@ from urllib.parse import unquote, urlsplit
 
 __all__ = ["BEHAVIOURS", "FileServer"]
 
-BEHAVIOURS = frozenset({"ok", "truncate", "corrupt", "hang", "stall", "reset"})
+BEHAVIOURS = frozenset({"ok", "truncate", "corrupt", "hang", "stall", "reset", "drip", "dripheaders", "nolength"})
 _STATUS_RE = re.compile(r"^[45]\d\d$")
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
@@ -87,9 +94,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, head: bool) -> None:
         owner = self.server.owner
         route = unquote(urlsplit(self.path).path)
-        behaviour, data = owner._on_request(self.command, route)
+        behaviour, data = owner._on_request(self.command, route, self.headers.get("Authorization"))
         if behaviour == "ok":
             behaviour = None
+        if (location := owner._redirects.get(route)) is not None:
+            return self._plain(302, head, {"Location": location})
+        if (needed := owner._required.get(route)) is not None and self.headers.get("Authorization") != needed:
+            return self._plain(401, head, {"WWW-Authenticate": 'Basic realm="test"'})
+        if behaviour is not None and behaviour.startswith("length:") and data is not None:
+            return self._raw_length(data, behaviour.removeprefix("length:"), head)
+        if behaviour in ("drip", "dripheaders", "nolength") and data is not None:
+            return self._slow_or_unsized(data, behaviour, head)
 
         if behaviour == "reset":
             return self._reset()
@@ -122,6 +137,46 @@ class _Handler(BaseHTTPRequestHandler):
         self._headers(200, len(data))
         if not head:
             self.wfile.write(data)
+
+    def _raw_length(self, data: bytes, length: str, head: bool) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", length)
+        self.end_headers()
+        if not head:
+            self.wfile.write(data)
+        self.close_connection = True
+
+    def _slow_or_unsized(self, data: bytes, behaviour: str, head: bool) -> None:
+        owner = self.server.owner
+        if behaviour == "dripheaders":
+            padding = "p" * 200  # headers a client must wait ~13 s for at the default 0.05 s a byte
+            raw = f"HTTP/1.1 200 OK\r\nContent-Length: {len(data)}\r\nX-Padding: {padding}\r\n\r\n".encode()
+            self.close_connection = True
+            for i in range(len(raw)):
+                self.wfile.write(raw[i : i + 1])
+                self.wfile.flush()
+                if owner._stop.wait(owner.drip_s):
+                    return
+            if not head:
+                self.wfile.write(data)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        if behaviour == "drip":
+            self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.close_connection = True
+        if head:
+            return
+        if behaviour == "nolength":
+            self.wfile.write(data)
+            return
+        for i in range(len(data)):
+            self.wfile.write(data[i : i + 1])
+            self.wfile.flush()
+            if owner._stop.wait(owner.drip_s):
+                return
 
     def _headers(self, status: int, length: int, extra: dict[str, str] | None = None) -> None:
         self.send_response(status)
@@ -183,8 +238,12 @@ class FileServer:
     Use as a context manager; ``__exit__`` wakes hanging handlers, shuts down, closes and joins promptly.
     """
 
-    def __init__(self, hang_s: float = 300.0) -> None:
+    def __init__(self, hang_s: float = 300.0, drip_s: float = 0.05) -> None:
         self.hang_s = hang_s  # upper bound for "hang"/"stall" if the server is never shut down
+        self.drip_s = drip_s  # seconds between the bytes of a "drip" response
+        self._redirects: dict[str, str] = {}
+        self._required: dict[str, str] = {}
+        self._authorizations: list[tuple[str, str | None]] = []
         self._lock = threading.Lock()
         self._files: dict[str, bytes] = {}
         self._faults: defaultdict[str, deque[str]] = defaultdict(deque)
@@ -193,7 +252,9 @@ class FileServer:
         self._stop = threading.Event()
         self._httpd = _Server(("127.0.0.1", 0), _Handler)
         self._httpd.owner = self
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="FileServer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="FileServer", daemon=True
+        )
         self._started = False
         self._closed = False
 
@@ -268,10 +329,25 @@ class FileServer:
     def fail(self, path: str, *behaviours: str) -> None:
         """Queue behaviours for ``path``, consumed one per request before normal serving resumes."""
         for b in behaviours:
-            if b not in BEHAVIOURS and not _STATUS_RE.match(b):
+            if b not in BEHAVIOURS and not _STATUS_RE.match(b) and not b.startswith("length:"):
                 raise ValueError(f"unknown behaviour {b!r}; expected a 4xx/5xx status or one of {sorted(BEHAVIOURS)}")
         with self._lock:
             self._faults[_norm(path)].extend(behaviours)
+
+    def redirect(self, path: str, location: str) -> None:
+        """Answer requests for ``path`` with 302 to ``location``."""
+        with self._lock:
+            self._redirects[_norm(path)] = location
+
+    def require_auth(self, path: str, value: str) -> None:
+        """Answer 401 to requests for ``path`` whose Authorization header is not ``value``."""
+        with self._lock:
+            self._required[_norm(path)] = value
+
+    def authorizations(self, path: str) -> list[str | None]:
+        """The Authorization header (or None) of every request to ``path`` so far."""
+        with self._lock:
+            return [auth for p, auth in self._authorizations if p == _norm(path)]
 
     def pending(self, path: str) -> list[str]:
         """Behaviours still queued for ``path``."""
@@ -294,10 +370,11 @@ class FileServer:
 
     # ------------------------------------------------------------------------------------------ handler hooks
 
-    def _on_request(self, method: str, path: str) -> tuple[str | None, bytes | None]:
+    def _on_request(self, method: str, path: str, authorization: str | None) -> tuple[str | None, bytes | None]:
         # Record, pop the next behaviour and read the content atomically, so concurrent requests each get one.
         with self._lock:
             self._requests.append((method, path))
+            self._authorizations.append((path, authorization))
             queue = self._faults.get(path)
             behaviour = queue.popleft() if queue else None
             return behaviour, self._files.get(path)

@@ -210,11 +210,23 @@ def test_bad_params_exit_2_with_one_line_naming_the_key(
     assert err.count("\n") == 1 and err.startswith(f"error: {params}: "), err  # one line, naming the file
     assert "Traceback" not in err
     if key is None:
-        assert "not valid YAML at line" in err, err
+        assert re.search(r"not valid YAML at line|line \d+: YAML aliases", err), err
     else:
         assert re.search(rf"\b{re.escape(key)}\b", err), (key, err)
     assert {**_snapshot(tmp_path), **_snapshot(ROOT)} == before  # nothing written
     assert params.read_text() == text
+
+
+def test_every_number_has_an_upper_bound() -> None:
+    """A hostile or mistyped number (a run record on a shared server, `epochs: 10**12`) is refused
+    by validation, never reaches torch as an OverflowError or a week of training."""
+    unbounded = [
+        key
+        for key, field in LEAVES.items()
+        if _kinds(field.annotation)[0] & {int, float}
+        and not any(isinstance(rule, (annotated_types.Lt, annotated_types.Le)) for rule in field.metadata)
+    ]
+    assert not unbounded, f"numbers without an upper bound: {unbounded}"
 
 
 @SETTINGS
