@@ -49,8 +49,12 @@ repro: $(STAMP)  ## the same pipeline through DVC (fetches data/ first on a fres
 	test -d data || $(VENV)/bin/dvc repro download
 	$(VENV)/bin/dvc repro
 
-serve: $(STAMP)  ## Prefect server on http://127.0.0.1:4200 + the scheduled deployment 'lockstep-pipeline/nightly'
-	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT)
+# Runs started through the API may not override keys that reach the network or other machines
+# (tasks/config.py REMOTE_KEYS) unless listed here, e.g. `make serve ALLOW_OVERRIDES="data.url data.sha256"`.
+ALLOW_OVERRIDES ?=
+serve: $(STAMP)  ## Prefect server on http://127.0.0.1:4200 (auth string in .prefect/api-auth) + the deployment 'lockstep-pipeline/nightly'
+	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT) \
+		$(foreach key,$(ALLOW_OVERRIDES),--allow-override $(key))
 
 ui: $(STAMP)  ## MLflow UI on the results: http://127.0.0.1:5000
 	MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
@@ -61,10 +65,18 @@ ui: $(STAMP)  ## MLflow UI on the results: http://127.0.0.1:5000
 # sqlite URI for postgresql://... and the folder for s3://... in production (README).
 MLFLOW_BACKEND ?= sqlite:///$(CURDIR)/mlflow-server.db
 MLFLOW_ARTIFACTS ?= $(CURDIR)/mlflow-server-artifacts
+# For a server others reach (MLFLOW_HOST=0.0.0.0): MLFLOW_AUTH_CONFIG=auth.ini turns on MLflow's
+# basic-auth app (users, passwords and permissions; README "MLflow tracking server"; it also needs
+# MLFLOW_FLASK_SERVER_SECRET_KEY in the environment), and MLFLOW_ALLOWED_HOSTS lists the Host headers
+# it answers (DNS rebinding), e.g. mlflow.internal:5000.
+MLFLOW_AUTH_CONFIG ?=
+MLFLOW_ALLOWED_HOSTS ?=
 mlflow-server: $(STAMP)  ## MLflow tracking server (database + artifact store) on http://127.0.0.1:5000
+	$(if $(MLFLOW_AUTH_CONFIG),MLFLOW_AUTH_CONFIG_PATH=$(abspath $(MLFLOW_AUTH_CONFIG))) \
 	MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server \
 		--backend-store-uri $(MLFLOW_BACKEND) --artifacts-destination $(MLFLOW_ARTIFACTS) \
-		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT)
+		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT) \
+		$(if $(MLFLOW_AUTH_CONFIG),--app-name basic-auth) $(if $(MLFLOW_ALLOWED_HOSTS),--allowed-hosts $(MLFLOW_ALLOWED_HOSTS))
 
 reproduce: $(STAMP)  ## re-run a past run's training and compare weights: make reproduce RUN=<mlflow run id>
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<mlflow run id>" >&2; exit 2; }

@@ -32,7 +32,7 @@ from typing import Any
 
 from flows import prefect_env
 from tasks.cli import exit_code
-from tasks.config import PARAMS_FILE, OrchestrationConfig, load_params
+from tasks.config import PARAMS_FILE, REMOTE_KEYS, OrchestrationConfig, load_params
 from tasks.layout import ROOT
 
 
@@ -51,11 +51,12 @@ def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:
 
 
 @contextmanager
-def local_server(host: str, port: int) -> Iterator[str]:
-    """`prefect server start` on host:port for the block; yields its API URL. Stopped on exit."""
+def local_server(host: str, port: int) -> Iterator[prefect_env.LocalServer]:
+    """`prefect server start` on host:port for the block, answering; stopped on exit."""
     server = prefect_env.LocalServer(host, port, die_with_parent=True)  # also if serve is SIGKILLed
     try:
-        yield server.wait()
+        server.wait()
+        yield server
     finally:
         server.stop()
 
@@ -78,7 +79,7 @@ def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None) -> str:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
 
-    from flows.pipeline import FLOW_NAME, pipeline
+    from flows.pipeline import ALLOW_OVERRIDES_ENV, FLOW_NAME, pipeline
 
     with get_client(sync_client=True) as client:
         try:
@@ -91,7 +92,7 @@ def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None) -> str:
     # mounted) changes into it and imports the flow from there.
     source = pipeline.from_source(source=str(ROOT), entrypoint="flows/pipeline.py:pipeline")
     # the stages' log lines in Prefect's run log (the serve process passes its own environment on)
-    env = {"PREFECT_LOGGING_EXTRA_LOGGERS": os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"]}
+    env = {key: os.environ[key] for key in ("PREFECT_LOGGING_EXTRA_LOGGERS", ALLOW_OVERRIDES_ENV) if key in os.environ}
     source.deploy(
         name=name,
         work_pool_name=pool,
@@ -116,24 +117,51 @@ def main(argv: list[str] | None = None) -> int:
     deploy_cmd = commands.add_parser("deploy", help="register the deployment with a work pool")
     deploy_cmd.add_argument("--pool", required=True, help="work pool name (created as type process if missing)")
     deploy_cmd.add_argument("--name", help="deployment name (default: orchestration.deployment)")
+    for command in (serve_cmd, deploy_cmd):
+        command.add_argument(
+            "--allow-override",
+            metavar="KEY",
+            action="append",
+            default=[],
+            choices=REMOTE_KEYS,
+            help="let runs' `overrides` change this key, which reaches the network or other machines "
+            f"(refused by default; repeatable; one of {', '.join(REMOTE_KEYS)})",
+        )
     args = parser.parse_args(argv)
     prefect_env.configure()  # before Prefect is imported, and inherited by the server we start
     return exit_code(lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:
+    from flows.pipeline import ALLOW_OVERRIDES_ENV
+
     cfg = load_params(ROOT / args.params).orchestration
+    # inherited by the flow runs this process starts, and passed to a pool's workers (deploy)
+    os.environ[ALLOW_OVERRIDES_ENV] = ",".join(args.allow_override)
     if args.command == "deploy":
         print(f"deployed {deploy(cfg, args.pool, args.name)}; start a worker: prefect worker start --pool {args.pool}")
         return 0
     if os.environ.get("PREFECT_API_URL"):
         serve(cfg)
         return 0
-    with local_server(args.host, args.port) as api:
-        os.environ["PREFECT_API_URL"] = api
-        print(f"Prefect server: {api.removesuffix('/api')}  (stopped with this process)", flush=True)
+    with local_server(args.host, args.port) as server:
+        os.environ["PREFECT_API_URL"] = server.api_url
+        os.environ["PREFECT_API_AUTH_STRING"] = server.auth_string  # for this process and its flow runs
+        _print_how_to_connect(server)
         serve(cfg)  # returns on Ctrl-C / SIGTERM; the server is stopped after it, never before
     return 0
+
+
+def _print_how_to_connect(server: prefect_env.LocalServer) -> None:
+    """Where the server is and how a client authenticates, without printing the secret."""
+    auth = prefect_env.prefect_home() / prefect_env.AUTH_FILE
+    where = f"in {auth}" if auth.exists() and auth.read_text().strip() == server.auth_string else "as you set it"
+    print(
+        f"Prefect server: {server.api_url.removesuffix('/api')}  (stopped with this process)\n"
+        f"  it asks for its auth string (user:password), kept {where}; from another shell:\n"
+        f'  export PREFECT_API_URL={server.api_url} PREFECT_API_AUTH_STRING="$(cat {auth})"',
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,24 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.tasks import exponential_backoff  # noqa: E402
 
 from tasks.cli import exit_code  # noqa: E402
-from tasks.config import PARAMS_FILE, STAGES, Params, load_params, set_params, with_overrides  # noqa: E402
+from tasks.config import (  # noqa: E402
+    PARAMS_FILE,
+    STAGES,
+    Params,
+    load_params,
+    refuse_remote_overrides,
+    set_params,
+    with_overrides,
+)
 
 FLOW_NAME = "lockstep-pipeline"
+# Comma-separated REMOTE_KEYS (tasks/config.py) that runs of this process may override: set by
+# `flows.deployments serve/deploy --allow-override`, and by `--set` here (the user typed them).
+ALLOW_OVERRIDES_ENV = "LOCKSTEP_ALLOW_OVERRIDES"
+
+
+def allowed_overrides() -> frozenset[str]:
+    return frozenset(key.strip() for key in os.environ.get(ALLOW_OVERRIDES_ENV, "").split(",") if key.strip())
 
 
 def _is_stale(stage: str) -> bool:
@@ -143,7 +158,9 @@ def pipeline(
 
     os.chdir(ROOT)
     logger = get_run_logger()
-    params = load_params(params_file)  # validated before anything is written
+    params = load_params(_inside_project(params_file))  # validated before anything is written
+    if overrides:
+        refuse_remote_overrides(overrides, allowed_overrides())
     with pipeline_lock(
         f"Prefect flow run {flow_run.name or FLOW_NAME}", params.orchestration.lock_wait_s, logger=logger
     ):
@@ -164,6 +181,16 @@ def pipeline(
         key="pipeline-summary", markdown=_summary_table(results, summary), description="what this pipeline run did"
     )
     return results
+
+
+def _inside_project(params_file: str) -> str:
+    """`params_file` if it names a file inside the project (it comes from the API, and overrides are
+    written into it); ConfigError otherwise."""
+    from tasks.config import ConfigError
+
+    if not (ROOT / params_file).resolve().is_relative_to(ROOT.resolve()):
+        raise ConfigError(f"params_file: {params_file!r} is outside the project {ROOT}")
+    return params_file
 
 
 def _summary_table(results: dict[str, dict[str, Any]], summary: str) -> str:
@@ -189,7 +216,7 @@ def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     here instead, it comes up while this process imports DVC and MLflow: a no-op run is mostly
     start-up (B3 in benchmarks/: 11.6 -> 7.7 s on 2 cores).
     """
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     server = None
     if not os.environ.get("PREFECT_API_URL"):
@@ -198,7 +225,8 @@ def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         # so Prefect's log and event workers (registered later) have sent what they hold by then.
         atexit.register(server.stop)
     threading.Thread(target=_warm_imports, daemon=True).start()
-    with temporary_settings({PREFECT_API_URL: server.wait()}) if server else nullcontext():
+    settings = {PREFECT_API_URL: server.wait(), PREFECT_API_AUTH_STRING: server.auth_string} if server else None
+    with temporary_settings(settings) if settings else nullcontext():
         return pipeline(
             params_file=args.params, force=args.force, reingest=args.reingest, overrides=dict(args.overrides) or None
         )
@@ -237,6 +265,8 @@ def _run(args: argparse.Namespace) -> int:
     from tasks.tracking import check_store
 
     _, params = with_overrides(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
+    # the user at this prompt may point the data anywhere: only API-started runs are restricted
+    os.environ[ALLOW_OVERRIDES_ENV] = ",".join([*allowed_overrides(), *(key for key, _ in args.overrides)])
     check_store(params.tracking)  # a tracking server that is down fails the run now, not after training
     results = _run_with_local_api(args)
     ran = [name for name, result in results.items() if result["ran"]]

@@ -2,11 +2,19 @@
 and the local Prefect server the project's commands start.
 
 Every default yields to what the user has set: PREFECT_HOME / PREFECT_API_URL elsewhere, say.
+
+The servers we start are locked down with what Prefect offers, since by default one answers any
+origin with no credentials: a web page, or DNS rebinding, could otherwise start runs through the
+user's browser. Each requires an API auth string (HTTP basic: `lockstep:<random>`; a page does not
+know it, so a rebound host name gets 401), CSRF tokens on every change, and CORS only for the
+server's own origin. `make serve`'s string is made once and kept in PREFECT_HOME/api-auth (mode
+0600) for the other shells and the UI's login; a `make run` server gets a new one each time.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,6 +34,9 @@ SERVER_START_TIMEOUT_S = 180
 
 
 def configure() -> None:
+    from tasks.redact import install
+
+    install()  # every log record masked, those Prefect sends to its server too
     # analytics off (else sqlite "database is locked" tracebacks from the local server)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # a cold ephemeral-server start takes ~17 s on 2 cores; the default timeout is 20 s
@@ -35,6 +46,47 @@ def configure() -> None:
     # the stages' own log lines (download retries, epochs, gates, lock waits) in Prefect's run logs;
     # inherited by the processes that serve and run deployments
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")
+
+
+AUTH_FILE = "api-auth"  # in PREFECT_HOME: the project server's `user:password`
+AUTH_USER = "lockstep"
+
+
+def prefect_home() -> Path:
+    return Path(os.environ.get("PREFECT_HOME", str(ROOT / ".prefect")))
+
+
+def new_auth_string() -> str:
+    return f"{AUTH_USER}:{secrets.token_urlsafe(24)}"
+
+
+def project_auth_string(home: Path) -> str:
+    """The auth string kept in `home`/api-auth, made (mode 0600) on first use; never printed or logged."""
+    path = home / AUTH_FILE
+    if not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        staging = home / f".{AUTH_FILE}.{os.getpid()}"
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(new_auth_string() + "\n")
+        try:  # a link, not a rename: of two servers starting at once, the first one's string stays
+            os.link(staging, path)
+        except FileExistsError:
+            pass
+        finally:
+            staging.unlink()
+    value = path.read_text().strip()
+    if ":" not in value:
+        raise RuntimeError(f"{path}: expected 'user:password' (delete the file to make a new one)")
+    return value
+
+
+def secure_server_env(env: dict[str, str], host: str, port: int, auth_string: str) -> None:
+    """Auth, CSRF and CORS settings for a server we start, each unless the user set it."""
+    env.setdefault("PREFECT_SERVER_API_AUTH_STRING", auth_string)
+    env.setdefault("PREFECT_SERVER_CSRF_PROTECTION_ENABLED", "true")
+    origin_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # the UI calls its own origin
+    env.setdefault("PREFECT_SERVER_CORS_ALLOWED_ORIGINS", f"http://{origin_host}:{port}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,7 +117,14 @@ class LocalServer:
         die_with_parent: bool = False,
     ) -> None:
         self.host, self.port = host, port or free_port(host)
-        env = {**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(ROOT / ".prefect"))}
+        env = {**os.environ, "PREFECT_HOME": str(prefect_home())}
+        if "PREFECT_SERVER_API_AUTH_STRING" not in env:
+            auth = new_auth_string() if ephemeral else project_auth_string(prefect_home())
+            secure_server_env(env, host, self.port, auth)
+        else:  # the user's own string
+            secure_server_env(env, host, self.port, env["PREFECT_SERVER_API_AUTH_STRING"])
+        # what a client of this server sends (PREFECT_API_AUTH_STRING); a secret, masked in logs
+        self.auth_string = env["PREFECT_SERVER_API_AUTH_STRING"]
         # One server at a time creates or migrates the project's Prefect database: two `make run`s
         # started together raced there and one server died ("table artifact has no column named
         # task_run_state_id"). Held until this server answers (`wait`), or fails to.

@@ -2,7 +2,8 @@
 
 `python -m tasks <stage>`, `python -m flows.pipeline`, `python -m flows.deployments` and
 `python -m tasks.reproduce` print an invalid params.yaml (exit 2) and an expected failure (exit 1)
-as one line naming the file, URL or key; anything else is a bug and keeps its traceback.
+as one line naming the file, URL or key; anything else is a bug and keeps its traceback. Every line
+they print or log passes tasks/redact.py first.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from collections.abc import Callable
 from tasks.atomic import WRITE_ERRNOS
 from tasks.config import ConfigError
 from tasks.errors import ExpectedFailure
+from tasks.redact import install as install_redaction
+from tasks.redact import redact
 
 EXIT_FAILED, EXIT_BAD_PARAMS = 1, 2
 
 
 def configure_logging(fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
-    """Our progress at INFO; libraries (ONNX Runtime, onnxscript, ...) only when they warn."""
+    """Our progress at INFO; libraries (ONNX Runtime, onnxscript, ...) only when they warn. Secrets masked."""
+    install_redaction()
     logging.basicConfig(level=logging.WARNING, format=fmt)
     logging.getLogger("tasks").setLevel(logging.INFO)
 
@@ -27,16 +31,22 @@ def configure_logging(fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
 def exit_code(body: Callable[[], int], context: str = "") -> int:
     """Run `body` (an entry point's work, returning its exit code); an expected failure becomes one
     line on stderr, prefixed with `context`, and its exit code."""
+    install_redaction()  # tracebacks of bugs too
     try:
         return body()
     except ConfigError as exc:  # raised before anything was written
-        print(f"error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return EXIT_BAD_PARAMS
     except ExpectedFailure as exc:
-        print(f"error: {context}{exc}", file=sys.stderr)
+        _error(f"{context}{exc}")
         return EXIT_FAILED
     except OSError as exc:  # a full disk met outside our own writes (DVC's, MLflow's): still one line
         if exc.errno not in WRITE_ERRNOS:
             raise
-        print(f"error: {context}{exc.filename or 'a write'} failed: {exc.strerror}", file=sys.stderr)
+        _error(f"{context}{exc.filename or 'a write'} failed: {exc.strerror}")
         return EXIT_FAILED
+
+
+def _error(message: str) -> None:
+    # one line: a value with a newline (a file name, say) must not forge a second line
+    print("error: " + redact(message).replace("\n", "\\n").replace("\r", "\\r"), file=sys.stderr)

@@ -38,6 +38,7 @@ from tasks.errors import ExpectedFailure
 from tasks.hashing import file_digest
 from tasks.onnx_model import as_pixels, predict, session
 from tasks.preprocess import Preprocessed, load_split
+from tasks.redact import redact, redact_tree
 
 SHIPPED, FP32 = "model.onnx", "model_fp32.onnx"
 PT2, TORCHSCRIPT = "model.pt2", "model.torchscript.pt"
@@ -130,7 +131,8 @@ def export(
         (staging / GATES).write_text(json.dumps(gate_report, indent=2) + "\n")
         evaluated = json.loads(evaluate_metrics.read_text())
         table = (compress_dir / "compression.md").read_text()
-        (staging / CARD).write_text(_model_card(result, meta, evaluated, table, card))
+        # the card ships with the model (and to DVC remotes): every secret masked
+        (staging / CARD).write_text(redact(_model_card(result, meta, evaluated, table, card)))
     return result
 
 
@@ -180,7 +182,7 @@ def _run_torch(module: torch.nn.Module, pixels: torch.Tensor) -> np.ndarray:
 def _model_card(
     result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float], table: str, card: CardContext
 ) -> str:
-    params = json.dumps(card.params, indent=2, sort_keys=True)
+    params = json.dumps(redact_tree(card.params), indent=2, sort_keys=True)
     lines = [
         f"# Model card: {meta['model']} on {len(meta['classes'])} classes",
         "",

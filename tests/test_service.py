@@ -16,6 +16,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -34,6 +36,7 @@ from PIL import Image
 
 from tasks.pipeline_lock import pipeline_lock
 from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env
+from tests.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +52,7 @@ class Stack:
     api: str  # Prefect REST API
     mlflow: str  # MLflow tracking server
     serve: subprocess.Popen[bytes]
+    prefect: PrefectAPI  # the API with serve's auth string, as a client uses it
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -100,10 +104,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     ):
         # what `make serve` runs: it starts its own Prefect server, then serves the deployment
         serve = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(prefect_port)]
-        with service(
-            serve, repo, f"{api}/deployments/name/{DEPLOYMENT}", base / "serve.log", MLFLOW_TRACKING_URI=mlflow
-        ) as serve_proc:
-            yield Stack(repo, images, api, mlflow, serve_proc)
+        with service(serve, repo, f"{api}/health", base / "serve.log", MLFLOW_TRACKING_URI=mlflow) as serve_proc:
+            # the auth string as a user finds it: in the project's .prefect/api-auth
+            auth = wait_for_deployment(api, repo / ".prefect" / "api-auth", DEPLOYMENT, serve_proc, 180)
+            yield Stack(repo, images, api, mlflow, serve_proc, PrefectAPI(api, auth))
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ def deployment_run(stack: Stack, name: str = DEPLOYMENT, *args: str, check: bool
         ["prefect", "deployment", "run", name, "--watch", "--watch-timeout", "600", *args],
         stack.repo,
         check=check,
-        PREFECT_API_URL=stack.api,
+        **stack.prefect.client_env,
     )
     stack.timings[name + " ".join(args)] = time.monotonic() - started
     found = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout)
@@ -141,10 +145,7 @@ def deployment_run(stack: Stack, name: str = DEPLOYMENT, *args: str, check: bool
 
 def api(stack: Stack, path: str, body: dict[str, Any] | None = None) -> Any:
     """One call to Prefect's REST API (POST when there is a body)."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(f"{stack.api}{path}", data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
+    return stack.prefect(path, body)
 
 
 def flow_run_logs(stack: Stack, flow_run_id: str) -> list[dict[str, Any]]:
@@ -250,7 +251,7 @@ def test_a_changed_parameter_reruns_from_the_stage_that_reads_it(stack: Stack, f
         ["prefect", "deployment", "run", DEPLOYMENT, "--param", "force=maybe"],
         stack.repo,
         check=False,
-        PREFECT_API_URL=stack.api,
+        **stack.prefect.client_env,
     )
     assert refused.returncode != 0 and "force" in refused.stdout + refused.stderr
     before = len(executions(stack))
@@ -273,12 +274,12 @@ def test_overlapping_runs_on_a_process_worker_wait_for_each_other(stack: Stack, 
     deployed = run(
         [sys.executable, "-m", "flows.deployments", "deploy", "--pool", "lockstep-test", "--name", "pooled"],
         stack.repo,
-        PREFECT_API_URL=stack.api,
         MLFLOW_TRACKING_URI=stack.mlflow,
+        **stack.prefect.client_env,
     )
     assert "lockstep-pipeline/pooled" in deployed.stdout
     log = stack.repo.parent / "worker.log"
-    env = subprocess_env(PREFECT_API_URL=stack.api, MLFLOW_TRACKING_URI=stack.mlflow)
+    env = subprocess_env(MLFLOW_TRACKING_URI=stack.mlflow, **stack.prefect.client_env)
     worker = subprocess.Popen(
         ["prefect", "worker", "start", "--pool", "lockstep-test", "--type", "process"],
         cwd=stack.repo,
@@ -293,7 +294,7 @@ def test_overlapping_runs_on_a_process_worker_wait_for_each_other(stack: Stack, 
         with pipeline_lock("the test", wait_s=0, root=stack.repo):
             started = [
                 run(
-                    ["prefect", "deployment", "run", "lockstep-pipeline/pooled"], stack.repo, PREFECT_API_URL=stack.api
+                    ["prefect", "deployment", "run", "lockstep-pipeline/pooled"], stack.repo, **stack.prefect.client_env
                 ).stdout
                 for _ in range(2)
             ]
@@ -331,6 +332,55 @@ def _wait_for_final_states(stack: Stack, ids: list[str], timeout_s: float) -> li
         if all(s in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED") for s in states) or time.monotonic() > deadline:
             return states
         time.sleep(2)
+
+
+def test_the_server_refuses_strangers_and_other_origins(stack: Stack) -> None:
+    """`make serve`'s server, as a web page or a DNS-rebound host name reaches it: no credentials,
+    another origin, no CSRF token. Prefect 3.8's defaults answered all of these."""
+    auth_file = stack.repo / ".prefect" / "api-auth"
+    assert stat.S_IMODE(auth_file.stat().st_mode) == 0o600
+    assert stack.prefect.auth_string.startswith("lockstep:") and len(stack.prefect.auth_string) > 30
+    deployment = f"{stack.api}/deployments/name/{DEPLOYMENT}"
+    assert status_of(deployment)[0] == 401
+    assert status_of(deployment, Authorization=basic_auth("lockstep:guess"))[0] == 401
+    assert status_of(deployment, Host="evil.example:4200")[0] == 401  # DNS rebinding: still no credentials
+    authorized = {"Authorization": basic_auth(stack.prefect.auth_string), "Content-Type": "application/json"}
+    deployment_id = stack.prefect(f"/deployments/name/{DEPLOYMENT}")["id"]
+    start = f"{stack.api}/deployments/{deployment_id}/create_flow_run"
+    assert status_of(start, "POST", Origin="http://evil.example", **authorized)[0] == 403  # no CSRF token
+    preflight = {"Access-Control-Request-Method": "POST"}
+    _, foreign = status_of(start, "OPTIONS", Origin="http://evil.example", **preflight)
+    _, own = status_of(start, "OPTIONS", Origin=stack.api.removesuffix("/api"), **preflight)
+    assert "access-control-allow-origin" not in {key.lower() for key in foreign}, foreign
+    assert {key.lower(): value for key, value in own.items()}["access-control-allow-origin"] == stack.api.removesuffix(
+        "/api"
+    )
+    secret = stack.prefect.auth_string.split(":", 1)[1]
+    assert secret not in (stack.repo.parent / "serve.log").read_text()  # printed: where it is, not what
+
+
+def test_a_run_cannot_point_the_pipeline_at_another_machine(stack: Stack) -> None:
+    """Overrides through the API of keys that reach the network are refused before anything is written
+    (this server was started without --allow-override); the "attacker's" rendezvous hears nothing."""
+    with socket.socket() as attacker:
+        attacker.bind(("127.0.0.1", 0))
+        attacker.listen()
+        attacker.setblocking(False)
+        endpoint = f"127.0.0.1:{attacker.getsockname()[1]}"
+        before = _files(stack.repo, "params.yaml", "dvc.lock")
+        overrides = {"overrides": {"train.strategy": "ddp", "train.nnodes": 2, "train.rdzv_endpoint": endpoint}}
+        flow_run_id, done = deployment_run(stack, DEPLOYMENT, "--params", json.dumps(overrides), check=False)
+        assert done.returncode != 0
+        state = stack.prefect(f"/flow_runs/{flow_run_id}")["state"]
+        assert state["type"] == "FAILED", state
+        assert "train.nnodes, train.rdzv_endpoint reach the network or other machines" in state["message"], state
+        with pytest.raises(BlockingIOError):
+            attacker.accept()
+    assert _files(stack.repo, *before) == before
+
+
+def _files(folder: Path, *names: str) -> dict[str, str | None]:
+    return {name: (folder / name).read_text() if (folder / name).exists() else None for name in names}
 
 
 def test_the_schedule_created_upcoming_runs(stack: Stack) -> None:
@@ -385,7 +435,8 @@ def test_stopping_serve_stops_its_prefect_server(tmp_path: Path) -> None:
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     serve = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(port)]
-    with service(serve, repo, f"{api_url}/deployments/name/{DEPLOYMENT}", tmp_path / "serve.log") as serve_proc:
+    with service(serve, repo, f"{api_url}/health", tmp_path / "serve.log") as serve_proc:
+        wait_for_deployment(api_url, repo / ".prefect" / "api-auth", DEPLOYMENT, serve_proc, 180)
         children = psutil.Process(serve_proc.pid).children(recursive=True)
         server = [p for p in children if "server" in p.cmdline() and "start" in p.cmdline()]
         assert server, [p.cmdline() for p in children]

@@ -10,12 +10,14 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from secrets import token_hex
 
 import psutil
 import pytest
 
 from flows.prefect_env import LocalServer, wait_until_healthy
 from tests.conftest import copy_project, free_port, stop_group, subprocess_env
+from tests.prefect_client import basic_auth, status_of, wait_for_deployment
 from tests.reliability.conftest import with_environment
 
 pytestmark = pytest.mark.slow
@@ -46,7 +48,7 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
         ),
         "prefect": (
             ["make", "serve", f"PREFECT_PORT={ports['prefect']}"],
-            f"127.0.0.1:{ports['prefect']}/api/deployments/name/lockstep-pipeline/nightly",
+            f"127.0.0.1:{ports['prefect']}/api/health",
         ),
     }
     procs = {}
@@ -61,6 +63,9 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
                 wait_until_healthy(f"http://{url}", procs[name], 180)
             except RuntimeError as exc:
                 raise AssertionError(f"{exc}\n{(tmp_path / f'{name}.log').read_text()[-3000:]}") from None
+        # serve is up once its deployment is registered (with the auth string it wrote)
+        api = f"http://127.0.0.1:{ports['prefect']}/api"
+        wait_for_deployment(api, repo / ".prefect" / "api-auth", "lockstep-pipeline/nightly", procs["prefect"], 180)
         listening = {name: _listening(proc) for name, proc in procs.items()}
     finally:
         for proc in procs.values():
@@ -92,6 +97,52 @@ def test_the_prefect_server_of_make_run_binds_to_loopback() -> None:
     try:
         server.wait()
         sockets = _listening(server.proc)
+        # and answers no one without the auth string it was given (a new one per run)
+        assert status_of(f"{server.api_url}/deployments/name/lockstep-pipeline/nightly")[0] == 401
     finally:
         server.stop()
     assert sockets and {address.rsplit(":", 1)[0] for address in sockets} == {"127.0.0.1"}, sockets
+
+
+def test_the_mlflow_server_recipe_for_a_team_needs_credentials_and_a_known_host(tmp_path: Path) -> None:
+    """README's production recipe, through `make mlflow-server`: MLflow's basic-auth app and
+    --allowed-hosts. A stranger gets 401, a DNS-rebound host name 403, a user with credentials logs."""
+    repo = with_environment(copy_project(tmp_path / "repo"))
+    port, password = free_port(), f"Adm1n-{token_hex(8)}"
+    auth_ini = tmp_path / "auth.ini"
+    auth_ini.write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{tmp_path / 'auth.db'}\nadmin_username = admin\nadmin_password = {password}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    auth_ini.chmod(0o600)
+    host = f"127.0.0.1:{port}"
+    cmd = [
+        "make",
+        "mlflow-server",
+        f"MLFLOW_PORT={port}",
+        f"MLFLOW_AUTH_CONFIG={auth_ini}",
+        f"MLFLOW_ALLOWED_HOSTS={host}",
+    ]
+    env = subprocess_env(MLFLOW_FLASK_SERVER_SECRET_KEY=token_hex(16))
+    with open(tmp_path / "mlflow.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_healthy(f"http://{host}/health", proc, 180)
+        search = f"http://{host}/api/2.0/mlflow/experiments/search?max_results=1"
+        admin = basic_auth(f"admin:{password}")
+        assert status_of(search)[0] == 401
+        assert status_of(search, Authorization=basic_auth("admin:password1234"))[0] == 401  # MLflow's default
+        assert status_of(search, Authorization=admin, Host=f"evil.example:{port}")[0] == 403
+        assert status_of(search, Authorization=admin)[0] == 200
+        from mlflow import MlflowClient
+
+        with pytest.MonkeyPatch.context() as patch:  # what a user exports (MLflow's client reads it)
+            patch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+            patch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+            client = MlflowClient(f"http://{host}")
+            run = client.create_run(client.create_experiment("team"))
+            client.log_metric(run.info.run_id, "accuracy", 0.9)
+            assert client.get_run(run.info.run_id).data.metrics == {"accuracy": 0.9}
+    finally:
+        stop_group(proc)

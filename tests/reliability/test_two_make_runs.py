@@ -37,7 +37,10 @@ class TwoRuns:
 
 @pytest.fixture(scope="module")
 def two_make_runs(tmp_path_factory: pytest.TempPathFactory) -> TwoRuns:
-    places = ("LOCKSTEP_API_TOKEN", "MY_DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "git remote", "data.mirror")
+    places = (
+        *("LOCKSTEP_API_TOKEN", "MY_DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "GRAFANA_AUTH"),
+        *("git remote", "data.mirror"),
+    )
     secrets = {where: f"s3cr3t-{token_hex(12)}" for where in places}
     mirror = f"https://lockstep-user:{secrets['data.mirror']}@mirror.invalid/datasets"  # digits never fetches it
     repo = with_environment(copy_project(tmp_path_factory.mktemp("two") / "repo", {"data": {"mirror": mirror}}))
@@ -108,3 +111,8 @@ def test_no_secret_reaches_mlflow(two_make_runs: TwoRuns) -> None:
     for path in [*files, repo / "mlflow.db"]:
         data = path.read_bytes()
         assert not [where for where, secret in secrets.items() if secret.encode() in data], path
+    # nor the model card that ships with the model (and goes to DVC remotes), nor the console
+    card = (repo / "artifacts" / "export" / "model_card.md").read_text()
+    assert '"mirror": "https://***@mirror.invalid/datasets"' in card
+    for text in [card, *(done.stdout for done in two_make_runs.runs)]:
+        assert not [where for where, secret in secrets.items() if secret in text]
