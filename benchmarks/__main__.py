@@ -32,7 +32,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
             "B1": lambda work: train_epoch.b1_b8(work, rounds=1, warmup=0),
             "B2": lambda work: pipeline_overhead.b2(work, rounds=1, rounds_large=0, smoke=True),
             "B3": lambda work: pipeline_overhead.b3(work, rounds=1, smoke=True),
-            "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1),
+            "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1, warmup=0),
             "B5": lambda work: [stats_loop.b5(work, rounds=1, scale=1)],
             "B6": lambda work: compression.b6(work, rounds=1, runs=20, smoke=True),
             "B7": lambda work: scaling.b7(work, smoke=True),

@@ -246,7 +246,7 @@ def _b4_project(work: Path, epochs: int | None) -> Path:
     return project
 
 
-def b4(work: Path, rounds: int, epochs: int | None = None) -> list[Figure]:
+def b4(work: Path, rounds: int, epochs: int | None = None, warmup: int = 1) -> list[Figure]:
     """Tracking on vs off, the train stage as the flow runs it (in one process: MLflow imported
     once per pipeline) and as `dvc repro` runs it (a fresh process: the import paid every time)."""
     from tasks.config import load_params
@@ -261,7 +261,7 @@ def b4(work: Path, rounds: int, epochs: int | None = None) -> list[Figure]:
     try:
         on, off = load_params("on.yaml"), load_params("off.yaml")
         cases = {"on": lambda: run_stage("train", on) and None, "off": lambda: run_stage("train", off) and None}
-        flow = alternate(cases, rounds=rounds, warmup=1)
+        flow = alternate(cases, rounds=rounds, warmup=warmup)
     finally:
         os.chdir(previous[0])
         if previous[1] is None:
@@ -270,7 +270,7 @@ def b4(work: Path, rounds: int, epochs: int | None = None) -> list[Figure]:
     def stage(params_file: str):
         return lambda: run_python(["-m", "tasks", "train", "--params", params_file], cwd=project, env=env)
 
-    fresh = alternate({"on": stage("on.yaml"), "off": stage("off.yaml")}, rounds=rounds, warmup=1)
+    fresh = alternate({"on": stage("on.yaml"), "off": stage("off.yaml")}, rounds=rounds, warmup=warmup)
     in_flow = Figure(
         "B4",
         "train stage: MLflow tracking on vs off (in the flow's process)",

@@ -34,6 +34,9 @@ MAX_BATCH = 65_536
 MAX_STEPS = 10**9
 MAX_PROCESSES = 256  # per node (GPUs or CPU ranks)
 MAX_NODES = 1024
+# Learning rates only need to stay finite: a huge one diverges, and training stops at the first
+# non-finite loss (tests/reliability/test_nan_loss.py trains at 1e10 on purpose).
+MAX_LR = 1e10
 
 
 class _Section(BaseModel):
@@ -136,7 +139,7 @@ class TrainConfig(_Section):
     epochs: int = Field(30, ge=1, le=MAX_EPOCHS)
     batch_size: int = Field(64, ge=1, le=MAX_BATCH)
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.05, gt=0, le=100)
+    lr: float = Field(0.05, gt=0, le=MAX_LR)
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(5e-4, ge=0, le=1)
     scheduler: Literal["cosine", "step", "none"] = "cosine"
@@ -174,12 +177,12 @@ class CompressConfig(_Section):
     )
     calibration_size: int = Field(512, ge=1, le=1_000_000)  # static int8: seeded subset of the training split
     qat_epochs: int = Field(2, ge=1, le=MAX_EPOCHS)  # quantization-aware fine-tuning epochs (qat_int8)
-    qat_lr: float = Field(0.001, gt=0, le=100)
+    qat_lr: float = Field(0.001, gt=0, le=MAX_LR)
     prune_amount: float = Field(0.5, gt=0, lt=1)  # pruned_l1: fraction of all conv/linear weights zeroed
     prune_channels: float = Field(0.25, gt=0, lt=1)  # pruned_ln: fraction of each conv's output channels
     prune_norm: int = Field(2, ge=1, le=16)  # pruned_ln: channels ranked by their L-n norm
     finetune_epochs: int = Field(3, ge=0, le=MAX_EPOCHS)  # after pruning (pruned_l1: the pruned weights held at zero)
-    finetune_lr: float = Field(0.005, gt=0, le=100)
+    finetune_lr: float = Field(0.005, gt=0, le=MAX_LR)
     latency_runs: int = Field(30, ge=20, le=100_000)  # timed runs per variant and batch size; the median is reported
     latency_warmup: int = Field(5, ge=1, le=10_000)
 

@@ -37,10 +37,16 @@ def _listening(proc: subprocess.Popen | psutil.Process) -> set[str]:
 
 
 def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
+    """Also: `make mlflow-server` runs with the README's recipe for a team (basic-auth, --allowed-hosts)."""
     repo = with_environment(copy_project(tmp_path / "repo"))
     ports = {name: free_port() for name in ("mlflow", "ui", "prefect")}
+    password = f"Adm1n-{token_hex(8)}"
+    team = [f"MLFLOW_AUTH_CONFIG={_auth_ini(tmp_path, password)}", f"MLFLOW_ALLOWED_HOSTS=127.0.0.1:{ports['mlflow']}"]
     commands = {
-        "mlflow": (["make", "mlflow-server", f"MLFLOW_PORT={ports['mlflow']}"], f"127.0.0.1:{ports['mlflow']}/health"),
+        "mlflow": (
+            ["make", "mlflow-server", f"MLFLOW_PORT={ports['mlflow']}", *team],
+            f"127.0.0.1:{ports['mlflow']}/health",
+        ),
         # asked otherwise: another address (of the loopback network, so the test exposes nothing)
         "ui": (
             ["make", "ui", "MLFLOW_HOST=127.0.0.2", f"MLFLOW_PORT={ports['ui']}"],
@@ -56,7 +62,12 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
         for name, (cmd, _) in commands.items():
             with open(tmp_path / f"{name}.log", "wb") as log:
                 procs[name] = subprocess.Popen(
-                    cmd, cwd=repo, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    cmd,
+                    cwd=repo,
+                    env=subprocess_env(MLFLOW_FLASK_SERVER_SECRET_KEY=token_hex(16)),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
         for name, (_, url) in commands.items():
             try:
@@ -67,6 +78,7 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
         api = f"http://127.0.0.1:{ports['prefect']}/api"
         wait_for_deployment(api, repo / ".prefect" / "api-auth", "lockstep-pipeline/nightly", procs["prefect"], 180)
         listening = {name: _listening(proc) for name, proc in procs.items()}
+        _team_recipe_refuses_strangers(f"127.0.0.1:{ports['mlflow']}", password)
     finally:
         for proc in procs.values():
             stop_group(proc)
@@ -104,45 +116,33 @@ def test_the_prefect_server_of_make_run_binds_to_loopback() -> None:
     assert sockets and {address.rsplit(":", 1)[0] for address in sockets} == {"127.0.0.1"}, sockets
 
 
-def test_the_mlflow_server_recipe_for_a_team_needs_credentials_and_a_known_host(tmp_path: Path) -> None:
-    """README's production recipe, through `make mlflow-server`: MLflow's basic-auth app and
-    --allowed-hosts. A stranger gets 401, a DNS-rebound host name 403, a user with credentials logs."""
-    repo = with_environment(copy_project(tmp_path / "repo"))
-    port, password = free_port(), f"Adm1n-{token_hex(8)}"
-    auth_ini = tmp_path / "auth.ini"
-    auth_ini.write_text(
+def _auth_ini(folder: Path, password: str) -> Path:
+    """MLflow's basic-auth config, as README's recipe writes it (sqlite for its users here)."""
+    path = folder / "auth.ini"
+    path.write_text(
         "[mlflow]\ndefault_permission = READ\n"
-        f"database_uri = sqlite:///{tmp_path / 'auth.db'}\nadmin_username = admin\nadmin_password = {password}\n"
+        f"database_uri = sqlite:///{folder / 'auth.db'}\nadmin_username = admin\nadmin_password = {password}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
     )
-    auth_ini.chmod(0o600)
-    host = f"127.0.0.1:{port}"
-    cmd = [
-        "make",
-        "mlflow-server",
-        f"MLFLOW_PORT={port}",
-        f"MLFLOW_AUTH_CONFIG={auth_ini}",
-        f"MLFLOW_ALLOWED_HOSTS={host}",
-    ]
-    env = subprocess_env(MLFLOW_FLASK_SERVER_SECRET_KEY=token_hex(16))
-    with open(tmp_path / "mlflow.log", "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until_healthy(f"http://{host}/health", proc, 180)
-        search = f"http://{host}/api/2.0/mlflow/experiments/search?max_results=1"
-        admin = basic_auth(f"admin:{password}")
-        assert status_of(search)[0] == 401
-        assert status_of(search, Authorization=basic_auth("admin:password1234"))[0] == 401  # MLflow's default
-        assert status_of(search, Authorization=admin, Host=f"evil.example:{port}")[0] == 403
-        assert status_of(search, Authorization=admin)[0] == 200
-        from mlflow import MlflowClient
+    path.chmod(0o600)
+    return path
 
-        with pytest.MonkeyPatch.context() as patch:  # what a user exports (MLflow's client reads it)
-            patch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
-            patch.setenv("MLFLOW_TRACKING_PASSWORD", password)
-            client = MlflowClient(f"http://{host}")
-            run = client.create_run(client.create_experiment("team"))
-            client.log_metric(run.info.run_id, "accuracy", 0.9)
-            assert client.get_run(run.info.run_id).data.metrics == {"accuracy": 0.9}
-    finally:
-        stop_group(proc)
+
+def _team_recipe_refuses_strangers(host: str, password: str) -> None:
+    """A stranger gets 401, MLflow's default admin password 401, a DNS-rebound host name 403; the user
+    with credentials (MLflow's client reads them from the environment) logs a run."""
+    search = f"http://{host}/api/2.0/mlflow/experiments/search?max_results=1"
+    admin = basic_auth(f"admin:{password}")
+    assert status_of(search)[0] == 401
+    assert status_of(search, Authorization=basic_auth("admin:password1234"))[0] == 401
+    assert status_of(search, Authorization=admin, Host=f"evil.example:{host.rsplit(':', 1)[1]}")[0] == 403
+    assert status_of(search, Authorization=admin)[0] == 200
+    from mlflow import MlflowClient
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+        patch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        client = MlflowClient(f"http://{host}")
+        run = client.create_run(client.create_experiment("team"))
+        client.log_metric(run.info.run_id, "accuracy", 0.9)
+        assert client.get_run(run.info.run_id).data.metrics == {"accuracy": 0.9}

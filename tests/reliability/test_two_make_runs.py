@@ -111,7 +111,13 @@ def test_no_secret_reaches_mlflow(two_make_runs: TwoRuns) -> None:
     for path in [*files, repo / "mlflow.db"]:
         data = path.read_bytes()
         assert not [where for where, secret in secrets.items() if secret.encode() in data], path
-    # nor the model card that ships with the model (and goes to DVC remotes), nor the console
+    # nor any output, nor Prefect's database (its logs and flow-run records), nor the console
+    prefect_db = list((repo / ".prefect").rglob("*.db"))
+    assert prefect_db, "make run's Prefect database is not in the project's .prefect/"
+    for path in [*(repo / "artifacts").rglob("*"), *prefect_db]:
+        if path.is_file():
+            data = path.read_bytes()
+            assert not [where for where, secret in secrets.items() if secret.encode() in data], path
     card = (repo / "artifacts" / "export" / "model_card.md").read_text()
     assert '"mirror": "https://***@mirror.invalid/datasets"' in card
     for text in [card, *(done.stdout for done in two_make_runs.runs)]:
