@@ -79,7 +79,7 @@ def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None) -> str:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
 
-    from flows.pipeline import ALLOW_OVERRIDES_ENV, FLOW_NAME, pipeline
+    from flows.pipeline import FLOW_NAME, pipeline
 
     with get_client(sync_client=True) as client:
         try:
@@ -92,7 +92,11 @@ def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None) -> str:
     # mounted) changes into it and imports the flow from there.
     source = pipeline.from_source(source=str(ROOT), entrypoint="flows/pipeline.py:pipeline")
     # the stages' log lines in Prefect's run log (the serve process passes its own environment on)
-    env = {key: os.environ[key] for key in ("PREFECT_LOGGING_EXTRA_LOGGERS", ALLOW_OVERRIDES_ENV) if key in os.environ}
+    env = {
+        key: os.environ[key]
+        for key in ("PREFECT_LOGGING_EXTRA_LOGGERS", prefect_env.ALLOW_OVERRIDES_ENV)
+        if key in os.environ
+    }
     source.deploy(
         name=name,
         work_pool_name=pool,
@@ -133,11 +137,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flows.pipeline import ALLOW_OVERRIDES_ENV
-
     cfg = load_params(ROOT / args.params).orchestration
     # inherited by the flow runs this process starts, and passed to a pool's workers (deploy)
-    os.environ[ALLOW_OVERRIDES_ENV] = ",".join(args.allow_override)
+    os.environ[prefect_env.ALLOW_OVERRIDES_ENV] = ",".join(args.allow_override)
     if args.command == "deploy":
         print(f"deployed {deploy(cfg, args.pool, args.name)}; start a worker: prefect worker start --pool {args.pool}")
         return 0

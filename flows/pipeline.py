@@ -29,6 +29,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from flows import prefect_env
+from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
 from tasks.layout import ROOT
 
 prefect_env.configure()  # before Prefect is imported
@@ -49,13 +50,6 @@ from tasks.config import (  # noqa: E402
 )
 
 FLOW_NAME = "lockstep-pipeline"
-# Comma-separated REMOTE_KEYS (tasks/config.py) that runs of this process may override: set by
-# `flows.deployments serve/deploy --allow-override`, and by `--set` here (the user typed them).
-ALLOW_OVERRIDES_ENV = "LOCKSTEP_ALLOW_OVERRIDES"
-
-
-def allowed_overrides() -> frozenset[str]:
-    return frozenset(key.strip() for key in os.environ.get(ALLOW_OVERRIDES_ENV, "").split(",") if key.strip())
 
 
 def _is_stale(stage: str) -> bool:

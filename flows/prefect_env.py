@@ -48,6 +48,15 @@ def configure() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")
 
 
+# Comma-separated REMOTE_KEYS (tasks/config.py) that flow runs of this process may override: set by
+# `flows.deployments serve/deploy --allow-override`, and by `flows.pipeline --set` (the user typed them).
+ALLOW_OVERRIDES_ENV = "LOCKSTEP_ALLOW_OVERRIDES"
+
+
+def allowed_overrides() -> frozenset[str]:
+    return frozenset(key.strip() for key in os.environ.get(ALLOW_OVERRIDES_ENV, "").split(",") if key.strip())
+
+
 AUTH_FILE = "api-auth"  # in PREFECT_HOME: the project server's `user:password`
 AUTH_USER = "lockstep"
 
