@@ -3,10 +3,11 @@ deployment (`python -m flows.deployments serve`, what `make serve` runs), a proc
 a real worker, an MLflow tracking server the runs log to over HTTP, and headless Chromium on the
 MLflow UI.
 
-The tests run in file order on one module-wide stack, like a user's week: a first run, an unchanged
-source (nothing retrains), new data (retrains, champion/challenger), a failing stage, a changed
-parameter, two overlapping runs on a worker, the schedule, the UI; finally `serve` is stopped and
-must take its server down with it. The data source is a local image folder (sklearn's digits
+The tests share one module-wide stack, like a user's week: a first run, an unchanged source
+(nothing retrains), new data (retrains, champion/challenger), a failing stage, a changed parameter,
+two overlapping runs on a worker, the schedule, the UI, and what the server refuses (strangers,
+other origins, overrides that reach the network). That stopping `serve` takes its server down with
+it is tests/reliability/test_server_binds.py's (`make serve`). The data source is a local image folder (sklearn's digits
 written as PNGs), so that a test can change the data the way a real source changes.
 """
 
@@ -21,7 +22,6 @@ import stat
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 import yaml
 from PIL import Image
@@ -429,22 +428,3 @@ def test_the_mlflow_ui_shows_the_run_in_headless_chromium(stack: Stack, first_ru
     SCREENSHOT.unlink(missing_ok=True)
     subprocess.run([*flags, f"--screenshot={SCREENSHOT}", url], capture_output=True, timeout=120, check=True)
     assert SCREENSHOT.stat().st_size > 10_000  # kept for a human: test-artifacts/mlflow-run-page.png
-
-
-def test_stopping_serve_stops_its_prefect_server(tmp_path: Path) -> None:
-    # a serve of its own (in a project copy that needs no data): stopping the module's would end the others
-    repo = copy_project(tmp_path / "repo")
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    serve = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(port)]
-    with service(serve, repo, f"{api_url}/health", tmp_path / "serve.log") as serve_proc:
-        wait_for_deployment(api_url, repo / ".prefect" / "api-auth", DEPLOYMENT, serve_proc, 180)
-        children = psutil.Process(serve_proc.pid).children(recursive=True)
-        server = [p for p in children if "server" in p.cmdline() and "start" in p.cmdline()]
-        assert server, [p.cmdline() for p in children]
-        stop_group(serve_proc)  # SIGTERM to `serve`, by PID, as `make serve` gets Ctrl-C
-    # the server goes with it, shutting down in its own time (bounded)
-    _, alive = psutil.wait_procs(children, timeout=30)
-    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in alive]
-    with pytest.raises(OSError):
-        urllib.request.urlopen(f"{api_url}/health", timeout=2)

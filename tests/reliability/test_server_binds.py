@@ -78,10 +78,12 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
         api = f"http://127.0.0.1:{ports['prefect']}/api"
         wait_for_deployment(api, repo / ".prefect" / "api-auth", "lockstep-pipeline/nightly", procs["prefect"], 180)
         listening = {name: _listening(proc) for name, proc in procs.items()}
+        serve_tree = psutil.Process(procs["prefect"].pid).children(recursive=True)
+        assert [p for p in serve_tree if "server" in p.cmdline() and "start" in p.cmdline()], serve_tree
         _team_recipe_refuses_strangers(f"127.0.0.1:{ports['mlflow']}", password)
     finally:
         for proc in procs.values():
-            stop_group(proc)
+            stop_group(proc)  # SIGTERM to the group, by PID, as Ctrl-C reaches `make serve`
     assert f"127.0.0.1:{ports['mlflow']}" in listening["mlflow"]
     assert f"127.0.0.2:{ports['ui']}" in listening["ui"]
     assert f"127.0.0.1:{ports['prefect']}" in listening["prefect"]
@@ -91,6 +93,9 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
     # stopping a command stops its servers (make serve's Prefect server lives in a session of its own)
     for address in set().union(*listening.values()):
         assert _closes(address), f"{address}: still listening after its command was stopped"
+    # every process of serve's tree goes, its Prefect server too (it is not in the group that got the signal)
+    _, alive = psutil.wait_procs(serve_tree, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in alive]
 
 
 def _closes(address: str, within_s: float = 30) -> bool:
