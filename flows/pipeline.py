@@ -42,6 +42,7 @@ from tasks.cli import exit_code  # noqa: E402
 from tasks.config import (  # noqa: E402
     PARAMS_FILE,
     STAGES,
+    ConfigError,
     Params,
     load_params,
     refuse_remote_overrides,
@@ -180,8 +181,6 @@ def pipeline(
 def _inside_project(params_file: str) -> str:
     """`params_file` if it names a file inside the project (it comes from the API, and overrides are
     written into it); ConfigError otherwise."""
-    from tasks.config import ConfigError
-
     if not (ROOT / params_file).resolve().is_relative_to(ROOT.resolve()):
         raise ConfigError(f"params_file: {params_file!r} is outside the project {ROOT}")
     return params_file

@@ -47,6 +47,11 @@ def exit_code(body: Callable[[], int], context: str = "") -> int:
         return EXIT_FAILED
 
 
+def one_line(message: str) -> str:
+    """`message` masked and on one line: a value with a newline (a file name, a run record's tag)
+    must not forge a second line."""
+    return redact(message).replace("\n", "\\n").replace("\r", "\\r")
+
+
 def _error(message: str) -> None:
-    # one line: a value with a newline (a file name, say) must not forge a second line
-    print("error: " + redact(message).replace("\n", "\\n").replace("\r", "\\r"), file=sys.stderr)
+    print(f"error: {one_line(message)}", file=sys.stderr)

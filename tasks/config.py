@@ -285,7 +285,7 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
 STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)
 
 
-def _shown(value: Any, limit: int = 80) -> str:
+def shown(value: Any, limit: int = 80) -> str:
     """A key or value as one short line (YAML keys can be anything: numbers, null, text with newlines).
     reprlib, not repr: a huge or deeply nested value must not be rendered whole to show 80 characters."""
     import reprlib
@@ -300,12 +300,12 @@ def _shown(value: Any, limit: int = 80) -> str:
 
 
 def _format_error(error: dict[str, Any]) -> str:
-    key = ".".join(_shown(part) for part in error["loc"])
+    key = ".".join(shown(part) for part in error["loc"])
     got = error.get("input")
-    shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {_shown(got)})"
+    value = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {shown(got)})"
     message = error["msg"].removeprefix("Value error, ")
     # checks across sections (e.g. export.variant against compress.variants) name their keys themselves
-    return f"{key}: {message}{shown}" if key else f"{message}{shown}"
+    return f"{key}: {message}{value}" if key else f"{message}{value}"
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -318,7 +318,7 @@ class _StrictLoader(yaml.SafeLoader):
             event = self.peek_event()
             line = event.start_mark.line + 1 if event.start_mark else "?"
             raise ConfigError(
-                f"line {line}: YAML aliases (*{_shown(event.anchor, 40)}) are not accepted; write the value out"
+                f"line {line}: YAML aliases (*{shown(event.anchor, 40)}) are not accepted; write the value out"
             )
         return super().compose_node(parent, index)  # type: ignore[no-any-return]
 
@@ -329,7 +329,7 @@ class _StrictLoader(yaml.SafeLoader):
             line = key_node.start_mark.line + 1
             if isinstance(key, (str, int, float, bool)) or key is None:
                 if key in seen:
-                    raise ConfigError(f"{_shown(key)}: given twice (lines {seen[key]} and {line}); keep one")
+                    raise ConfigError(f"{shown(key)}: given twice (lines {seen[key]} and {line}); keep one")
                 seen[key] = line
         return super().construct_mapping(node, deep=deep)
 

@@ -51,8 +51,8 @@ import yaml
 
 from tasks import layout, tracking
 from tasks.atomic import write_text
-from tasks.cli import configure_logging, exit_code
-from tasks.config import ConfigError, load_params, load_yaml
+from tasks.cli import configure_logging, exit_code, one_line
+from tasks.config import ConfigError, load_params, load_yaml, shown
 from tasks.hashing import data_md5, file_digest
 from tasks.redact import redact
 
@@ -249,12 +249,6 @@ def _check_size(run_id: str, path: str, size: int | None, cap: int) -> None:
 # --------------------------------------------------------------------------- what the record may ask for
 
 
-def _shown(value: object, limit: int = 80) -> str:
-    """A value from the run's record as one short line (it may hold anything, newlines included)."""
-    text = value if isinstance(value, str) and value.isprintable() else repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _check_params(record: Path, run_id: str) -> dict[str, Any]:
     """The run's params, validated as params.yaml is, and asking for this machine only; the raw mapping."""
     path = record / LOGGED_DIR / "params.yaml"
@@ -270,7 +264,7 @@ def _check_params(record: Path, run_id: str) -> dict[str, Any]:
         # what that store sends: a rebuild rendezvouses with nothing but itself.
         raise ReproduceError(
             f"run {run_id}: its params ask for train.nnodes: {train.nnodes} (a rendezvous with other machines "
-            f"at train.rdzv_endpoint {_shown(train.rdzv_endpoint)}): reproduce rebuilds on this machine only"
+            f"at train.rdzv_endpoint {shown(train.rdzv_endpoint)}): reproduce rebuilds on this machine only"
         )
     cores = os.cpu_count() or 1
     if train.strategy == "ddp" and train.nproc_per_node > cores:
@@ -297,7 +291,7 @@ def _record_yaml(record: Path, name: str, run_id: str) -> Any:
         return load_yaml((record / LOGGED_DIR / name).read_text(encoding="utf-8"))
     except (ConfigError, yaml.YAMLError, UnicodeDecodeError) as exc:
         cause = " ".join(str(exc).split())
-        raise ReproduceError(f"run {run_id}: its {LOGGED_DIR}/{name} is refused: {_shown(cause, 200)}") from None
+        raise ReproduceError(f"run {run_id}: its {LOGGED_DIR}/{name} is refused: {shown(cause, 200)}") from None
 
 
 def _check_record_paths(record: Path, run_id: str) -> None:
@@ -309,7 +303,7 @@ def _check_record_paths(record: Path, run_id: str) -> None:
         raise ReproduceError(f"{where}/data.dvc is refused: expected one entry under outs")
     if outs[0].get("path") != str(layout.DATA_DIR):
         raise ReproduceError(
-            f"{where}/data.dvc is refused: its output path is {_shown(outs[0].get('path'))}, "
+            f"{where}/data.dvc is refused: its output path is {shown(outs[0].get('path'))}, "
             f"expected {str(layout.DATA_DIR)!r}"
         )
     lock_file = record / LOGGED_DIR / "dvc.lock"
@@ -323,11 +317,11 @@ def _check_record_paths(record: Path, run_id: str) -> None:
         for kind in ("deps", "outs"):
             items = entry.get(kind, [])
             if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
-                raise ReproduceError(f"{where}/dvc.lock is refused: stage {_shown(name)}: {kind} is not a list")
+                raise ReproduceError(f"{where}/dvc.lock is refused: stage {shown(name)}: {kind} is not a list")
             for item in items:
                 if not _safe_relative(item.get("path")):
                     raise ReproduceError(
-                        f"{where}/dvc.lock is refused: stage {_shown(name)} names the path {_shown(item.get('path'))}, "
+                        f"{where}/dvc.lock is refused: stage {shown(name)} names the path {shown(item.get('path'))}, "
                         "outside the workspace (absolute, or with '..')"
                     )
 
@@ -378,7 +372,7 @@ def _code_source(project: Path, run: Any, trust_commit: str | None, use_current_
     if use_current_code:
         return None
     raise ReproduceError(
-        f"run {run_id}: its commit {_shown(commit)} is not in the repository at {project}: fetch it, or pass "
+        f"run {run_id}: its commit {shown(commit)} is not in the repository at {project}: fetch it, or pass "
         "--use-current-code to rebuild with the current tasks/ (which may differ from the run's)"
     )
 
@@ -399,7 +393,7 @@ def _checkout_code(project: Path, run: Any, commit: str | None, workspace: Path,
         return f"git commit {commit}"
     # --use-current-code: the stages need only tasks/.
     shutil.copytree(project / "tasks", workspace / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
-    commit_tag = _shown(run.data.tags.get("git.commit", "none"))
+    commit_tag = shown(run.data.tags.get("git.commit", "none"))
     warnings.append(
         f"the run's commit ({commit_tag}) is not in the repository at {project}: rebuilt with the "
         "current tasks/ code (--use-current-code), which may differ from the run's"
@@ -770,7 +764,7 @@ def _run(args: argparse.Namespace) -> int:
             use_current_code=args.use_current_code,
         )
     except ReproduceError as exc:
-        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)  # it quotes the run's record
         if args.json:
             refused = {
                 "verdict": "refused",
@@ -785,11 +779,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         write_text(args.json, redact(report.to_json()))
     return report.exit_code
-
-
-def _one_line(text: str) -> str:
-    # the message quotes the run's record, which may hold newlines: they must not forge a second line
-    return redact(text).replace("\n", "\\n").replace("\r", "\\r")
 
 
 if __name__ == "__main__":
