@@ -14,7 +14,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-all lint bench repro serve ui mlflow-server reproduce env clean
+.PHONY: run test test-all lint bench gpu-check repro serve ui mlflow-server reproduce env clean
 
 # Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
 # MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
@@ -44,6 +44,11 @@ lint: $(STAMP)  ## ruff: lint and formatting (what CI checks)
 
 bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/bench.json (minutes)
 	$(VENV)/bin/python -m benchmarks
+
+# On a bare CUDA machine without the venv, run `python -m tasks.gpu_check` itself (README "GPU check").
+ARGS ?=
+gpu-check: $(STAMP)  ## determinism, strict mode, cost of pinning, compress/export on the GPU: table + artifacts/gpu-check.json (no GPU: ARGS="--device cpu")
+	$(VENV)/bin/python -m tasks.gpu_check $(ARGS)
 
 repro: $(STAMP)  ## the same pipeline through DVC (fetches data/ first on a fresh clone)
 	test -d data || $(VENV)/bin/dvc repro download

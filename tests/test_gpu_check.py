@@ -1,0 +1,199 @@
+"""`python -m tasks.gpu_check --device cpu`: the GPU check's own code, run as a user runs it, so it does
+not rot while no GPU is at hand. One real run (module fixture) is read by every test; with a GPU the
+`gpu` test runs the real thing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tasks.config import TrainConfig
+from tests.conftest import ROOT, subprocess_env
+
+# What a bare CUDA machine lacks: the check must never import them, directly or through a tasks module.
+NOT_ON_A_BARE_MACHINE = {"mlflow", "prefect", "dvc", "sklearn", "matplotlib"}
+
+
+def _check(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-X", "importtime", "-m", "tasks.gpu_check", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("gpu-check")
+    done = _check("--device", "cpu", "--json", str(out / "gpu-check.json"))
+    assert done.returncode == 0, f"exit {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-5000:]}"
+    report = json.loads((out / "gpu-check.json").read_text())
+    return {"done": done, "report": report, "dir": out}
+
+
+def _rows(report: dict[str, Any], group: str) -> dict[str, dict[str, Any]]:
+    return {row["name"]: row for row in report["checks"] if row["group"] == group}
+
+
+def _literal(name: str) -> tuple[str, ...]:
+    return typing.get_args(TrainConfig.model_fields[name].annotation)
+
+
+def test_exits_0_prints_one_table_and_writes_the_report_atomically(cpu_run: dict[str, Any]) -> None:
+    report, stdout = cpu_run["report"], cpu_run["done"].stdout
+    assert report["passed"] is True and report["counts"]["FAIL"] == 0
+    assert stdout.startswith("lockstep gpu-check: cpu (")
+    assert "result: ok" in stdout
+    for row in report["checks"]:  # every row of the JSON is a line of the table
+        assert any(row["name"] in line and row["status"] in line for line in stdout.splitlines()), row["name"]
+    assert sorted(p.name for p in cpu_run["dir"].iterdir()) == ["gpu-check.json"]  # no temporary left behind
+    assert report["device"]["type"] == "cpu" and report["device"]["cpu"]
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["determinism"]["deterministic_algorithms"] is True
+    assert report["determinism"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_every_model_and_optimiser_of_the_config_steps_in_strict_mode(cpu_run: dict[str, Any]) -> None:
+    strict = _rows(cpu_run["report"], "strict")
+    expected = {
+        f"{model}/{optimizer}" for model, optimizer in itertools.product(_literal("model"), _literal("optimizer"))
+    }
+    assert set(strict) == expected
+    assert {row["status"] for row in strict.values()} == {"pass"}
+
+
+def test_fp32_and_bf16_training_twice_gives_equal_weight_bytes(cpu_run: dict[str, Any]) -> None:
+    rows = _rows(cpu_run["report"], "determinism")
+    for name in ("small_cnn fp32", "small_cnn bf16"):
+        row = rows[name]
+        first, second = row["numbers"]["sha256"]
+        assert row["status"] == "pass", row
+        assert first == second and len(first) == 64
+        assert row["numbers"]["weights_changed"] is True  # equal because deterministic, not because untouched
+    assert rows["small_cnn fp32"]["numbers"]["sha256"] != rows["small_cnn bf16"]["numbers"]["sha256"]
+
+
+def test_fp16_is_not_applicable_on_cpu_rather_than_passed(cpu_run: dict[str, Any]) -> None:
+    row = _rows(cpu_run["report"], "determinism")["small_cnn fp16"]
+    assert row["status"] == "n/a"
+    assert row["detail"].startswith("n/a on cpu")
+    assert "sha256" not in row["numbers"]
+
+
+def test_throughput_measures_pinned_fast_and_plain_and_reports_ratios(cpu_run: dict[str, Any]) -> None:
+    rows = _rows(cpu_run["report"], "throughput")
+    cost, overhead = rows["resnet18 pinned vs fast"], rows["resnet18 project vs plain"]
+    ips = cost["numbers"]["images_per_s"]
+    assert set(ips) == {"pinned", "fast", "plain"} and min(ips.values()) > 0
+    assert cost["numbers"]["cost"] == pytest.approx(ips["fast"] / ips["pinned"])
+    assert overhead["numbers"]["project_over_plain"] == pytest.approx(ips["plain"] / ips["pinned"])
+    # the 1.3x target is for CUDA: on the CPU it is a measurement, neither pass nor FAIL
+    assert cost["status"] == overhead["status"] == "report"
+    assert cost["numbers"]["runs"] >= 2
+
+
+def test_compress_and_export_run_from_a_checkpoint_trained_on_the_device(cpu_run: dict[str, Any]) -> None:
+    compressed = _rows(cpu_run["report"], "compress")["small_cnn"]
+    exported = _rows(cpu_run["report"], "export")["static_int8"]
+    assert compressed["status"] == "pass", compressed
+    assert list(compressed["numbers"]["variants"]) == ["fp32", "static_int8", "pruned_l1"]
+    assert compressed["numbers"]["variants"]["static_int8"]["size_ratio"] < 0.5
+    assert exported["status"] == "pass", exported
+    assert all(gate["passed"] for gate in exported["numbers"]["gates"])
+    assert {"model.onnx", "model_fp32.onnx", "model.pt2"} <= set(exported["numbers"]["sha256"])
+
+
+def test_never_imports_mlflow_prefect_or_dvc(cpu_run: dict[str, Any]) -> None:
+    """-X importtime lists every module the whole run imported, compress and export's lazy imports too."""
+    imported = {
+        line.split("|")[-1].strip().split(".")[0]
+        for line in cpu_run["done"].stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "tasks" in imported and "torch" in imported  # the listing is really there
+    assert not imported & NOT_ON_A_BARE_MACHINE
+
+
+def _patched(prelude: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`main(args)` in a fresh process after `prelude` (a failure that this machine cannot produce)."""
+    code = f"import sys\n{prelude}\nfrom tasks.gpu_check import main\nsys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+
+
+# A resnet18 whose forward calls put_, which strict mode refuses on every device (as CUDA refuses some
+# backward kernels): its rows fail naming the op, the other model's rows still run and pass.
+REFUSED_OP = """
+import torch
+import tasks.training
+real = tasks.training.build_model
+
+class PutNet(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        x = x.clone()
+        x.view(-1).put_(torch.tensor([0, 0]), x.new_tensor([1.0, 2.0]))
+        return self.inner(x)
+
+def build(name, *args):
+    model = real(name, *args)
+    if name == "resnet18":
+        model.net = PutNet(model.net)
+    return model
+
+tasks.training.build_model = build
+"""
+
+
+def test_an_op_refused_in_strict_mode_is_a_failed_row_naming_it_and_exit_1(tmp_path: Path) -> None:
+    done = _patched(REFUSED_OP, "--device", "cpu", "--only", "strict", "--json", str(tmp_path / "r.json"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    strict = _rows(report, "strict")
+    assert report["passed"] is False
+    for optimizer in _literal("optimizer"):
+        assert strict[f"small_cnn/{optimizer}"]["status"] == "pass"
+        failed = strict[f"resnet18/{optimizer}"]
+        assert failed["status"] == "FAIL"
+        assert failed["detail"] == "strict mode refused put_ (no deterministic implementation)"
+    assert "result: FAILED" in done.stdout
+
+
+def test_missing_onnx_runtime_skips_compress_and_export_with_the_wheel_to_carry(tmp_path: Path) -> None:
+    hidden = "sys.modules['onnxruntime'] = None  # as on a bare machine: find_spec says not installed"
+    done = _patched(hidden, "--device", "cpu", "--only", "compress", "--json", str(tmp_path / "r.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "r.json").read_text())["checks"]
+    assert [(row["group"], row["status"], row["detail"]) for row in rows] == [
+        ("compress", "skipped", "skipped: onnxruntime not installed (carry its wheel)"),
+        ("export", "skipped", "skipped: onnxruntime not installed (carry its wheel)"),
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_cuda_device_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    done = _check("--device", "cuda", "--json", str(tmp_path / "gpu-check.json"), timeout=120)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: no CUDA device: ") and lines[0].endswith("use --device cpu")
+    assert done.stdout == ""
+    assert not (tmp_path / "gpu-check.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_every_check_passes(tmp_path: Path) -> None:
+    done = _check("--device", "cuda", "--json", str(tmp_path / "gpu-check.json"), timeout=1800)
+    assert done.returncode == 0, f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-5000:]}"
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert _rows(report, "determinism")["small_cnn fp16"]["status"] == "pass"
+    assert report["device"]["type"] == "cuda" and report["device"]["cudnn"]
