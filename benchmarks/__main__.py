@@ -20,12 +20,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.harness import RESULTS, Figure, machine
+from benchmarks.harness import RESULTS, ROOT, Figure, machine
+from tasks import cpu_mode
 from tasks.atomic import write_text
+from tasks.config import load_params
 
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
-    from benchmarks import compression, pipeline_overhead, scaling, stats_loop, train_epoch
+    from benchmarks import compression, cpu_mode, pipeline_overhead, scaling, stats_loop, train_epoch
 
     if smoke:  # one round, no warm-up, one epoch: that everything runs, not how fast
         return {
@@ -36,6 +38,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
             "B5": lambda work: [stats_loop.b5(work, rounds=1, scale=1)],
             "B6": lambda work: compression.b6(work, rounds=1, runs=20, smoke=True),
             "B7": lambda work: scaling.b7(work, smoke=True),
+            "B9": lambda work: cpu_mode.b9(work, rounds=1, epochs=1),
         }
     return {
         "B1": lambda work: train_epoch.b1_b8(work, rounds=5),  # B8 too: the same set-up
@@ -45,6 +48,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B5": lambda work: [stats_loop.b5(work, rounds=5)],
         "B6": lambda work: compression.b6(work, rounds=5, runs=50),
         "B7": lambda work: scaling.b7(work),
+        "B9": lambda work: cpu_mode.b9(work, rounds=3),
     }
 
 
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where bench.json/bench.md go")
     args = parser.parse_args(argv)
     os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars of the stages would drown the table
+    # the defaults users get, stages run in this process included: pinned before torch and numpy load
+    cpu_mode.pin_env(load_params(ROOT / "params.yaml").determinism.cpu)
     suites = _suites(args.smoke)
     unknown = set(args.only or []) - set(suites)
     if unknown:

@@ -38,6 +38,7 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.tasks import exponential_backoff  # noqa: E402
 
+from tasks import cpu_mode  # noqa: E402
 from tasks.cli import exit_code  # noqa: E402
 from tasks.config import (  # noqa: E402
     PARAMS_FILE,
@@ -154,6 +155,7 @@ def pipeline(
     os.chdir(ROOT)
     logger = get_run_logger()
     params = load_params(_inside_project(params_file))  # validated before anything is written
+    cpu_mode.pin_env(params.determinism.cpu)  # the stages run in this process: before torch loads
     if overrides:
         refuse_remote_overrides(overrides, allowed_overrides())
     with pipeline_lock(
@@ -161,6 +163,7 @@ def pipeline(
     ):
         if overrides:
             params = set_params(params_file, overrides)
+            cpu_mode.pin_env(params.determinism.cpu)
             logger.info("params.yaml updated: %s", json.dumps(overrides))
         before = data_md5()
         results: dict[str, dict[str, Any]] = {}
@@ -258,6 +261,7 @@ def _run(args: argparse.Namespace) -> int:
     from tasks.tracking import check_store
 
     _, params = with_overrides(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
+    cpu_mode.pin_env(params.determinism.cpu)  # before MLflow (check_store) imports numpy
     # the user at this prompt may point the data anywhere: only API-started runs are restricted
     os.environ[ALLOW_OVERRIDES_ENV] = ",".join([*allowed_overrides(), *(key for key, _ in args.overrides)])
     check_store(params.tracking)  # a tracking server that is down fails the run now, not after training

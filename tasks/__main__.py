@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tasks import cpu_mode
 from tasks.cli import configure_logging, exit_code
 from tasks.config import PARAMS_FILE, STAGES, load_params
 
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(stage: str, params_file: str) -> int:
     params = load_params(params_file)
+    cpu_mode.pin_env(params.determinism.cpu)  # before torch and numpy load
 
     from tasks.pipeline_lock import pipeline_lock
     from tasks.stages import run_stage  # heavy imports (torch, MLflow) only after validation

@@ -132,6 +132,7 @@ class StatsConfig(_Section):
 class DeterminismConfig(_Section):
     num_threads: int = Field(2, ge=1, le=1024)
     strict: bool = True
+    cpu: Literal["portable", "native"] = "portable"
 
 
 class TrainConfig(_Section):

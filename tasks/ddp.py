@@ -32,12 +32,15 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tasks import layout
+from tasks import cpu_mode, layout
 from tasks.cli import configure_logging
 from tasks.config import PARAMS_FILE, Params, load_params
 from tasks.errors import ExpectedFailure
-from tasks.train import TrainResult
+
+if TYPE_CHECKING:
+    from tasks.train import TrainResult
 
 PARAMS_ENV = "LOCKSTEP_PARAMS_JSON"  # the launcher's validated params, passed to every rank
 # Where a rank that fails with an expected error (ExpectedFailure: diverged, a refused checkpoint, a full
@@ -105,6 +108,8 @@ def launch(params: Params) -> TrainResult:
             f"{summary}: missing after torchrun; global rank 0 ran on another node, which holds "
             "the outputs (use a shared filesystem, or run the stage on the rank-0 node)"
         )
+    from tasks.train import TrainResult
+
     return TrainResult(**json.loads(summary.read_text()))
 
 
@@ -117,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(f"%(levelname)s rank {rank} %(name)s: %(message)s")
     from_launcher = os.environ.get(PARAMS_ENV)
     params = Params.model_validate_json(from_launcher) if from_launcher else load_params(args.params)
+    cpu_mode.pin_env(params.determinism.cpu)  # inherited from the launcher; set here on other nodes
 
     from tasks.determinism import pin_everything
     from tasks.train import train
 
-    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu)
     try:
         train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, resume_dir=layout.TRAIN_RESUME_DIR)
     except ExpectedFailure as exc:  # the launching stage reports it (one line); torchrun stops the other ranks

@@ -15,16 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from tasks import cpu_mode
+
 # cuBLAS needs this before CUDA initialises to pick deterministic workspaces.
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 
 
-def pin_everything(seed: int, num_threads: int, strict: bool = True) -> dict[str, Any]:
+def pin_everything(seed: int, num_threads: int, strict: bool = True, cpu: str | None = None) -> dict[str, Any]:
     """Seed python, numpy and torch (all devices) and pin every backend switch.
 
     `strict` turns on `torch.use_deterministic_algorithms`; a stage that uses ops with no
     deterministic implementation (eager int8 kernels) passes `strict=False` and says so in its
-    run: the flag is then in warn-only mode rather than silently off.
+    run: the flag is then in warn-only mode rather than silently off. `cpu` is `determinism.cpu`
+    (tasks/cpu_mode.py); None: the mode this process was started in.
     """
     os.environ["PYTHONHASHSEED"] = str(seed)  # inherited by subprocesses (torchrun ranks)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
@@ -32,12 +35,13 @@ def pin_everything(seed: int, num_threads: int, strict: bool = True) -> dict[str
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # seeds every CUDA device too
     torch.set_num_threads(num_threads)
+    cpu_settings = cpu_mode.activate(cpu or cpu_mode.current(), num_threads)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     _use_deterministic_algorithms(warn_only=not strict)
-    return settings()
+    return {**settings(), **cpu_settings}
 
 
 def _use_deterministic_algorithms(warn_only: bool) -> None:

@@ -72,6 +72,7 @@ class CardContext:
     data_md5: str
     params: dict[str, Any]
     lineage: dict[str, str] = field(default_factory=dict)
+    machine: dict[str, str] = field(default_factory=dict)  # the train stage's hardware fingerprint
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,12 @@ def _model_card(
         f"- best epoch: {meta['epoch']}, validation accuracy {meta['val_accuracy']:.4f}",
         f"- classes: {', '.join(map(str, meta['classes']))}",
         *(f"- {key}: `{value}`" for key, value in sorted(card.lineage.items())),
+        "",
+        "## Trained on",
+        "",
+        "The weights' bytes depend on these (determinism.cpu portable: the same on any x86-64 CPU with AVX2).",
+        "",
+        *(f"- {key.removeprefix('hw.')}: `{value}`" for key, value in sorted(card.machine.items())),
         "",
         "## Metrics (test split)",
         "",

@@ -49,10 +49,11 @@ from typing import Any
 
 import yaml
 
-from tasks import layout, tracking
+from tasks import cpu_mode, layout, tracking
 from tasks.atomic import write_text
 from tasks.cli import configure_logging, exit_code, one_line
 from tasks.config import ConfigError, load_params, load_yaml, shown
+from tasks.fingerprint import explain
 from tasks.hashing import data_md5, file_digest
 from tasks.redact import redact
 
@@ -64,7 +65,7 @@ WEIGHTS = ("best.safetensors", "last.safetensors")
 STAGES = ("stats", "preprocess", "train")
 UPSTREAM = ("stats", "preprocess")  # their outputs are checked against the run's dvc.lock
 # Tags that describe the machine rather than the run's inputs; a difference explains different bytes.
-MACHINE_TAG_PREFIXES = ("version.", "determinism.", "device")
+MACHINE_TAG_PREFIXES = ("version.", "determinism.", "device")  # hw.*: tasks/fingerprint.py explain
 TAIL_LINES = 25
 # What reproduce downloads from a tracking server that others may write to, at most (bytes).
 RECORD_FILES = ("params.yaml", "data.dvc", "dvc.lock")  # dvc.lock: optional
@@ -79,12 +80,22 @@ TRUSTED_REFS = ("refs/heads", "refs/tags")
 _PROBE = """
 import json
 from tasks.config import load_params
+params = load_params()
+cpu = getattr(params.determinism, "cpu", None)  # None: code from before determinism.cpu (native)
+if cpu is not None:  # before torch and numpy load
+    from tasks.cpu_mode import pin_env
+    pin_env(cpu)
 from tasks.determinism import pin_everything
 from tasks.tracking import lineage_tags
-params = load_params()
-settings = pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+if cpu is None:
+    settings = pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+    machine = {}
+else:
+    from tasks.fingerprint import fingerprint
+    settings = pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict, cpu)
+    machine = fingerprint()
 tags = {k: v for k, v in lineage_tags().items() if k.startswith("version.")}
-print(json.dumps({**tags, **{f"determinism.{k}": str(v) for k, v in settings.items()}}))
+print(json.dumps({**tags, **{f"determinism.{k}": str(v) for k, v in settings.items()}, **machine}))
 """
 
 
@@ -121,6 +132,9 @@ class ReproduceReport:
     upstream: list[Comparison] = field(default_factory=list)  # vs the run's dvc.lock: informative
     machine_now: dict[str, str] = field(default_factory=dict)
     machine_differences: dict[str, dict[str, str]] = field(default_factory=dict)
+    explained_by: list[str] = field(default_factory=list)  # fingerprint differences that change bytes
+    bytes_expected_to_differ: bool = False  # native mode on another CPU: metrics compared instead
+    metrics: dict[str, dict[str, float | None]] = field(default_factory=dict)  # run vs rebuilt
     warnings: list[str] = field(default_factory=list)
     workspace: str | None = None  # kept for inspection (--keep / --workdir)
     reproduce_run_id: str | None = None
@@ -472,8 +486,9 @@ def _bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> s
 
 
 def _stage_env() -> dict[str, str]:
-    # The rebuild must not nest under, or log into, a run of whatever launched us.
-    return {k: v for k, v in os.environ.items() if k not in (tracking.PARENT_ENV, "MLFLOW_RUN_ID")}
+    # The rebuild must not nest under, or log into, a run of whatever launched us; and it computes
+    # in the mode the run's params name (each stage pins it), not in ours.
+    return cpu_mode.clean_env({k: v for k, v in os.environ.items() if k not in (tracking.PARENT_ENV, "MLFLOW_RUN_ID")})
 
 
 def _run_stage(stage: str, workspace: Path, env: dict[str, str]) -> tuple[int, list[str]]:
@@ -571,6 +586,21 @@ def _machine_differences(run_tags: dict[str, str], now: dict[str, str]) -> dict[
         for key, value in sorted(now.items())
         if key.startswith(MACHINE_TAG_PREFIXES) and key in run_tags and run_tags[key] != value
     }
+
+
+def _explain(report: ReproduceReport, run: Any, workspace: Path) -> None:
+    """Which fingerprint differences explain different bytes; metrics when bytes were never expected to match."""
+    device = report.machine_now.get("device", "cpu")
+    report.explained_by, report.bytes_expected_to_differ = explain(run.data.tags, report.machine_now, device)
+    train_json = workspace / layout.TRAIN_DIR / "train.json"
+    if report.bytes_expected_to_differ and train_json.exists():
+        rebuilt = json.loads(train_json.read_text())
+        report.metrics = {
+            "best_val_accuracy": {
+                "run": run.data.metrics.get("best_val_accuracy"),
+                "rebuilt": rebuilt.get("best_val_accuracy"),
+            }
+        }
 
 
 def _log_outcome(client: Any, report: ReproduceReport, workdir: Path) -> str:
@@ -671,6 +701,7 @@ def reproduce(
             report.upstream = _compare_upstream(workspace, report.data_md5, report.warnings)
             report.machine_now = _machine_now(workspace, env, report.warnings)
             report.machine_differences = _machine_differences(run.data.tags, report.machine_now)
+            _explain(report, run, workspace)
         if workdir is not None or keep:
             report.workspace = str(workspace)
         if log_run:
@@ -709,26 +740,44 @@ def format_report(report: ReproduceReport) -> str:
         f"{', '.join(report.stage_seconds)} in {seconds:.1f} s"
     )
     if report.machine_differences:
-        lines.append(
-            "  this machine differs from the run's (on a different machine kind byte-identity is not expected):"
-        )
+        lines.append("  library versions or determinism settings differ from the run's:")
         lines += [f"    {key}: run {d['run']}, now {d['now']}" for key, d in report.machine_differences.items()]
-    elif report.machine_now:
-        same = "same library versions, device and determinism settings as the run"
-        lines.append(
-            f"  {same}"
-            + (
-                ""
-                if report.identical or report.failed_stage
-                else ": the weights should have been identical (a reproducibility bug?)"
-            )
-        )
+    if report.machine_now and not report.identical and report.failed_stage is None:
+        lines += _why_different(report)
+    elif report.machine_now and report.identical:
+        lines.append("  same library versions, device and determinism settings as the run")
     lines += [f"  warning: {w}" for w in report.warnings]
     if report.reproduce_run_id:
         lines.append(f"  logged as MLflow run {report.reproduce_run_id} (experiment {report.experiment_id})")
     if report.workspace:
         lines.append(f"  workspace kept: {report.workspace}")
     return "\n".join(lines)
+
+
+def _why_different(report: ReproduceReport) -> list[str]:
+    if report.bytes_expected_to_differ:
+        compared = [
+            f"    {name}: run {_number(v['run'])}, rebuilt {_number(v['rebuilt'])}"
+            for name, v in report.metrics.items()
+        ]
+        return [
+            "  the run was made in native mode (determinism.cpu) on another CPU: its bytes are not expected "
+            "to match here; its metrics instead:",
+            *compared,
+            *(f"    {line}" for line in report.explained_by),
+        ]
+    if report.explained_by:
+        return ["  explained by the machine's fingerprint:", *(f"    {line}" for line in report.explained_by)]
+    if report.machine_differences:
+        return ["  explained by the differences above"]
+    return [
+        "  same fingerprint (CPU mode, kernels, threads, versions) and settings as the run: the weights should "
+        "have been identical (a reproducibility bug: please report it with both runs' hw.* tags)"
+    ]
+
+
+def _number(value: float | None) -> str:
+    return "not recorded" if value is None else f"{value:.4f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from tasks import layout
 from tasks.atomic import write_text
 from tasks.config import Params
 from tasks.determinism import pin_everything
+from tasks.fingerprint import fingerprint
 from tasks.hashing import data_md5
 from tasks.tracking import StageRun, lineage_tags, stage_run
 
@@ -145,7 +146,8 @@ def _export(params: Params, run: StageRun) -> dict[str, float]:
     from tasks.export import CARD, GATES, PT2, TORCHSCRIPT, CardContext, export
 
     lineage = {k: v for k, v in lineage_tags().items() if k.startswith(("git.", "version."))}
-    card = CardContext(data_md5=data_md5(), params=params.model_dump(mode="json"), lineage=lineage)
+    trained_on = json.loads((layout.TRAIN_DIR / "train.json").read_text()).get("machine", {})
+    card = CardContext(data_md5=data_md5(), params=params.model_dump(mode="json"), lineage=lineage, machine=trained_on)
     result = export(
         params.export,
         params.determinism.num_threads,
@@ -223,10 +225,13 @@ _WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, float]]] = {
 
 def run_stage(name: str, params: Params) -> dict[str, Any]:
     """Pin determinism, open the stage's MLflow run, do the stage; return its summary metrics."""
-    determinism = pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+    determinism = pin_everything(
+        params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu
+    )
     logged = {"seed": params.seed, **params.sections(name)}
     with stage_run(name, params.tracking, logged) as run:
         run.set_tags({f"determinism.{k}": v for k, v in determinism.items()})
+        run.set_tags(fingerprint())
         metrics = _WRAPPERS[name](params, run)
         run.log_metrics(metrics)
     return metrics

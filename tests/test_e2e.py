@@ -31,6 +31,12 @@ LINEAGE_TAGS = {
     "determinism.cudnn.benchmark",
     "determinism.deterministic_algorithms",
     "determinism.num_threads",
+    "determinism.cpu",
+    "hw.cpu.mode",
+    "hw.cpu.model",
+    "hw.cpu.capability",
+    "hw.threads",
+    "hw.version.mkl",
 }
 ARTIFACTS = {
     "download": {"receipt.json", "data.dvc"},

@@ -1,9 +1,11 @@
 """The default run's weights, pinned: a change to the code that changes them on the same machine is a
 change in results, and must be meant (tests/golden/default_weights.json says which bytes to expect).
 
-Weight bytes depend on the CPU's kernels (torch picks code paths by instruction set), so the record
-is keyed by machine: a machine with no record yet is skipped, saying how to add one. Record (after
-checking that the change in results is intended) with:
+In portable mode (determinism.cpu, the default) the bytes are the same on every x86-64 CPU with AVX2,
+so one record per torch version holds on every machine CI gets: a cross-machine check over time, whose
+failure names the fingerprint differences (tasks/fingerprint.py). Native records are keyed by machine,
+and a machine with no record yet is skipped. Record (after checking that the change in results is
+intended) with:
 
     LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden_weights.py
 """
@@ -22,6 +24,7 @@ import torch
 from tasks.config import load_params
 from tasks.determinism import pin_everything
 from tasks.download import download
+from tasks.fingerprint import explain, fingerprint
 from tasks.preprocess import preprocess
 from tasks.stats import compute_stats
 from tasks.train import train
@@ -50,14 +53,15 @@ def test_default_run_weights_are_unchanged(tmp_path: Path) -> None:
     download(params.data, tmp_path / "data", tmp_path / "cache")
     stats = compute_stats(tmp_path / "data", params.split, params.seed, params.stats.chunk_size)
     preprocess(tmp_path / "data", stats, params.split, params.seed, tmp_path / "preprocessed")
-    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)  # as the stage runner does
+    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu)
     train(params.train, params.seed, tmp_path / "preprocessed", tmp_path / "train")
     made = {name: sha256(tmp_path / "train" / name) for name in ("best.safetensors", "last.safetensors")}
 
     records = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-    key = machine()
+    portable = params.determinism.cpu == "portable"
+    key = f"portable | torch {torch.__version__}" if portable else machine()
     if os.environ.get("LOCKSTEP_RECORD_GOLDEN") == "1":
-        records[key] = {"params_sha256": params_digest, **made}
+        records[key] = {"params_sha256": params_digest, **made, "recorded_on": fingerprint()}
         GOLDEN.write_text(json.dumps(records, indent=2, sort_keys=True) + "\n")
     if key not in records:
         pytest.skip(f"no default-run weights recorded for this machine ({key}); see {GOLDEN.name}'s test docstring")
@@ -65,4 +69,8 @@ def test_default_run_weights_are_unchanged(tmp_path: Path) -> None:
     assert expected["params_sha256"] == params_digest, (
         "params.yaml's defaults changed since the weights were recorded: record them again (module docstring)"
     )
-    assert made == {name: expected[name] for name in made}, f"the default run's weights changed on {key}"
+    differences, _ = explain(expected.get("recorded_on", {}), fingerprint())
+    assert made == {name: expected[name] for name in made}, (
+        f"the default run's weights changed ({key}); byte-relevant differences from the machine they were "
+        f"recorded on: {differences or 'none (a code change, or a portability bug)'}"
+    )

@@ -230,6 +230,10 @@ def test_data_is_pulled_from_the_remote_and_a_different_record_is_reported(
     logged = Path(urlparse(trained["train"].info.artifact_uri).path) / "checkpoints" / "last.safetensors"
     original = logged.read_bytes()
     logged.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    # and a planted fingerprint difference that would explain it: the run "was made" with 7 threads
+    client = client_for(repo)  # this test's own clone of the store
+    threads = client.get_run(train_id).data.tags["hw.threads"]
+    client.set_tag(train_id, "hw.threads", "7")
     try:
         done, report = _reproduce(repo, trained["pipeline"], tmp_path)  # the pipeline run: its train child
     finally:
@@ -242,4 +246,5 @@ def test_data_is_pulled_from_the_remote_and_a_different_record_is_reported(
     assert (repo / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]).exists()  # fetched into the cache
     assert [w["identical"] for w in report["weights"]] == [True, False]  # best rebuilt from the pulled data
     assert "last.safetensors: DIFFERS (logged sha256" in done.stdout
-    assert "the weights should have been identical" in done.stdout  # same machine: no excuse
+    assert report["explained_by"] == [f"hw.threads: run 7, now {threads}"] and not report["bytes_expected_to_differ"]
+    assert f"explained by the machine's fingerprint:\n    hw.threads: run 7, now {threads}" in done.stdout

@@ -1,0 +1,204 @@
+"""determinism.cpu: portable kernels compute what torch's do, and the same bytes whatever the CPU says.
+
+The cross-machine check: a small fixed training in portable mode must give the sha256 committed in
+tests/golden/portable_training.json on every machine CI gets (Intel and AMD, AVX2 and AVX-512 have
+all been seen). On one machine, the three variables that changed native weights (ATen's capability,
+oneDNN's ISA, MKL's branch) are set in every combination: portable bytes must not move, native ones
+do. Record a new hash (after checking the change is meant) with:
+
+    LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/test_cpu_mode.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tasks import cpu_mode, portable_kernels
+from tasks.fingerprint import explain, fingerprint
+from tests.conftest import ROOT
+
+GOLDEN = Path(__file__).parent / "golden" / "portable_training.json"
+# The variables measured to change native weights, each unset or set to what another CPU would use.
+VARIABLES = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "AVX2"}
+TRAINING = """
+import hashlib, json, sys
+from tasks import cpu_mode
+cpu_mode.pin_env(sys.argv[1])
+import torch
+from tasks.determinism import pin_everything
+from tasks.fingerprint import fingerprint
+from tasks.models import build_model
+pin_everything(0, 2, True, sys.argv[1])
+generator = torch.Generator().manual_seed(1)
+images = torch.rand(4, 32, 1, 12, 12, generator=generator)
+labels = torch.randint(0, 10, (4, 32), generator=generator)
+model = build_model("small_cnn", 10, [0.5], [0.25])
+optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+for x, y in zip(images, labels):  # conv, batch norm, pooling, dropout, linear, cross-entropy, SGD
+    optimiser.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimiser.step()
+state = b"".join(t.numpy().tobytes() for t in model.state_dict().values())
+print(json.dumps({"sha256": hashlib.sha256(state).hexdigest(), "machine": fingerprint()}))
+"""
+
+
+@contextmanager
+def _portable_kernels(on: bool) -> Iterator[None]:
+    """torch's own kernels (False) or the portable ones (True), whatever an earlier test left."""
+    was = portable_kernels.installed()
+    portable_kernels.install() if on else portable_kernels.uninstall()
+    try:
+        yield
+    finally:
+        portable_kernels.install() if was else portable_kernels.uninstall()
+
+
+def _train(mode: str, env_vars: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES and not k.startswith(("OPENBLAS", "OMP_"))}
+    env = cpu_mode.clean_env(env)
+    done = subprocess.run(
+        [sys.executable, "-c", TRAINING, mode], cwd=ROOT, env={**env, **env_vars}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_portable_weights_match_the_committed_hash_under_every_cpu_variable() -> None:
+    combos = [
+        {name: value for name, value, on in zip(VARIABLES, VARIABLES.values(), flags, strict=True) if on}
+        for flags in itertools.product((False, True), repeat=len(VARIABLES))
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        portable = list(pool.map(lambda combo: _train("portable", combo), combos))
+        native = list(pool.map(lambda combo: _train("native", combo), [{}, {"ATEN_CPU_CAPABILITY": "default"}]))
+    made = portable[0]
+    if os.environ.get("LOCKSTEP_RECORD_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps({"sha256": made["sha256"], "recorded_on": made["machine"]}, indent=2) + "\n")
+    assert [p["sha256"] for p in portable] == [made["sha256"]] * len(combos), "portable bytes moved with the variables"
+    assert native[0]["sha256"] != native[1]["sha256"], "the variables no longer change native bytes: test is vacuous"
+    recorded = json.loads(GOLDEN.read_text())
+    differences, _ = explain(recorded["recorded_on"], made["machine"])
+    assert made["sha256"] == recorded["sha256"], (
+        f"portable training gave other bytes on this machine ({made['machine']['hw.cpu.model']}) than on the one "
+        f"it was recorded on ({recorded['recorded_on']['hw.cpu.model']}); byte-relevant differences: "
+        f"{differences or 'none (a portability bug)'}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("stride", "padding", "dilation", "groups", "kernel", "bias"),
+    [
+        (1, 1, 1, 1, 3, True),
+        (2, 1, 1, 1, 3, False),
+        (2, 3, 1, 1, 7, False),
+        (1, 2, 2, 2, 3, True),
+        (2, 1, 1, 8, 3, False),
+    ],
+)
+def test_portable_convolution_computes_what_torch_does(stride, padding, dilation, groups, kernel, bias) -> None:  # noqa: ANN001
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, 11, 9, dtype=torch.float64, generator=generator, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(16, 8 // groups, kernel, kernel, dtype=torch.float64, generator=generator))
+    b = torch.nn.Parameter(torch.randn(16, dtype=torch.float64, generator=generator)) if bias else None
+    inputs = [x, w] + ([b] if bias else [])
+
+    def conv() -> torch.Tensor:
+        return F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+    with _portable_kernels(False):
+        expected = conv()
+        upstream = torch.randn(expected.shape, dtype=torch.float64, generator=generator)
+        expected_grads = torch.autograd.grad(expected, inputs, upstream)
+    with _portable_kernels(True):
+        made = conv()
+        grads = torch.autograd.grad(made, inputs, upstream)
+    torch.testing.assert_close(made, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_portable_linear_and_conv1d_compute_what_torch_does() -> None:
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(7, 4).double()
+    x = torch.randn(2, 5, 7, dtype=torch.float64, generator=generator)
+    signal = torch.randn(2, 3, 10, dtype=torch.float64, generator=generator)
+    kernel = torch.randn(5, 3, 3, dtype=torch.float64, generator=generator)
+    with _portable_kernels(False):
+        expected = (linear(x), F.conv1d(signal, kernel, padding=1, stride=2))
+    with _portable_kernels(True):
+        made = (linear(x), F.conv1d(signal, kernel, padding=1, stride=2))
+        with pytest.raises(portable_kernels.PortableOpError, match="aten::mv"):
+            torch.mv(kernel[:, :, 0], signal[0, :, 0])
+    torch.testing.assert_close(made, expected)
+
+
+def test_the_mode_cannot_change_once_torch_is_loaded() -> None:
+    assert cpu_mode.current() == "portable"  # tests/conftest.py pinned it before torch loaded
+    with pytest.raises(cpu_mode.CpuModeError, match="must be set before torch"):
+        cpu_mode.pin_env("native")
+    with pytest.raises(cpu_mode.CpuModeError, match="loaded torch in portable mode"):
+        cpu_mode.activate("native", 1)
+    with pytest.raises(cpu_mode.CpuModeError, match="not one of portable, native"):
+        cpu_mode.pin_env("fast")
+
+
+def test_a_child_of_a_portable_process_chooses_its_own_mode() -> None:
+    env = cpu_mode.clean_env({**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PATH": "/bin"})
+    assert env["PATH"] == "/bin" and not set(cpu_mode.PORTABLE_ENV) & set(env) and cpu_mode.MODE_ENV not in env
+    users_own = cpu_mode.clean_env({"MKL_CBWR": "AVX2"})  # not set by us: kept, and fingerprinted
+    assert users_own == {"MKL_CBWR": "AVX2"}
+
+
+def test_fingerprint_explains_what_changes_bytes() -> None:
+    now = fingerprint()
+    assert now["hw.cpu.mode"] == "portable" and now["hw.cpu.capability"] == "AVX2"
+    assert now["hw.cpu.openblas"] == "Haswell" and now["hw.threads"] == str(torch.get_num_threads())
+    assert explain(now, now) == ([], False)
+    # portable: another CPU model is no reason, another thread count is
+    other_cpu = {**now, "hw.cpu.model": "Intel Xeon", "hw.cpu.flags": now["hw.cpu.flags"] + " avx512f"}
+    assert explain(other_cpu, now) == ([], False)
+    assert explain({**now, "hw.threads": "7"}, now)[0] == [f"hw.threads: run 7, now {now['hw.threads']}"]
+    # native on another CPU: bytes are not expected to match, and the differences say why
+    native_elsewhere = {**other_cpu, "hw.cpu.mode": "native"}
+    differences, expected = explain(native_elsewhere, {**now, "hw.cpu.mode": "native"})
+    assert expected and any(line.startswith("hw.cpu.model: run Intel Xeon") for line in differences)
+    assert explain({"git.commit": "abc"}, now)[0] == [
+        "the run records no hardware fingerprint (made before lockstep recorded one)"
+    ]
+
+
+def test_reproduce_says_why_bytes_differ() -> None:
+    from tasks.reproduce import Comparison, ReproduceReport, format_report
+
+    def report(**fields: object) -> str:
+        made = ReproduceReport("r1", "r1", "0", "commit abc", "md5", machine_now={"hw.cpu.mode": "portable"})
+        made.weights = [Comparison("best.safetensors", "sha256", "aa", "bb")]
+        for name, value in fields.items():
+            setattr(made, name, value)
+        return format_report(made)
+
+    bug = report()
+    assert "best.safetensors DIFFERS" in bug and "should have been identical (a reproducibility bug" in bug
+    explained = report(explained_by=["hw.threads: run 1, now 2"])
+    assert "explained by the machine's fingerprint:\n    hw.threads: run 1, now 2" in explained
+    elsewhere = report(
+        bytes_expected_to_differ=True,
+        explained_by=["hw.cpu.model: run Intel Xeon, now AMD EPYC"],
+        metrics={"best_val_accuracy": {"run": 0.9888, "rebuilt": 0.9851}},
+    )
+    assert "made in native mode (determinism.cpu) on another CPU: its bytes are not expected to match" in elsewhere
+    assert "best_val_accuracy: run 0.9888, rebuilt 0.9851" in elsewhere and "hw.cpu.model: run Intel Xeon" in elsewhere
