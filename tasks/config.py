@@ -203,6 +203,7 @@ class ExportConfig(_Section):
     max_abs_diff: float = Field(1e-4, gt=0, le=1e3)  # fp32 ONNX / .pt2 / TorchScript logits vs eager
     min_top1_agreement: float = Field(0.99, ge=0, le=1)  # compressed vs fp32 top-1, on the test split
     max_accuracy_drop: float = Field(0.01, ge=0, le=1)  # fp32 accuracy minus compressed, on the test split
+    fallback: Literal["fp32", "none"] = "fp32"  # a variant failing its own gates: ship fp32, or fail the stage
 
 
 class TrackingConfig(_Section):

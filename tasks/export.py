@@ -16,8 +16,12 @@ Gates, all computed before anything is written:
 - the shipped variant, over the test split: top-1 agreement with fp32 >= `min_top1_agreement`, and
   fp32 accuracy minus its accuracy <= `max_accuracy_drop`.
 
-A failed gate raises `GateError` with each measured and allowed value, and `out_dir` is left as it
-was. Registering the model (MLflow) is the stage wrapper's next step, so nothing failing is registered.
+When the variant fails its own gates and `fallback` is `fp32`, the fp32 model ships as `model.onnx`
+instead (the variant's failed gates and the reason stay in `gates.json`, the card and the run): a
+weak int8 copy does not take the whole run down. A failed parity gate, or a failed variant with
+`fallback: none`, raises `GateError` with each measured and allowed value, and `out_dir` is left as
+it was. Registering the model (MLflow) is the stage wrapper's next step, so nothing failing is
+registered.
 """
 
 from __future__ import annotations
@@ -77,13 +81,14 @@ class CardContext:
 
 @dataclass(frozen=True)
 class ExportResult:
-    variant: str
+    variant: str  # what ships as model.onnx: export.variant, or fp32 after a fallback
     fp32_accuracy: float  # test split, fp32 ONNX in ONNX Runtime
     accuracy: float  # test split, the shipped model.onnx in ONNX Runtime
     gates: list[Gate]
     sha256: dict[str, str]  # exported file name -> digest
     input_shape: tuple[int, int, int]  # (C, H, W) of one image; the batch axis is dynamic
     num_classes: int
+    fallback_reason: str = ""  # why export.variant did not ship ("" when it did)
 
 
 def export(
@@ -109,13 +114,16 @@ def export(
         shutil.copyfile(compress_dir / "models" / f"{cfg.variant}.onnx", staging / SHIPPED)
         _save_torch_programs(model, parity, staging)
         gates, fp32_acc, acc = _gates(cfg, threads, staging, test, parity, eager)
+        variant, reason = _fall_back(cfg, gates, staging)
         failed = [gate for gate in gates if not gate.passed]
-        if failed:
+        if failed and not reason:
             raise GateError(f"{len(failed)} export gate(s) failed: " + "; ".join(g.describe() for g in failed))
+        acc = fp32_acc if reason else acc
 
         digests = {name: file_digest(staging / name) for name in (SHIPPED, FP32, PT2, TORCHSCRIPT)}
         result = ExportResult(
-            variant=cfg.variant,
+            variant=variant,
+            fallback_reason=reason,
             fp32_accuracy=fp32_acc,
             accuracy=acc,
             gates=gates,
@@ -124,7 +132,9 @@ def export(
             num_classes=len(test.classes),
         )
         gate_report = {
-            "variant": cfg.variant,
+            "variant": variant,
+            "requested_variant": cfg.variant,
+            "fallback_reason": reason,
             "fp32_accuracy": fp32_acc,
             "accuracy": acc,
             "gates": [{**asdict(g), "passed": g.passed} for g in gates],
@@ -135,6 +145,16 @@ def export(
         # the card ships with the model (and to DVC remotes): every secret masked
         (staging / CARD).write_text(redact(_model_card(result, meta, evaluated, table, card)))
     return result
+
+
+def _fall_back(cfg: ExportConfig, gates: list[Gate], staging: Path) -> tuple[str, str]:
+    """(what ships, why not export.variant): fp32 in place of a variant that failed only its own gates."""
+    failed = [gate for gate in gates if not gate.passed]
+    own = [gate for gate in failed if gate.name.startswith(f"{cfg.variant} ")]
+    if not failed or cfg.fallback == "none" or cfg.variant == "fp32" or len(own) != len(failed):
+        return cfg.variant, ""
+    shutil.copyfile(staging / FP32, staging / SHIPPED)
+    return "fp32", f"{cfg.variant} failed its gates ({'; '.join(g.describe() for g in own)}): fp32 shipped instead"
 
 
 def _save_torch_programs(model: torch.nn.Module, parity: torch.Tensor, staging: Path) -> None:
@@ -188,6 +208,7 @@ def _model_card(
         f"# Model card: {meta['model']} on {len(meta['classes'])} classes",
         "",
         f"Shipped: `{SHIPPED}` ({result.variant}), beside `{FP32}`, `{PT2}` and `{TORCHSCRIPT}` (fp32).",
+        *([f"**Fallback:** {result.fallback_reason}."] if result.fallback_reason else []),
         "Input: float32 pixels in [0, 1], shape (N, C, H, W), named `pixels`; output: `logits`. "
         "Normalisation is inside the model.",
         "",

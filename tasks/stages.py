@@ -7,6 +7,7 @@ and the Prefect flow's tasks — so a stage behaves the same whichever ran it.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
@@ -25,6 +26,8 @@ from tasks.tracking import StageRun, lineage_tags, stage_run
 
 if TYPE_CHECKING:
     from tasks.export import ExportResult
+
+log = logging.getLogger(__name__)
 
 
 def track_data_with_dvc() -> None:
@@ -161,6 +164,9 @@ def _export(params: Params, run: StageRun) -> dict[str, float]:
     for name in (CARD, GATES, PT2, TORCHSCRIPT):
         run.log_artifact(layout.EXPORT_DIR / name)
     run.set_tags({f"sha256.{name}": digest for name, digest in result.sha256.items()})
+    run.set_tags({"export.shipped": result.variant, "export.fallback": result.fallback_reason or "none"})
+    if result.fallback_reason:
+        log.warning("export: %s", result.fallback_reason)
     if run.enabled:  # only after every gate passed: a failing model is never registered
         _register(params, run, result)
     return {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}

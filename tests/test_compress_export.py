@@ -155,6 +155,33 @@ def test_a_failed_gate_fails_the_stage_and_registers_nothing(dvc_repo: dict[str,
     assert len(client_for(repo).search_model_versions("name='lockstep-classifier'")) == 1
 
 
+def test_a_variant_failing_its_own_gates_falls_back_to_fp32(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+    """A weak int8 copy ships fp32 instead, saying why everywhere; with fallback: none the stage fails."""
+    repo = clone_project(dvc_repo["repo"], tmp_path / "repo")
+    metrics = json.loads((repo / "artifacts/compress/metrics.json").read_text())
+    agreement = metrics["static_int8"]["top1_agreement"]
+    assert agreement < 1.0, "static int8 agrees with fp32 everywhere here: this test needs another threshold"
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["export"].update(variant="static_int8", min_top1_agreement=(1.0 + agreement) / 2)
+    strict = repo / "strict.yaml"
+    for fallback, code in (("none", 1), ("fp32", 0)):
+        params["export"]["fallback"] = fallback
+        strict.write_text(yaml.safe_dump(params))
+        done = run([sys.executable, "-m", "tasks", "export", "--params", str(strict)], repo, check=False)
+        assert done.returncode == code, done.stderr
+    assert "static_int8 top-1 agreement with fp32" in done.stderr and "fp32 shipped instead" in done.stderr
+    export = repo / "artifacts/export"
+    assert sha256(export / "model.onnx") == sha256(export / "model_fp32.onnx")
+    gates = json.loads((export / "gates.json").read_text())
+    assert gates["variant"] == "fp32" and gates["requested_variant"] == "static_int8"
+    assert gates["fallback_reason"].startswith("static_int8 failed its gates (static_int8 top-1 agreement")
+    assert gates["accuracy"] == gates["fp32_accuracy"]
+    assert "**Fallback:** static_int8 failed its gates" in (export / "model_card.md").read_text()
+    shipped = _stage_runs(repo, "export")[-1]
+    assert shipped.info.status == "FINISHED" and shipped.data.tags["export.shipped"] == "fp32"
+    assert shipped.data.tags["registry.version"]  # registered: the fp32 model passed every gate it must
+
+
 def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     """All five variants in-process, compared with what `dvc repro` built in its own process."""
     from tasks.compress import compress
