@@ -147,6 +147,11 @@ def export(
     return result
 
 
+def _bytes_note(mode: str) -> str:
+    where = "the same on any x86-64 CPU with AVX2" if mode == "portable" else "other bytes on another CPU"
+    return f"The weights' bytes depend on these (determinism.cpu: {mode}, {where})."
+
+
 def _fall_back(cfg: ExportConfig, gates: list[Gate], staging: Path) -> tuple[str, str]:
     """(what ships, why not export.variant): fp32 in place of a variant that failed only its own gates."""
     failed = [gate for gate in gates if not gate.passed]
@@ -222,7 +227,7 @@ def _model_card(
         "",
         "## Trained on",
         "",
-        "The weights' bytes depend on these (determinism.cpu portable: the same on any x86-64 CPU with AVX2).",
+        _bytes_note(card.machine.get("hw.cpu.mode", "native")),
         "",
         *(f"- {key.removeprefix('hw.')}: `{value}`" for key, value in sorted(card.machine.items())),
         "",
