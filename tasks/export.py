@@ -76,7 +76,7 @@ class CardContext:
     data_md5: str
     params: dict[str, Any]
     lineage: dict[str, str] = field(default_factory=dict)
-    machine: dict[str, str] = field(default_factory=dict)  # the train stage's hardware fingerprint
+    machine: dict[str, str] = field(default_factory=dict)  # the exporting machine's hardware fingerprint
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,10 @@ def export(
 
 def _bytes_note(mode: str) -> str:
     where = "the same on any x86-64 CPU with AVX2" if mode == "portable" else "other bytes on another CPU"
-    return f"The weights' bytes depend on these (determinism.cpu: {mode}, {where})."
+    return (
+        f"The machine this pipeline run exported on (the train run's own is on its MLflow run, hw.* tags). "
+        f"Weight bytes depend on these (determinism.cpu: {mode}, {where})."
+    )
 
 
 def _fall_back(cfg: ExportConfig, gates: list[Gate], staging: Path) -> tuple[str, str]:
@@ -225,7 +228,7 @@ def _model_card(
         f"- classes: {', '.join(map(str, meta['classes']))}",
         *(f"- {key}: `{value}`" for key, value in sorted(card.lineage.items())),
         "",
-        "## Trained on",
+        "## Machine",
         "",
         _bytes_note(card.machine.get("hw.cpu.mode", "native")),
         "",

@@ -149,8 +149,11 @@ def _export(params: Params, run: StageRun) -> dict[str, float]:
     from tasks.export import CARD, GATES, PT2, TORCHSCRIPT, CardContext, export
 
     lineage = {k: v for k, v in lineage_tags().items() if k.startswith(("git.", "version."))}
-    trained_on = json.loads((layout.TRAIN_DIR / "train.json").read_text()).get("machine", {})
-    card = CardContext(data_md5=data_md5(), params=params.model_dump(mode="json"), lineage=lineage, machine=trained_on)
+    # This process's machine: the fingerprint stays out of DVC outputs (train.json), whose hashes must
+    # not depend on the machine; the train run's own is on its MLflow run (hw.* tags).
+    card = CardContext(
+        data_md5=data_md5(), params=params.model_dump(mode="json"), lineage=lineage, machine=fingerprint()
+    )
     result = export(
         params.export,
         params.determinism.num_threads,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ from tasks.atomic import atomic_files
 from tasks.checkpoints import checkpoint_bytes, cpu_state, result_config
 from tasks.config import TrainConfig
 from tasks.distributed import join_process_group
-from tasks.fingerprint import fingerprint
 from tasks.preprocess import Preprocessed, load_split
 from tasks.training import Training, build_training
 
@@ -45,7 +44,6 @@ class TrainResult:
     backend: str
     amp: str
     resumed_from_epoch: int | None
-    machine: dict[str, str] = field(default_factory=dict)  # tasks/fingerprint.py: what made these bytes
 
 
 def train(
@@ -98,7 +96,6 @@ def train(
         backend=ranks.backend,
         amp=cfg.amp,
         resumed_from_epoch=resumed_from,
-        machine=fingerprint(),
     )
     if ranks.rank == 0:
         _write_outputs(out_dir, training, progress, result, _metadata(cfg, seed, train_split, ranks.world_size))

@@ -176,7 +176,11 @@ def test_a_variant_failing_its_own_gates_falls_back_to_fp32(dvc_repo: dict[str, 
     assert gates["variant"] == "fp32" and gates["requested_variant"] == "static_int8"
     assert gates["fallback_reason"].startswith("static_int8 failed its gates (static_int8 top-1 agreement")
     assert gates["accuracy"] == gates["fp32_accuracy"]
-    assert "**Fallback:** static_int8 failed its gates" in (export / "model_card.md").read_text()
+    card = (export / "model_card.md").read_text()
+    assert "**Fallback:** static_int8 failed its gates" in card
+    # the machine's fingerprint is in the card
+    assert "## Machine" in card and "determinism.cpu: portable, the same on any x86-64 CPU" in card
+    assert "- cpu.mode: `portable`" in card and "- cpu.capability: `AVX2`" in card
     shipped = _stage_runs(repo, "export")[-1]
     assert shipped.info.status == "FINISHED" and shipped.data.tags["export.shipped"] == "fp32"
     assert shipped.data.tags["registry.version"]  # registered: the fp32 model passed every gate it must
