@@ -139,13 +139,17 @@ def _check_portable(torch: Any) -> None:
         )
 
 
-def blas_coretype() -> str | None:
-    """The kernel set numpy's OpenBLAS runs (threadpoolctl reads it from the library itself)."""
+def openblas() -> dict[str, Any]:
+    """What threadpoolctl reads from numpy's OpenBLAS itself (architecture, version, ...); {} if none."""
     import numpy  # noqa: F401 - loads OpenBLAS, which threadpoolctl then finds
     from threadpoolctl import threadpool_info
 
-    found = [info.get("architecture") for info in threadpool_info() if info.get("internal_api") == "openblas"]
-    return found[0] if found else None
+    return next((info for info in threadpool_info() if info.get("internal_api") == "openblas"), {})
+
+
+def blas_coretype() -> str | None:
+    """The kernel set numpy's OpenBLAS runs."""
+    return openblas().get("architecture")
 
 
 def _set_blas_threads(num_threads: int) -> None:

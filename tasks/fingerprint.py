@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from tasks import cpu_mode
+
 # The ISA extensions that decide which kernels a library picks (ATen, oneDNN, MKL, OpenBLAS).
 ISA_FLAGS = (
     "sse4_2",
@@ -111,15 +113,8 @@ def _versions(torch: Any) -> dict[str, str]:
         "hw.version.numpy": numpy.__version__,
         "hw.version.mkl": mkl.group(1) if mkl else "none",
         "hw.version.onednn": onednn.group(1) if onednn else "none",
-        "hw.version.openblas": _openblas_version(),
+        "hw.version.openblas": str(cpu_mode.openblas().get("version", "none")),
     }
-
-
-def _openblas_version() -> str:
-    from threadpoolctl import threadpool_info
-
-    found = [info.get("version") for info in threadpool_info() if info.get("internal_api") == "openblas"]
-    return str(found[0]) if found else "none"
 
 
 def _gpu(torch: Any) -> dict[str, str]:
@@ -142,8 +137,6 @@ def _gpu(torch: Any) -> dict[str, str]:
 def fingerprint() -> dict[str, str]:
     """This process's machine, libraries and CPU mode as `hw.*` strings (torch loaded and pinned)."""
     import torch
-
-    from tasks import cpu_mode
 
     tags = {
         "hw.cpu.mode": cpu_mode.current(),
