@@ -42,6 +42,7 @@ pytestmark = pytest.mark.slow
 DEPLOYMENT = "lockstep-pipeline/nightly"
 FIRST_IMAGES = 1200  # of digits' 1797; the rest arrive later as "new data"
 SCREENSHOT = ROOT / "test-artifacts" / "mlflow-run-page.png"
+SCHEDULER_WAIT_S = 90  # Prefect's scheduler service loops every 60 s (its recent-deployments loop, 5 s)
 
 
 @dataclass
@@ -389,7 +390,13 @@ def test_the_schedule_created_upcoming_runs(stack: Stack) -> None:
     assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
     assert deployment["parameters"] == {"reingest": True}
     upcoming = {"deployment_id": {"any_": [deployment["id"]]}, "state": {"type": {"any_": ["SCHEDULED"]}}}
-    scheduled = api(stack, "/flow_runs/filter", {"flow_runs": upcoming})
+    # The server's scheduler service creates the runs on its own loop, some seconds after the
+    # deployment appears: when this test runs first, it must wait for that loop.
+    deadline = time.monotonic() + SCHEDULER_WAIT_S
+    while len(scheduled := api(stack, "/flow_runs/filter", {"flow_runs": upcoming})) < 3:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(1)
     starts = sorted(datetime.fromisoformat(r["expected_start_time"].replace("Z", "+00:00")) for r in scheduled)
     assert len(starts) >= 3, scheduled
     assert all((t.hour, t.minute, t.utcoffset().total_seconds()) == (3, 0, 0) for t in starts)
