@@ -195,15 +195,52 @@ class CompressConfig(_Section):
         return value
 
 
-class ExportConfig(_Section):
-    """What ships, and the gates it must pass first (a failed gate fails the stage; nothing is registered)."""
+ExportFormat = Literal["onnx", "pt2", "torchscript"]
 
-    variant: Literal["fp32"] | Variant = "static_int8"  # shipped beside the fp32 model; must be built by compress
+
+class ExportConfig(_Section):
+    """What ships, and the gates it must pass first (tasks/export.py)."""
+
+    # tried in order; the first that passes its gates ships as model.onnx. fp32, if listed, comes last:
+    # it has no gates of its own, so nothing after it could ever be tried.
+    candidates: tuple[Literal["fp32"] | Variant, ...] = Field(("static_int8", "fp32"), min_length=1, strict=False)
+    formats: tuple[ExportFormat, ...] = Field(("onnx", "pt2"), min_length=1, strict=False)
     parity_batch: int = Field(256, ge=1, le=MAX_BATCH)  # the first N test images: exported fp32 formats vs eager
-    max_abs_diff: float = Field(1e-4, gt=0, le=1e3)  # fp32 ONNX / .pt2 / TorchScript logits vs eager
-    min_top1_agreement: float = Field(0.99, ge=0, le=1)  # compressed vs fp32 top-1, on the test split
-    max_accuracy_drop: float = Field(0.01, ge=0, le=1)  # fp32 accuracy minus compressed, on the test split
-    fallback: Literal["fp32", "none"] = "fp32"  # a variant failing its own gates: ship fp32, or fail the stage
+    max_abs_diff: float = Field(1e-4, gt=0, le=1e3)  # fp32 ONNX / torch formats' logits vs eager
+    min_top1_agreement: float = Field(0.99, ge=0, le=1)  # a candidate vs fp32 top-1, where fp32 is confident
+    confidence: float = Field(0.5, ge=0, lt=1)  # fp32's top softmax probability that counts as confident
+    max_accuracy_drop: float = Field(0.01, ge=0, le=1)  # fp32 test accuracy minus a candidate's
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("variant" in data or "fallback" in data):
+            raise ValueError(
+                "variant and fallback were replaced by candidates, the variants to try in order "
+                "(e.g. [static_int8, fp32]: static_int8, or fp32 when static_int8 fails its gates)"
+            )
+        return data
+
+    @field_validator("candidates", "formats")
+    @classmethod
+    def _no_repeats(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(values)) != len(values):
+            raise ValueError(f"lists an entry twice: {list(values)}")
+        return values
+
+    @field_validator("candidates")
+    @classmethod
+    def _fp32_last(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        if "fp32" in values[:-1]:
+            raise ValueError(f"fp32 must come last (nothing after it is ever tried): {list(values)}")
+        return values
+
+    @field_validator("formats")
+    @classmethod
+    def _onnx_listed(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        if "onnx" not in values:
+            raise ValueError(f"must include onnx (model.onnx is what ships), got {list(values)}")
+        return values
 
 
 class TrackingConfig(_Section):
@@ -250,12 +287,13 @@ class Params(_Section):
     orchestration: OrchestrationConfig = OrchestrationConfig()
 
     @model_validator(mode="after")
-    def _shipped_variant_is_built(self) -> Params:
-        if self.export.variant != "fp32" and self.export.variant not in self.compress.variants:
-            raise ValueError(
-                f"export.variant: {self.export.variant!r} is not built: add it to compress.variants "
-                f"(now {list(self.compress.variants)}) or ship 'fp32'"
-            )
+    def _candidates_are_built(self) -> Params:
+        for variant in self.export.candidates:
+            if variant != "fp32" and variant not in self.compress.variants:
+                raise ValueError(
+                    f"export.candidates: {variant!r} is not built: add it to compress.variants "
+                    f"(now {list(self.compress.variants)}) or drop it from export.candidates"
+                )
         return self
 
     def sections(self, stage: str) -> dict[str, Any]:
@@ -306,7 +344,7 @@ def _format_error(error: dict[str, Any]) -> str:
     got = error.get("input")
     value = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {shown(got)})"
     message = error["msg"].removeprefix("Value error, ")
-    # checks across sections (e.g. export.variant against compress.variants) name their keys themselves
+    # checks across sections (e.g. export.candidates against compress.variants) name their keys themselves
     return f"{key}: {message}{value}" if key else f"{message}{value}"
 
 

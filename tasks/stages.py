@@ -146,7 +146,7 @@ def _compress(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _export(params: Params, run: StageRun) -> dict[str, float]:
-    from tasks.export import CARD, GATES, PT2, TORCHSCRIPT, CardContext, export
+    from tasks.export import CARD, GATES, TORCH_DIR, CardContext, export
 
     lineage = {k: v for k, v in lineage_tags().items() if k.startswith(("git.", "version."))}
     # This process's machine: the fingerprint stays out of DVC outputs (train.json), whose hashes must
@@ -164,10 +164,10 @@ def _export(params: Params, run: StageRun) -> dict[str, float]:
         layout.EXPORT_DIR,
         card,
     )
-    for name in (CARD, GATES, PT2, TORCHSCRIPT):
+    for name in (CARD, GATES, *(name for name in result.sha256 if name.startswith(f"{TORCH_DIR}/"))):
         run.log_artifact(layout.EXPORT_DIR / name)
     run.set_tags({f"sha256.{name}": digest for name, digest in result.sha256.items()})
-    run.set_tags({"export.shipped": result.variant, "export.fallback": result.fallback_reason or "none"})
+    run.set_tags({"export.shipped_variant": result.variant, "export.fallback_reason": result.fallback_reason or "none"})
     if result.fallback_reason:
         log.warning("export: %s", result.fallback_reason)
     if run.enabled:  # only after every gate passed: a failing model is never registered

@@ -105,7 +105,9 @@ def test_compress_and_export_run_from_a_checkpoint_trained_on_the_device(cpu_run
     assert compressed["numbers"]["variants"]["static_int8"]["size_ratio"] < 0.5
     assert exported["status"] == "pass", exported
     assert all(gate["passed"] for gate in exported["numbers"]["gates"])
-    assert {"model.onnx", "model_fp32.onnx", "model.pt2"} <= set(exported["numbers"]["sha256"])
+    assert {"model.onnx", "model_fp32.onnx", "torch/model.pt2", "torch/model.torchscript.pt"} <= set(
+        exported["numbers"]["sha256"]
+    )
 
 
 def test_never_imports_mlflow_prefect_or_dvc(cpu_run: dict[str, Any]) -> None:

@@ -48,11 +48,11 @@ def _take(root: Path, order: list[str], wait_s: float = 30) -> None:
 
 def test_overrides_are_written_into_params_yaml_keeping_comments(tmp_path: Path) -> None:
     path = Path(shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml"))
-    params = set_params(path, {"train.lr": 0.02, "compress.variants": ["static_int8"], "export.variant": "fp32"})
+    params = set_params(path, {"train.lr": 0.02, "compress.variants": ["static_int8"], "export.candidates": ["fp32"]})
     assert params.train.lr == 0.02 and params.compress.variants == ("static_int8",)
     assert load_params(path) == params
     changed = set((ROOT / "params.yaml").read_text().splitlines()) - set(path.read_text().splitlines())
-    assert [line.split(":")[0].strip() for line in sorted(changed)] == ["lr", "variant", "variants"]  # comments kept
+    assert [line.split(":")[0].strip() for line in sorted(changed)] == ["candidates", "lr", "variants"]  # comments kept
 
 
 @pytest.mark.parametrize(
