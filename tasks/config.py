@@ -113,6 +113,8 @@ class DataConfig(_Section):
 
 
 class SplitConfig(_Section):
+    # a source's published test set (MNIST, CIFAR, train/ test/ folders) is the one papers report on
+    published: bool = True
     train: float = Field(0.7, gt=0, lt=1)
     val: float = Field(0.15, gt=0, lt=1)  # model selection needs a validation split
     test: float = Field(0.15, gt=0, lt=1)

@@ -4,7 +4,11 @@ Raw snapshot (`data/`, tracked by DVC through data.dvc), format `lockstep-raw/1`
 
     data/images.npy   uint8, shape (N, H, W, C), C = 1 (greyscale) or 3 (RGB), pixel values 0..255
     data/labels.npy   int64, shape (N,), values 0..num_classes-1
-    data/meta.json    {"format", "source", "classes": [names...], "num_images", "image_shape": [H, W, C]}
+    data/meta.json    {"format", "source", "classes": [names...], "num_images", "image_shape": [H, W, C]},
+                      plus "published_splits": {"train": [start, stop], ["val": ...,] "test": [...]} when
+                      the source publishes its splits (MNIST, CIFAR, train/ val/ test/ folders): contiguous
+                      row ranges in that order, covering every row once. Absent otherwise, so snapshots of
+                      sources without them keep the bytes (and data.dvc) they always had.
 
 Plain .npy so that later stages can read arbitrarily large sources in chunks (`NpyRows`) and
 write them in chunks (`NpyWriter`), with no pickle involved. Files are written deterministically
@@ -28,6 +32,9 @@ from tasks.errors import ExpectedFailure
 
 FORMAT = "lockstep-raw/1"
 SPLITS = ("train", "val", "test")
+
+# A source's own split: split name -> (start, stop) rows of the snapshot, in SPLITS order.
+PublishedSplits = dict[str, tuple[int, int]]
 
 
 class NpyWriter:
@@ -139,11 +146,13 @@ class RawDataset:
     labels: np.ndarray  # (N,) int64
     classes: list[str]
     source: str
+    published_splits: PublishedSplits | None = None  # the source's own train/[val/]test rows, if it has them
 
 
 def write_raw(dataset: RawDataset, out_dir: Path) -> None:
     """Write an in-memory `dataset` to `out_dir` atomically (see `write_raw_blocks`)."""
-    write_raw_blocks(out_dir, [dataset.images], dataset.images.shape, dataset.labels, dataset.classes, dataset.source)
+    images, labels = dataset.images, dataset.labels
+    write_raw_blocks(out_dir, [images], images.shape, labels, dataset.classes, dataset.source, dataset.published_splits)
 
 
 def write_raw_blocks(
@@ -153,6 +162,7 @@ def write_raw_blocks(
     labels: np.ndarray,
     classes: list[str],
     source: str,
+    published_splits: PublishedSplits | None = None,
 ) -> None:
     """Write a snapshot whose images arrive as blocks of rows (streamed sources stay out of memory).
 
@@ -172,6 +182,13 @@ def write_raw_blocks(
         "num_images": int(shape[0]),
         "image_shape": [int(n) for n in shape[1:]],
     }
+    if published_splits is not None:
+        problem = _published_problem(published_splits, int(shape[0]))
+        if problem:
+            raise ValueError(f"published_splits {published_splits!r}: {problem}")
+        meta["published_splits"] = {
+            name: [int(n) for n in published_splits[name]] for name in _in_order(published_splits)
+        }
     with atomic_dir(Path(out_dir)) as staging:
         with NpyWriter(staging / "images.npy", tuple(shape)) as writer:
             for block in blocks:
@@ -203,6 +220,42 @@ class RawSnapshot:
     labels: np.ndarray  # (N,) int64
     classes: list[str]
     source: str
+    published_splits: PublishedSplits | None = None
+
+
+def _in_order(ranges: dict[str, Any]) -> list[str]:
+    return [name for name in SPLITS if name in ranges]
+
+
+def _published_problem(ranges: object, num_rows: int) -> str | None:
+    """What is wrong with published split `ranges` for `num_rows` rows, or None when they are usable.
+
+    A test set that overlapped the training set, or left rows out, would report an accuracy that
+    means nothing; so the ranges must tile the rows exactly, train first, test last.
+    """
+    if not isinstance(ranges, dict) or not {"train", "test"} <= ranges.keys() <= set(SPLITS):
+        return "must map train, test and optionally val to [start, stop] row ranges"
+    stop = 0
+    for name in _in_order(ranges):
+        bounds = ranges[name]
+        if not isinstance(bounds, list | tuple) or len(bounds) != 2 or not all(type(n) is int for n in bounds):
+            return f"{name}: {bounds!r} is not a [start, stop] pair of integers"
+        if bounds[0] != stop or not bounds[0] < bounds[1] <= num_rows:
+            return f"{name}: {list(bounds)} must start at row {stop} and end after it, within the {num_rows} rows"
+        stop = bounds[1]
+    if stop != num_rows:
+        return f"test ends at row {stop}, but the snapshot has {num_rows} rows (every row in exactly one split)"
+    return None
+
+
+def _read_published(meta: dict[str, Any], meta_path: Path, num_rows: int) -> PublishedSplits | None:
+    if "published_splits" not in meta:
+        return None
+    ranges = meta["published_splits"]
+    problem = _published_problem(ranges, num_rows)
+    if problem:
+        raise ExpectedFailure(f"{meta_path}: published_splits {ranges!r}: {problem}; run the download stage again")
+    return {name: (ranges[name][0], ranges[name][1]) for name in _in_order(ranges)}
 
 
 def open_raw(data_dir: Path) -> RawSnapshot:
@@ -216,34 +269,58 @@ def open_raw(data_dir: Path) -> RawSnapshot:
         raise ExpectedFailure(f"{data_dir / 'labels.npy'}: not a readable label array: {exc}") from None
     if rows.shape[0] != labels.shape[0] or list(rows.shape[1:]) != meta["image_shape"]:
         raise ExpectedFailure(f"{data_dir}: images {rows.shape} and labels {labels.shape} disagree with meta.json")
-    return RawSnapshot(rows=rows, labels=labels, classes=list(meta["classes"]), source=meta["source"])
+    published = _read_published(meta, data_dir / "meta.json", int(labels.shape[0]))
+    return RawSnapshot(rows, labels, list(meta["classes"]), meta["source"], published)
 
 
 def read_raw(data_dir: Path) -> RawDataset:
     """A raw snapshot as arrays (images memory-mapped): for inspection and small sources."""
     snapshot = open_raw(data_dir)
     images = np.load(Path(data_dir) / "images.npy", mmap_mode="r", allow_pickle=False)
-    return RawDataset(images=images, labels=snapshot.labels, classes=snapshot.classes, source=snapshot.source)
+    return RawDataset(images, snapshot.labels, snapshot.classes, snapshot.source, snapshot.published_splits)
 
 
-def split_indices(labels: np.ndarray, split: SplitConfig, seed: int) -> dict[str, np.ndarray]:
-    """Seeded, stratified train/val/test indices (each sorted, so chunked reads stay sequential).
+def split_indices(
+    labels: np.ndarray, split: SplitConfig, seed: int, published: PublishedSplits | None = None
+) -> dict[str, np.ndarray]:
+    """Train/val/test indices (each sorted, so chunked reads stay sequential).
+
+    With `published` splits (the snapshot's own, see `open_raw`) and `split.published`, test is
+    exactly the published test set, as papers report, and so is val when one is published;
+    otherwise val is a seeded, stratified val/(train + val) of the published train set. Without
+    them, every split is a seeded, stratified cut of all images.
 
     Both the stats stage (train split only) and the preprocess stage call this, so they agree on
     which images are training images without passing index files between them.
+    """
+    rng = np.random.default_rng(seed)
+    if published is None or not split.published:
+        test, val, train = _stratified(np.arange(len(labels)), labels, (split.test, split.val), rng)
+        return {"train": train, "val": val, "test": test}
+    parts = {name: np.arange(*published[name]) for name in published}
+    if "val" not in parts:
+        parts["val"], parts["train"] = _stratified(
+            parts["train"], labels, (split.val / (split.train + split.val),), rng
+        )
+    return {name: parts[name] for name in SPLITS}
+
+
+def _stratified(
+    indices: np.ndarray, labels: np.ndarray, fractions: tuple[float, ...], rng: np.random.Generator
+) -> list[np.ndarray]:
+    """`indices` cut per class: a seeded shuffle, then `fractions` of each class in turn, the rest last.
 
     Written with numpy rather than sklearn's `train_test_split`: importing sklearn costs ~3 s in
     every stage process, and the algorithm is a per-class shuffle and cut.
     """
-    rng = np.random.default_rng(seed)
-    parts: dict[str, list[np.ndarray]] = {name: [] for name in SPLITS}
-    for cls in np.unique(labels):
-        members = rng.permutation(np.flatnonzero(labels == cls))
-        n_test = int(round(len(members) * split.test))
-        n_val = int(round(len(members) * split.val))
-        parts["test"].append(members[:n_test])
-        parts["val"].append(members[n_test : n_test + n_val])
-        parts["train"].append(members[n_test + n_val :])
-    return {
-        name: np.sort(np.concatenate(chunks)) if chunks else np.empty(0, np.int64) for name, chunks in parts.items()
-    }
+    cuts: list[list[np.ndarray]] = [[] for _ in range(len(fractions) + 1)]
+    own = labels[indices]
+    for cls in np.unique(own):
+        members = rng.permutation(indices[own == cls])
+        start = 0
+        for cut, fraction in zip(cuts, fractions, strict=False):
+            size = int(round(len(members) * fraction))
+            cut.append(members[start : start + size])
+            start += size
+        cuts[-1].append(members[start:])
+    return [np.sort(np.concatenate(cut)) if cut else np.empty(0, np.int64) for cut in cuts]

@@ -13,8 +13,8 @@ after everything was fetched, verified and decoded, so a failure at any point le
 Every download, archive and image is held to the limits in `data` (size, deadline, extracted size,
 ratio and member count, pixels per image, decoded bytes); credentials come from the environment
 or ~/.netrc (tasks/fetch.py), so that params.yaml and dvc.lock need not hold them.
-Train and test parts of the published datasets are concatenated (train first); the split params
-then cut the whole set, like any other source.
+Train and test parts of the published datasets are concatenated (train first) and their row ranges
+recorded in meta.json (`published_splits`), so that the split stage can keep the published test set.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 import posixpath
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -33,7 +33,7 @@ import numpy as np
 
 from tasks.archive import ArchiveLimits, extract, is_archive
 from tasks.config import DataConfig
-from tasks.data_format import RawDataset, read_raw, write_raw
+from tasks.data_format import PublishedSplits, RawDataset, read_raw, write_raw
 from tasks.errors import ExpectedFailure
 from tasks.fetch import AUTH_ENV, TOKEN_ENV, Auth, Checksum, Retry, fetch, verify
 from tasks.imagefolder import ImageLimits, ingest_folder
@@ -104,7 +104,7 @@ def _mnist_like(dataset_class: str) -> Callable[[_Context], RawDataset]:
             parts = [cls(scratch, train=train, download=False) for train in (True, False)]
             images = np.concatenate([part.data.numpy() for part in parts])[..., np.newaxis]
             labels = np.concatenate([part.targets.numpy() for part in parts]).astype(np.int64)
-            return RawDataset(images, labels, list(parts[0].classes), ctx.cfg.source)
+            return RawDataset(images, labels, list(parts[0].classes), ctx.cfg.source, _train_then_test(parts))
 
     return load
 
@@ -124,9 +124,15 @@ def _cifar(dataset_class: str) -> Callable[[_Context], RawDataset]:
             parts = [cls(Path(scratch) / "x", train=train, download=False) for train in (True, False)]
             images = np.concatenate([part.data for part in parts])
             labels = np.concatenate([np.asarray(part.targets) for part in parts]).astype(np.int64)
-            return RawDataset(images, labels, list(parts[0].classes), ctx.cfg.source)
+            return RawDataset(images, labels, list(parts[0].classes), ctx.cfg.source, _train_then_test(parts))
 
     return load
+
+
+def _train_then_test(parts: list[Sized]) -> PublishedSplits:
+    """The rows of the published train and test parts, concatenated in that order."""
+    n_train, n_test = (len(part) for part in parts)
+    return {"train": (0, n_train), "test": (n_train, n_train + n_test)}
 
 
 def _in_memory(load: Callable[[_Context], RawDataset]) -> Callable[[_Context, Path], None]:

@@ -8,6 +8,10 @@ bytes depend only on the folder's content. Files without an image extension (REA
 .DS_Store) are skipped and reported; a file with an image extension that does not decode is an
 error naming it, as is an empty class folder (a silently missing class would shift every label).
 
+A folder holding exactly train/, test/ and optionally val/, each of the same class folders, is
+a dataset with published splits: they are ingested in that order, each contiguous, and their
+row ranges recorded in meta.json, so that the test set stays the one the dataset's users report on.
+
 A folder (or an extracted archive) is refused, before anything is decoded, when it holds:
 - a symbolic link: links are not followed (`cat -> .` would list every image again under `cat`,
   and a link can read files outside the folder);
@@ -35,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
-from tasks.data_format import write_raw_blocks
+from tasks.data_format import SPLITS, PublishedSplits, write_raw_blocks
 from tasks.errors import ExpectedFailure
 
 if TYPE_CHECKING:
@@ -66,6 +70,7 @@ class FolderScan:
     files: list[str]  # str, not Path: a third of the memory per file, which counts at millions of files
     labels: np.ndarray  # (N,) int64, index into classes
     skipped: list[str]  # files without an image extension
+    published_splits: PublishedSplits | None = None  # rows of train/ [val/] test/, when laid out so
 
 
 def _visible(name: str) -> bool:
@@ -175,6 +180,39 @@ def scan(root: Path) -> FolderScan:
     return FolderScan(root, classes, files, np.asarray(labels, dtype=np.int64), skipped)
 
 
+def scan_layout(root: Path) -> FolderScan:
+    """`scan(root)`, or, when `root` holds train/ [val/] test/ folders, their scans one after another."""
+    names = {e.name for e in _entries(str(root)) if e.is_dir(follow_symlinks=False)} if root.is_dir() else set()
+    if len(names) < 2 or not names <= set(SPLITS):
+        return scan(root)
+    if not {"train", "test"} <= names:
+        raise ExpectedFailure(
+            f"{_shown(root)}: split folders {sorted(names)} need both train/ and test/ (val/ is optional); "
+            "rename the held-out folder to test/"
+        )
+    parts = {name: scan(root / name) for name in SPLITS if name in names}
+    classes = parts["train"].classes
+    ranges: PublishedSplits = {}
+    start = 0
+    for name, part in parts.items():
+        if part.classes != classes:
+            missing, extra = sorted(set(classes) - set(part.classes)), sorted(set(part.classes) - set(classes))
+            raise ExpectedFailure(
+                f"{_shown(root / name)}: class folders differ from train/'s (missing {missing}, extra {extra}); "
+                "every split needs the same class folders, or labels would mean different classes"
+            )
+        ranges[name] = (start, start + len(part.files))
+        start += len(part.files)
+    return FolderScan(
+        root,
+        classes,
+        [path for part in parts.values() for path in part.files],
+        np.concatenate([part.labels for part in parts.values()]),
+        [path for part in parts.values() for path in part.skipped],
+        ranges,
+    )
+
+
 def _open_checked(path: str, max_pixels: int) -> PILImage:
     """`path` opened (header read, nothing decoded), refused when larger than `max_pixels`."""
     from PIL import Image
@@ -235,7 +273,7 @@ def ingest_folder(
     first that differs and says how to resize. Every size is checked (from the image headers)
     before any buffer is sized from it.
     """
-    found = scan(find_root(root))
+    found = scan_layout(find_root(root))
     mode = "RGB" if channels == 3 else "L"
     height, width = image_size if image_size is not None else _common_size(found.files, limits.max_pixels)
     shape = (len(found.files), height, width, channels)
@@ -264,5 +302,5 @@ def ingest_folder(
         if filled:
             yield block[:filled]
 
-    write_raw_blocks(out_dir, blocks(), shape, found.labels, found.classes, source)
+    write_raw_blocks(out_dir, blocks(), shape, found.labels, found.classes, source, found.published_splits)
     return found

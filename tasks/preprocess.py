@@ -4,8 +4,9 @@ Output (`artifacts/preprocessed/`), format `lockstep-preprocessed/2`:
 
     {split}_images.npy   uint8, (N, C, H, W): channels-first, as torch wants them
     {split}_labels.npy   int64, (N,)
-    meta.json            classes, image shape, split sizes, the normalisation (mean, std), and the
-                         sha256 of every array file, checked by `load_split` before any use
+    meta.json            classes, image shape, split sizes, which splits are the source's published
+                         ones, the normalisation (mean, std), and the sha256 of every array file,
+                         checked by `load_split` before any use
 
 Images stay uint8 (4x smaller than float32, no per-sample decoding): training normalises whole
 batches on the device with the mean/std recorded here, which come from the stats stage.
@@ -21,7 +22,7 @@ import numpy as np
 
 from tasks.atomic import atomic_dir
 from tasks.config import SplitConfig
-from tasks.data_format import SPLITS, NpyRows, NpyWriter, open_raw, read_meta, split_indices
+from tasks.data_format import SPLITS, NpyRows, NpyWriter, PublishedSplits, open_raw, read_meta, split_indices
 from tasks.errors import ExpectedFailure
 from tasks.hashing import file_digest
 from tasks.stats import ChannelStats
@@ -37,21 +38,26 @@ class PreprocessResult:
     image_shape: tuple[int, int, int]  # (C, H, W)
     mean: list[float]
     std: list[float]
+    # the splits that are the source's own (["test"]: its published test set), [] when all are seeded
+    # cuts: which test set a test accuracy is measured on
+    published: list[str]
 
 
 def preprocess(data_dir: Path, stats: ChannelStats, split: SplitConfig, seed: int, out_dir: Path) -> PreprocessResult:
-    """Write the seeded, stratified splits of `data_dir` to `out_dir` (atomically)."""
+    """Write the splits of `data_dir` (see `split_indices`) to `out_dir` (atomically)."""
     raw = open_raw(data_dir)
     _, height, width, channels = raw.rows.shape
     if len(stats.mean) != channels:
         raise ValueError(f"stats have {len(stats.mean)} channels, images have {channels}")
-    indices = split_indices(raw.labels, split, seed)
+    published = raw.published_splits if split.published else None
+    indices = split_indices(raw.labels, split, seed, published)
     result = PreprocessResult(
         split_sizes={name: len(idx) for name, idx in indices.items()},
         num_classes=len(raw.classes),
         image_shape=(channels, height, width),
         mean=stats.mean,
         std=stats.std,
+        published=_as_published(published),
     )
     with atomic_dir(out_dir) as staging:
         for name in SPLITS:
@@ -62,6 +68,13 @@ def preprocess(data_dir: Path, stats: ChannelStats, split: SplitConfig, seed: in
         meta = {"format": FORMAT, "classes": raw.classes, **asdict(result), "sha256": digests}
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return result
+
+
+def _as_published(published: PublishedSplits | None) -> list[str]:
+    """The splits that are exactly the source's own: train is only once val is its own too."""
+    if published is None:
+        return []
+    return list(published) if "val" in published else ["test"]
 
 
 def _write_channels_first(rows: NpyRows, indices: np.ndarray, path: Path) -> None:

@@ -59,7 +59,7 @@ def channel_stats(blocks: Iterable[np.ndarray]) -> ChannelStats:
 
 
 def compute_stats(data_dir: Path, split: SplitConfig, seed: int, chunk_size: int) -> ChannelStats:
-    """Stats of the training split of the raw snapshot in `data_dir`."""
+    """Stats of the training split of the raw snapshot in `data_dir` (the split `preprocess` writes)."""
     raw = open_raw(data_dir)
-    train_idx = split_indices(raw.labels, split, seed)["train"]
+    train_idx = split_indices(raw.labels, split, seed, raw.published_splits)["train"]
     return channel_stats(raw.rows.chunks(train_idx, chunk_size))
