@@ -93,7 +93,9 @@ def load_checkpoint(path: Path, data: Preprocessed | None = None) -> tuple[Class
                     f"data has {here!r}); run the train stage again"
                 )
     try:
-        model = build_model(metadata["model"], metadata["num_classes"], metadata["mean"], metadata["std"])
+        # image_size decides a torchvision model's stem; absent (older checkpoints): the small-input stem
+        size = metadata.get("image_size")
+        model = build_model(metadata["model"], metadata["num_classes"], metadata["mean"], metadata["std"], size)
         model.load_state_dict(state)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(

@@ -137,8 +137,31 @@ class DeterminismConfig(_Section):
     cpu: Literal["portable", "native"] = "portable"
 
 
+# torchvision's classification builders (`torchvision.models.list_models(module=torchvision.models)`,
+# torchvision 0.29): written out because importing torchvision to ask costs 3-6 s in every process that
+# reads params.yaml. tests/test_zoo.py holds the list to the installed torchvision; tasks/models.py asks
+# torchvision again when it builds (an older torchvision, e.g. on a GPU box, may lack a name).
+TORCHVISION_MODELS = frozenset(
+    """
+    alexnet convnext_base convnext_large convnext_small convnext_tiny densenet121 densenet161 densenet169
+    densenet201 efficientnet_b0 efficientnet_b1 efficientnet_b2 efficientnet_b3 efficientnet_b4 efficientnet_b5
+    efficientnet_b6 efficientnet_b7 efficientnet_v2_l efficientnet_v2_m efficientnet_v2_s googlenet inception_v3
+    maxvit_t mnasnet0_5 mnasnet0_75 mnasnet1_0 mnasnet1_3 mobilenet_v2 mobilenet_v3_large mobilenet_v3_small
+    regnet_x_16gf regnet_x_1_6gf regnet_x_32gf regnet_x_3_2gf regnet_x_400mf regnet_x_800mf regnet_x_8gf
+    regnet_y_128gf regnet_y_16gf regnet_y_1_6gf regnet_y_32gf regnet_y_3_2gf regnet_y_400mf regnet_y_800mf
+    regnet_y_8gf resnet101 resnet152 resnet18 resnet34 resnet50 resnext101_32x8d resnext101_64x4d resnext50_32x4d
+    shufflenet_v2_x0_5 shufflenet_v2_x1_0 shufflenet_v2_x1_5 shufflenet_v2_x2_0 squeezenet1_0 squeezenet1_1 swin_b
+    swin_s swin_t swin_v2_b swin_v2_s swin_v2_t vgg11 vgg11_bn vgg13 vgg13_bn vgg16 vgg16_bn vgg19 vgg19_bn vit_b_16
+    vit_b_32 vit_h_14 vit_l_16 vit_l_32 wide_resnet101_2 wide_resnet50_2
+    """.split()
+)
+MAX_WEIGHTS_FILE = 1 << 40  # bytes; the largest torchvision classifier (regnet_y_128gf) is ~2.6 GB in fp32
+
+
 class TrainConfig(_Section):
-    model: Literal["small_cnn", "resnet18"] = "small_cnn"
+    # small_cnn, or any of TORCHVISION_MODELS: adapted to the data's channels and classes, with a
+    # stride-1 stem for images under 64 px (tasks/models.py)
+    model: str = Field("small_cnn", max_length=64)
     epochs: int = Field(30, ge=1, le=MAX_EPOCHS)
     batch_size: int = Field(64, ge=1, le=MAX_BATCH)
     optimizer: Literal["sgd", "adamw"] = "sgd"
@@ -162,6 +185,39 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(1, ge=1, le=MAX_EPOCHS)  # epochs between resumable checkpoints
     amp: Literal["none", "bf16", "fp16"] = "none"  # mixed precision (fp16: CUDA only, with GradScaler)
     sync_batchnorm: bool = False  # under ddp: BatchNorm statistics over the global batch
+    # Fine-tuning (tasks/pretrained.py): weights from a local file or a URL, verified against their sha256
+    # before a byte is parsed; safetensors, or a torch state dict that loads with weights_only=True.
+    pretrained_path: str | None = Field(None, min_length=1, max_length=4096)
+    pretrained_url: str | None = Field(None, max_length=2048, pattern=r"^(https?|file)://\S+$")
+    pretrained_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    pretrained_max_bytes: int = Field(4 << 30, ge=1, le=MAX_WEIGHTS_FILE)  # the weights file, downloaded or read
+    freeze_backbone_epochs: int = Field(0, ge=0, le=MAX_EPOCHS)  # epochs 1..N train the head alone
+    head_lr: float | None = Field(None, gt=0, le=MAX_LR)  # the head's peak learning rate (null: lr)
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value == "small_cnn" or value in TORCHVISION_MODELS:
+            return value
+        import difflib
+
+        close = difflib.get_close_matches(value, ["small_cnn", *sorted(TORCHVISION_MODELS)], n=3)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ValueError(
+            "unknown model: small_cnn or a torchvision classification model (resnet18, mobilenet_v3_small, "
+            f"efficientnet_b0, convnext_tiny, regnet_x_400mf, vit_b_16, ...; see tasks/config.py){hint}"
+        )
+
+    @model_validator(mode="after")
+    def _pretrained_is_verified(self) -> TrainConfig:
+        if self.pretrained_path is not None and self.pretrained_url is not None:
+            raise ValueError("pretrained_path and pretrained_url: give one (a local file, or a URL to download)")
+        given = self.pretrained_path is not None or self.pretrained_url is not None
+        if given and self.pretrained_sha256 is None:
+            raise ValueError("pretrained weights need pretrained_sha256: they are verified before they are loaded")
+        if not given and self.pretrained_sha256 is not None:
+            raise ValueError("pretrained_sha256 without pretrained_path or pretrained_url")
+        return self
 
 
 class EvaluateConfig(_Section):
@@ -475,7 +531,17 @@ def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Pa
 # server allowed it (`python -m flows.deployments serve --allow-override KEY`): else a web page or
 # anyone who can reach the API could point the data at their server or the train stage at their
 # rendezvous, and the flow would write it into params.yaml for good.
-REMOTE_KEYS = ("data.url", "data.mirror", "data.path", "data.sha256", "train.rdzv_endpoint", "train.nnodes")
+REMOTE_KEYS = (
+    "data.url",
+    "data.mirror",
+    "data.path",
+    "data.sha256",
+    "train.rdzv_endpoint",
+    "train.nnodes",
+    "train.pretrained_url",
+    "train.pretrained_path",
+    "train.pretrained_sha256",
+)
 
 
 def refuse_remote_overrides(overrides: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:

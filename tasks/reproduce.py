@@ -280,6 +280,15 @@ def _check_params(record: Path, run_id: str) -> dict[str, Any]:
             f"run {run_id}: its params ask for train.nnodes: {train.nnodes} (a rendezvous with other machines "
             f"at train.rdzv_endpoint {shown(train.rdzv_endpoint)}): reproduce rebuilds on this machine only"
         )
+    cached = layout.download_cache() / "weights" / str(train.pretrained_sha256)
+    if train.pretrained_url is not None and not cached.is_file():
+        # A URL in someone else's record is a request to a host they chose: the rebuild uses a
+        # verified copy already here (the train stage caches downloads by digest), or nothing.
+        raise ReproduceError(
+            f"run {run_id}: its params fetch pretrained weights from {shown(redact(train.pretrained_url))}: "
+            f"reproduce downloads nothing a run names; put the file (sha256 {train.pretrained_sha256}) at "
+            f"{cached} and run again"
+        )
     cores = os.cpu_count() or 1
     if train.strategy == "ddp" and train.nproc_per_node > cores:
         raise ReproduceError(

@@ -94,6 +94,7 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
             "train.backend": result.backend,
             "train.amp": result.amp,
             "train.resumed_from_epoch": result.resumed_from_epoch,
+            **(result.pretrained or {}),  # pretrained.sha256 / .source (redacted) / .reinitialised
         }
     )
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
@@ -146,9 +147,12 @@ def _compress(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _export(params: Params, run: StageRun) -> dict[str, float]:
+    from tasks.checkpoints import read_safetensors
     from tasks.export import CARD, GATES, TORCH_DIR, CardContext, export
 
     lineage = {k: v for k, v in lineage_tags().items() if k.startswith(("git.", "version."))}
+    # the weights fine-tuned from, as the train stage recorded them in the checkpoint
+    lineage.update(read_safetensors(layout.TRAIN_DIR / "best.safetensors", tensors=False)[0].get("pretrained") or {})
     # This process's machine: the fingerprint stays out of DVC outputs (train.json), whose hashes must
     # not depend on the machine; the train run's own is on its MLflow run (hw.* tags).
     card = CardContext(

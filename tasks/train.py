@@ -9,7 +9,8 @@ One code path for one process and for DDP: under torchrun (RANK/WORLD_SIZE set) 
 process group (tasks/distributed.py), shards batches with the same seeded DistributedSampler,
 reduces validation metrics across ranks, and lets rank 0 alone write files. `train.batch_size` is
 the global batch; each of N processes takes batch_size / N. The loop itself is tasks/training.py;
-resuming an interrupted run bit for bit is tasks/resume.py.
+resuming an interrupted run bit for bit is tasks/resume.py; pretrained weights (`train.pretrained_*`),
+verified and fitted to the model before the first epoch, are tasks/pretrained.py.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from typing import Any
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from tasks import resume
+from tasks import layout, resume
 from tasks.atomic import atomic_files
 from tasks.checkpoints import checkpoint_bytes, cpu_state, result_config
 from tasks.config import TrainConfig
 from tasks.distributed import join_process_group
 from tasks.preprocess import Preprocessed, load_split
+from tasks.pretrained import Pretrained, load_pretrained
 from tasks.training import Training, build_training
 
 OnEpoch = Callable[[dict[str, float]], None]  # called with each epoch's history row, in order
@@ -44,6 +46,7 @@ class TrainResult:
     backend: str
     amp: str
     resumed_from_epoch: int | None
+    pretrained: dict[str, str] | None = None  # the weights fine-tuned from: sha256, source, re-initialised tensors
 
 
 def train(
@@ -53,18 +56,23 @@ def train(
     out_dir: Path,
     resume_dir: Path | None = None,
     on_epoch: OnEpoch | None = None,
+    weights_cache: Path | None = None,
 ) -> TrainResult:
     """Train on `pre_dir`'s train split, select on val, write checkpoints to `out_dir`.
 
     Alone or as one rank of a torchrun job. With `resume_dir`, continue from the checkpoint there
     when it belongs to this config, seed and data (a resumed run's earlier rows reach `on_epoch`
     too, so the new run carries the whole curve). Assumes `tasks.determinism.pin_everything` was
-    called (the stage runner and tasks/ddp.py do it).
+    called (the stage runner and tasks/ddp.py do it). Pretrained weights from a URL are cached in
+    `weights_cache` (default: the download cache, tasks/layout.py).
     """
     on_epoch = on_epoch or (lambda row: None)
     ranks, device = join_process_group(cfg.device)
     train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
     training = build_training(cfg, seed, train_split, device, ranks)
+    # After the model drew its init from the seeded RNG (what the pretrained file lacks stays as a
+    # from-scratch run would have it), before a resume overwrites the weights with later ones.
+    pretrained = load_pretrained(cfg, training.model, weights_cache or layout.download_cache())
     signature = resume.signature(cfg, seed, pre_dir)
     resume_path = Path(resume_dir) / resume.RESUME_FILE if resume_dir is not None else None
     resumed = resume.restore(resume_path, training, signature) if resume_path else None
@@ -87,18 +95,10 @@ def train(
 
     if progress.best_state is None:  # validation never scored (an empty split): the last weights are the best known
         progress.best_state, progress.best_epoch = cpu_state(training.model), cfg.epochs
-    result = TrainResult(
-        best_epoch=progress.best_epoch,
-        best_val_accuracy=progress.best_acc,
-        final={k: v for k, v in progress.history[-1].items() if k != "epoch"},
-        device=str(device),
-        world_size=ranks.world_size,
-        backend=ranks.backend,
-        amp=cfg.amp,
-        resumed_from_epoch=resumed_from,
-    )
+    result = _result(training, progress, resumed_from, pretrained)
     if ranks.rank == 0:
-        _write_outputs(out_dir, training, progress, result, _metadata(cfg, seed, train_split, ranks.world_size))
+        metadata = _metadata(cfg, seed, train_split, ranks.world_size, pretrained)
+        _write_outputs(out_dir, training, progress, result, metadata)
         if resume_path is not None:
             resume_path.unlink(missing_ok=True)  # finished: a later run starts fresh
     if ranks.world_size > 1:
@@ -106,10 +106,30 @@ def train(
     return result
 
 
-def _metadata(cfg: TrainConfig, seed: int, split: Preprocessed, world_size: int) -> dict[str, Any]:
+def _result(
+    training: Training, progress: resume.Progress, resumed_from: int | None, pretrained: Pretrained | None
+) -> TrainResult:
+    return TrainResult(
+        best_epoch=progress.best_epoch,
+        best_val_accuracy=progress.best_acc,
+        final={k: v for k, v in progress.history[-1].items() if k != "epoch"},
+        device=str(training.device),
+        world_size=training.ranks.world_size,
+        backend=training.ranks.backend,
+        amp=training.cfg.amp,
+        resumed_from_epoch=resumed_from,
+        pretrained=pretrained.lineage() if pretrained else None,
+    )
+
+
+def _metadata(
+    cfg: TrainConfig, seed: int, split: Preprocessed, world_size: int, pretrained: Pretrained | None
+) -> dict[str, Any]:
     """What every checkpoint records: enough to rebuild the model and to know what it was trained on."""
     return {
         "model": cfg.model,
+        "image_size": list(split.images.shape[2:]),  # decides a torchvision model's stem (tasks/models.py)
+        "pretrained": pretrained.lineage() if pretrained else None,
         "num_classes": len(split.classes),
         "classes": split.classes,
         "mean": split.mean,

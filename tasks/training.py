@@ -27,7 +27,8 @@ from tasks.config import TrainConfig
 from tasks.determinism import loader_kwargs
 from tasks.distributed import Distributed, resolve_device
 from tasks.errors import ExpectedFailure
-from tasks.models import build_model, predict, to_float
+from tasks.models import build_model, head_name, predict, to_float, uses_attention
+from tasks.portable_kernels import installed as portable_installed
 from tasks.preprocess import Preprocessed, load_split
 
 # How often a GPU run reads back whether a loss was non-finite: each read makes the host wait for the
@@ -102,10 +103,20 @@ def _loader(split: Preprocessed, cfg: TrainConfig, seed: int, ranks: Distributed
     return sampler, loader
 
 
+def head_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the classifier head (tasks.models.head_name) of a `Classifier`."""
+    return list(model.get_submodule(f"net.{head_name(model.net)}").parameters())
+
+
 def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params: Iterable = model.parameters()
+    if cfg.head_lr is not None:  # a new head learns faster than the pretrained weights under it may move
+        head = {id(p) for p in head_parameters(model)}
+        backbone = [p for p in model.parameters() if id(p) not in head]
+        params = [{"params": backbone}, {"params": head_parameters(model), "lr": cfg.head_lr}]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -141,6 +152,7 @@ class Training:
     loader: DataLoader
     device: torch.device
     ranks: Distributed
+    frozen: bool = False  # the backbone is held this epoch (train.freeze_backbone_epochs)
 
     def distribute(self) -> None:
         """Wrap the model for DDP when there are several ranks (after a resume has restored it)."""
@@ -167,7 +179,25 @@ class Training:
     def train_epoch(self, epoch: int) -> tuple[float, float]:
         """One pass over the (sharded, shuffled, at most `max_batches`) training split: loss, accuracy."""
         self.sampler.set_epoch(epoch)
+        self.hold_backbone(epoch <= self.cfg.freeze_backbone_epochs)
         return _run_epoch(self, _limited(self.loader, self.cfg.max_batches), epoch)
+
+    def hold_backbone(self, frozen: bool) -> None:
+        """Freeze (or release) every parameter but the head's.
+
+        Set from the epoch number alone, so a resumed run holds exactly the epochs an uninterrupted one
+        does. Frozen parameters get no gradient, so the optimiser leaves them (and their momentum and
+        weight decay) alone; their BatchNorm statistics are held too (`_run_epoch`), so the features the
+        head learns on stay the same function throughout the frozen epochs.
+        """
+        if frozen == self.frozen:
+            return
+        head = {id(p) for p in head_parameters(self.model)}
+        for parameter in self.model.parameters():
+            if id(parameter) not in head:
+                parameter.requires_grad_(not frozen)
+        self.frozen = frozen
+        self.distribute()  # DDP registers the parameters that need gradients when it wraps: wrap again
 
     @torch.no_grad()
     def validate(self, split: Preprocessed) -> tuple[float, float]:
@@ -202,7 +232,13 @@ def build_training(
             f"train.batch_size {cfg.batch_size} is global and must divide by the {ranks.world_size} processes"
         )
     if model is None:
-        model = build_model(cfg.model, len(split.classes), split.mean, split.std)
+        model = build_model(cfg.model, len(split.classes), split.mean, split.std, list(split.images.shape[2:]))
+    if device.type == "cpu" and portable_installed() and uses_attention(model):
+        raise ExpectedFailure(
+            f"train.model: {cfg.model} computes attention with torch's fused CPU kernel, which "
+            "determinism.cpu: portable refuses (its bytes depend on the CPU); set determinism.cpu: native "
+            "(this CPU's own kernels), or train on a CUDA device"
+        )
     model = model.to(device)
     optimizer = _optimizer(cfg, model)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -224,6 +260,10 @@ def _limited(loader: DataLoader, max_batches: int | None) -> Iterator:
 
 def _run_epoch(t: Training, batches: Iterable, epoch: int) -> tuple[float, float]:
     t.net.train()
+    if t.frozen:  # the backbone's BatchNorm layers keep their running statistics (the head has none)
+        for module in t.model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
     # Sums stay on the device and are read once per epoch: a per-step `.item()` would make the
     # host wait for every step's kernels on a GPU instead of queueing the next batch's.
     loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
@@ -285,6 +325,8 @@ def fine_tune(model: nn.Module, cfg: TrainConfig, seed: int, pre_dir: Path, epoc
     """
     torch.manual_seed(seed)
     train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
-    tuning = cfg.model_copy(update={"lr": lr, "epochs": epochs, "scheduler": "cosine", "amp": "none"})
+    # no backbone held, one learning rate: fine-tuning a compressed model is not fine-tuning a pretrained one
+    update = {"lr": lr, "epochs": epochs, "scheduler": "cosine", "amp": "none", "freeze_backbone_epochs": 0}
+    tuning = cfg.model_copy(update={**update, "head_lr": None})
     training = build_training(tuning, seed, train_split, resolve_device(cfg.device), model=model)
     return [training.epoch(epoch, val_split) for epoch in range(1, epochs + 1)]

@@ -292,6 +292,10 @@ def test_a_run_asking_for_other_machines_is_refused_and_its_rendezvous_never_con
             {"train": {"strategy": "ddp", "nproc_per_node": (os.cpu_count() or 1) + 1}},
             f"its params ask for train.nproc_per_node: {(os.cpu_count() or 1) + 1} processes, more than",
         ),
+        (
+            {"train": {"pretrained_url": "http://127.0.0.1:9/w.safetensors", "pretrained_sha256": "ab" * 32}},
+            "its params fetch pretrained weights from http://127.0.0.1:9/w.safetensors: reproduce downloads nothing",
+        ),
     ],
 )
 def test_params_out_of_bounds_are_refused_before_anything_runs(
