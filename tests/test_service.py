@@ -241,7 +241,7 @@ def test_a_failed_stage_is_visible_in_prefect_with_its_log(stack: Stack, first_r
     assert states["export"] == "FAILED", states
     assert states["compress"] == "COMPLETED"
     messages = [entry["message"] for entry in flow_run_logs(stack, flow_run_id)]
-    assert any("export gate(s) failed" in m and "allowed 1e-12" in m for m in messages), messages
+    assert any("export parity gate(s) failed" in m and "allowed 1e-12" in m for m in messages), messages
     assert executions(stack)[-1][1]["export"].info.status == "FAILED"
 
 
