@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -158,11 +159,41 @@ TORCHVISION_MODELS = frozenset(
 MAX_WEIGHTS_FILE = 1 << 40  # bytes; the largest torchvision classifier (regnet_y_128gf) is ~2.6 GB in fp32
 
 
+OWN_MODELS = ("resnet9", "small_cnn")  # tasks/models.py
+Auto = Literal["auto"]
+
+
+@dataclass(frozen=True)
+class SourceRecipe:
+    """What `auto` in the train section means for one data source."""
+
+    model: str
+    epochs: int
+    hflip: bool
+
+
+# `train.model`, `train.epochs` and `train.hflip: auto`, per data.source. resnet9 for real images;
+# on 8x8 digits its stages end at 1x1 pixel and small_cnn is as accurate, and int8 speeds it up more.
+# Epochs: what fits minutes to tens of minutes of a 2-core CPU at the source's published size
+# (README, "Accuracy and time per source"). Mirroring keeps the class of a garment or a CIFAR photo,
+# not of a digit (a mirrored 2 is no 2); of an ImageFolder nothing is known: set it for photos.
+SOURCE_RECIPES: dict[str, SourceRecipe] = {
+    "digits": SourceRecipe(model="small_cnn", epochs=30, hflip=False),
+    "mnist": SourceRecipe(model="resnet9", epochs=5, hflip=False),
+    "fashion_mnist": SourceRecipe(model="resnet9", epochs=8, hflip=True),
+    "cifar10": SourceRecipe(model="resnet9", epochs=12, hflip=True),
+    "cifar100": SourceRecipe(model="resnet9", epochs=12, hflip=True),
+    "imagefolder": SourceRecipe(model="resnet9", epochs=15, hflip=False),
+}
+
+
 class TrainConfig(_Section):
-    # small_cnn, or any of TORCHVISION_MODELS: adapted to the data's channels and classes, with a
-    # stride-1 stem for images under 64 px (tasks/models.py)
-    model: str = Field("small_cnn", max_length=64)
-    epochs: int = Field(30, ge=1, le=MAX_EPOCHS)
+    # resnet9 or small_cnn (ours), or any of TORCHVISION_MODELS: adapted to the data's channels and
+    # classes, with a stride-1 stem for images under 64 px (tasks/models.py).
+    # auto (model, epochs, hflip): SOURCE_RECIPES[data.source], resolved by Params (params.yaml says
+    # auto); a TrainConfig made alone gets the defaults below, or resolves with `for_source`.
+    model: str = Field("resnet9", max_length=64)
+    epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | Auto = 30
     batch_size: int = Field(64, ge=1, le=MAX_BATCH)
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = Field(0.05, gt=0, le=MAX_LR)
@@ -172,7 +203,10 @@ class TrainConfig(_Section):
     step_size: int = Field(10, ge=1, le=MAX_EPOCHS)
     gamma: float = Field(0.1, gt=0, le=1)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
-    random_shift: int = Field(1, ge=0, le=64)  # pixels
+    # augmentation: a random translation by up to N pixels (auto: an eighth of the shorter image side,
+    # at least 1: 1 px on 8x8 digits, 4 px on 28-32 px images, as the CIFAR baselines pad and crop)
+    random_shift: Annotated[int, Field(ge=0, le=64)] | Auto = "auto"
+    hflip: bool | Auto = False  # a random horizontal mirror, half the images (auto: SOURCE_RECIPES)
     num_workers: int = Field(0, ge=0, le=256)
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$")
     max_batches: int | None = Field(None, ge=1, le=MAX_STEPS)
@@ -197,16 +231,23 @@ class TrainConfig(_Section):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        if value == "small_cnn" or value in TORCHVISION_MODELS:
+        if value == "auto" or value in OWN_MODELS or value in TORCHVISION_MODELS:
             return value
         import difflib
 
-        close = difflib.get_close_matches(value, ["small_cnn", *sorted(TORCHVISION_MODELS)], n=3)
+        close = difflib.get_close_matches(value, [*OWN_MODELS, *sorted(TORCHVISION_MODELS)], n=3)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise ValueError(
-            "unknown model: small_cnn or a torchvision classification model (resnet18, mobilenet_v3_small, "
-            f"efficientnet_b0, convnext_tiny, regnet_x_400mf, vit_b_16, ...; see tasks/config.py){hint}"
+            "unknown model: auto, resnet9, small_cnn or a torchvision classification model (resnet18, "
+            "mobilenet_v3_small, efficientnet_b0, convnext_tiny, regnet_x_400mf, vit_b_16, ...; "
+            f"see tasks/config.py){hint}"
         )
+
+    def for_source(self, source: str) -> TrainConfig:
+        """This config with `auto` model, epochs and hflip replaced by `source`'s recipe (SOURCE_RECIPES)."""
+        recipe = SOURCE_RECIPES[source]
+        update = {key: getattr(recipe, key) for key in ("model", "epochs", "hflip") if getattr(self, key) == "auto"}
+        return self.model_copy(update=update) if update else self
 
     @model_validator(mode="after")
     def _pretrained_is_verified(self) -> TrainConfig:
@@ -345,6 +386,11 @@ class Params(_Section):
     orchestration: OrchestrationConfig = OrchestrationConfig()
 
     @model_validator(mode="after")
+    def _train_recipe_for_the_source(self) -> Params:
+        # Resolved here, once: every stage and the MLflow params see numbers, never "auto".
+        return self.model_copy(update={"train": self.train.for_source(self.data.source)})
+
+    @model_validator(mode="after")
     def _candidates_are_built(self) -> Params:
         for variant in self.export.candidates:
             if variant != "fp32" and variant not in self.compress.variants:
@@ -358,7 +404,9 @@ class Params(_Section):
         """The params a stage reads, flattened to dotted keys (for MLflow and for humans)."""
         flat: dict[str, Any] = {}
         for section in STAGE_PARAMS[stage]:
-            value = getattr(self, section)
+            value = self
+            for part in section.split("."):  # a section, or one key of one ("data.source")
+                value = getattr(value, part)
             if isinstance(value, BaseModel):
                 flat.update({f"{section}.{k}": v for k, v in value.model_dump().items()})
             else:
@@ -374,10 +422,10 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "download": ("data",),
     "stats": ("seed", "split", "stats"),
     "preprocess": ("seed", "split"),
-    "train": ("seed", "determinism", "train"),
+    "train": ("seed", "determinism", "train", "data.source"),  # data.source: what `auto` resolves to
     "evaluate": ("seed", "determinism", "evaluate"),
     # fine-tuning (pruning, QAT) continues with the train stage's optimiser and augmentation
-    "compress": ("seed", "determinism", "train", "compress"),
+    "compress": ("seed", "determinism", "train", "data.source", "compress"),
     "export": ("seed", "determinism", "export"),
 }
 STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)
@@ -395,6 +443,23 @@ def shown(value: Any, limit: int = 80) -> str:
         shortener.maxlevel, shortener.maxstring, shortener.maxother, shortener.maxlong = 3, limit, limit, limit
         text = shortener.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# The tags pydantic puts in an error's location for the branch of a union that failed
+# (`epochs: int | "auto"` fails as train.epochs.constrained-int and train.epochs.literal['auto']).
+_UNION_BRANCH = re.compile(r"^(constrained-\w+|literal\[.*\]|int|bool|str|float)$")
+
+
+def _merge_union_branches(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One error per key: a union's failed branches become one message ("... or 'auto'")."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for error in errors:
+        loc = tuple(part for part in error["loc"] if not (isinstance(part, str) and _UNION_BRANCH.match(part)))
+        if loc in merged and loc != tuple(error["loc"]):
+            merged[loc]["msg"] += " or " + error["msg"].removeprefix("Input should be ")
+        else:
+            merged.setdefault(loc, {**error, "loc": loc})
+    return list(merged.values())
 
 
 def _format_error(error: dict[str, Any]) -> str:
@@ -494,7 +559,9 @@ def _validate(raw: Any, path: Path) -> Params:
         return Params.model_validate(raw)
     except ValidationError as exc:
         # one line, every problem on it: entry points print it as their one error line
-        raise ConfigError(f"{path}: " + "; ".join(_format_error(err) for err in exc.errors())) from None
+        raise ConfigError(
+            f"{path}: " + "; ".join(_format_error(err) for err in _merge_union_branches(exc.errors()))
+        ) from None
 
 
 def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Params]:

@@ -62,7 +62,7 @@ GROUPS = ("strict", "determinism", "throughput", "compress")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_ARGS = 0, 1, 2
 NUM_CLASSES, IMAGE_SHAPE = 10, (3, 32, 32)  # CIFAR-shaped
 BENCH_MODEL = "resnet18"
-COMPRESS_MODEL = "small_cnn"  # the default train.model; compress measures it in ONNX Runtime on the CPU
+COMPRESS_MODEL = "resnet9"  # the default train.model; compress measures it in ONNX Runtime on the CPU
 MAX_COST = 1.3  # CUDA target: pinned time / fast time per image (README benchmark B8)
 DEFAULT_JSON = Path("artifacts") / "gpu-check.json"
 # torch.onnx.export (dynamo) needs onnxscript; the compress stage needs ONNX Runtime and onnx.
@@ -125,7 +125,7 @@ class CheckOptions:
     seed: int = 42
     threads: int = DeterminismConfig().num_threads
     groups: tuple[str, ...] = GROUPS
-    determinism_models: tuple[str, ...] = ()  # empty: every train.model on CUDA, small_cnn on the CPU
+    determinism_models: tuple[str, ...] = ()  # empty: every model of MODELS on CUDA, COMPRESS_MODEL on the CPU
     variants: tuple[str, ...] = DEFAULT_VARIANTS["cuda"]  # compress.variants to build
     max_cost: float = MAX_COST
 
@@ -344,7 +344,8 @@ def _choices(name: str) -> tuple[str, ...]:
 
 
 # Our own model and one of each torchvision family `train.model` adapts: the zoo has hundreds.
-MODELS = ("small_cnn", "resnet18", "mobilenet_v3_small", "efficientnet_b0", "convnext_tiny", "regnet_x_400mf")
+MODELS = ("resnet9", "small_cnn", "resnet18", "mobilenet_v3_small", "efficientnet_b0", "convnext_tiny")
+MODELS += ("regnet_x_400mf",)
 
 
 def _train_config(options: CheckOptions, **values: Any) -> TrainConfig:

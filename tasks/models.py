@@ -1,8 +1,9 @@
 """The models: the architectures `train.model` can name, and running one on uint8 images.
 
-`small_cnn` is ours; every other name is a torchvision classification builder (resnet*, regnet_*,
-mobilenet_*, efficientnet_*, convnext_*, vit_*, ...), adapted to the data: the first convolution takes
-its channels, the head puts out its classes, and images under SMALL_INPUT px get a small-input stem.
+`resnet9` (the default) and `small_cnn` are ours; every other name is a torchvision classification
+builder (resnet*, regnet_*, mobilenet_*, efficientnet_*, convnext_*, vit_*, ...), adapted to the
+data: the first convolution takes its channels, the head puts out its classes, and images under
+SMALL_INPUT px get a small-input stem.
 Weights start random (torchvision's own need the internet); a verified weights file can be loaded
 over them (tasks/pretrained.py). `head_name` and `stem_name` say which modules a fine-tune treats apart.
 """
@@ -52,6 +53,47 @@ class SmallCNN(nn.Module):
 
     def forward(self, x):  # noqa: D102 - standard nn.Module forward
         return self.classifier(self.features(x))
+
+
+class _Residual(nn.Module):
+    """x + two conv blocks: the identity path lets gradients past the blocks (and ONNX Runtime's int8
+    quantizer and torch-pruning both follow an Add)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(_conv_bn_relu(channels, channels), _conv_bn_relu(channels, channels))
+
+    def forward(self, x):  # noqa: D102
+        return x + self.body(x)
+
+
+class ResNet9(nn.Module):
+    """The fast CIFAR-10 baseline's ResNet-9 (Myrtle.ai, D. Page 2018) at a quarter of its width.
+
+    A stem, then three stages of conv block, 2x2 max-pool and residual pair: 32 px -> 16 -> 8 -> 4,
+    so the last stage sees a whole 28-32 px object (small_cnn's one pool sees strokes, not shapes).
+    ~0.5M parameters; per image it costs less than small_cnn, whose 64 channels run at full resolution.
+    On 8x8 digits the stages end at 1x1, which the global pooling takes as it is.
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 16) -> None:
+        super().__init__()
+        w = width
+        self.features = nn.Sequential(
+            _conv_bn_relu(in_channels, w),
+            *(_conv_bn_relu(w, 2 * w), nn.MaxPool2d(2), _Residual(2 * w)),
+            *(_conv_bn_relu(2 * w, 4 * w), nn.MaxPool2d(2), _Residual(4 * w)),
+            *(_conv_bn_relu(4 * w, 8 * w), nn.MaxPool2d(2, ceil_mode=True), _Residual(8 * w)),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.classifier = nn.Linear(8 * w, num_classes)
+
+    def forward(self, x):  # noqa: D102
+        return self.classifier(self.features(x))
+
+
+OWN_MODELS = {"resnet9": ResNet9, "small_cnn": SmallCNN}
 
 
 def torchvision_models() -> list[str]:
@@ -204,8 +246,8 @@ def build_model(
     the architecture; None (checkpoints written before it was recorded) means a small-input stem.
     """
     in_channels = len(mean)
-    if name == "small_cnn":
-        net = SmallCNN(in_channels, num_classes)
+    if name in OWN_MODELS:
+        net = OWN_MODELS[name](in_channels, num_classes)
     else:
         net = _torchvision_net(name, in_channels, num_classes, image_size)
         if image_size is not None:

@@ -47,6 +47,7 @@ class TrainResult:
     amp: str
     resumed_from_epoch: int | None
     pretrained: dict[str, str] | None = None  # the weights fine-tuned from: sha256, source, re-initialised tensors
+    random_shift_px: int = 0  # train.random_shift in pixels (auto: from the image size)
 
 
 def train(
@@ -119,6 +120,7 @@ def _result(
         amp=training.cfg.amp,
         resumed_from_epoch=resumed_from,
         pretrained=pretrained.lineage() if pretrained else None,
+        random_shift_px=training.loader.dataset.max_shift,
     )
 
 

@@ -5,7 +5,7 @@ loader for one process (a lone one, or one rank of a torchrun job); `Training.ep
 of it and returns that epoch's row of the history. Nothing here writes files or logs to MLflow.
 
 Data path: the split sits in memory as uint8 tensors; the DataLoader fetches whole batches
-(`__getitems__`), workers apply the random shift, and the model normalises on the device. No
+(`__getitems__`), workers apply the random shift and mirror, and the model normalises on the device. No
 per-sample Python work, no PIL.
 """
 
@@ -42,18 +42,24 @@ class TrainingDiverged(ExpectedFailure):
     """The loss became NaN or infinite; nothing of the failing epoch was written."""
 
 
-class ShiftedBatches(Dataset):
-    """A split as uint8 tensors, fetched a batch at a time, optionally randomly shifted.
+def shift_pixels(cfg: TrainConfig, image_size: tuple[int, ...]) -> int:
+    """`train.random_shift` in pixels: `auto` is an eighth of the shorter side, at least 1."""
+    return max(1, round(min(image_size) / 8)) if cfg.random_shift == "auto" else int(cfg.random_shift)
 
-    The shift of a batch is drawn from a generator seeded by (seed, the batch's sample indices),
-    so augmentation does not depend on which worker fetches the batch or on how many workers
-    there are: `num_workers` 0 and 2 give the same weights.
+
+class AugmentedBatches(Dataset):
+    """A split as uint8 tensors, fetched a batch at a time, randomly shifted and mirrored if asked.
+
+    A batch's shifts and flips are drawn from a generator seeded by (seed, the batch's sample
+    indices), so augmentation does not depend on which worker fetches the batch or on how many
+    workers there are: `num_workers` 0 and 2 give the same weights.
     """
 
-    def __init__(self, split: Preprocessed, max_shift: int, seed: int) -> None:
+    def __init__(self, split: Preprocessed, max_shift: int, hflip: bool, seed: int) -> None:
         self.images = torch.from_numpy(np.ascontiguousarray(split.images))
         self.labels = torch.from_numpy(np.ascontiguousarray(split.labels))
         self.max_shift = max_shift
+        self.hflip = hflip
         self.seed = seed
 
     def __len__(self) -> int:
@@ -62,10 +68,19 @@ class ShiftedBatches(Dataset):
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.as_tensor(indices)
         images, labels = self.images[index], self.labels[index]
-        if self.max_shift:
+        if self.max_shift or self.hflip:
             state = np.random.SeedSequence([self.seed, *indices]).generate_state(2, dtype=np.uint32)
-            images = _random_shift(images, self.max_shift, torch.Generator().manual_seed(int(state[0])))
+            if self.max_shift:
+                images = _random_shift(images, self.max_shift, torch.Generator().manual_seed(int(state[0])))
+            if self.hflip:
+                images = _random_hflip(images, torch.Generator().manual_seed(int(state[1])))
         return images, labels
+
+
+def _random_hflip(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Mirror each image left-right with probability 1/2."""
+    flip = torch.rand(len(images), generator=generator) < 0.5
+    return torch.where(flip[:, None, None, None], images.flip(-1), images)
 
 
 def _random_shift(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
@@ -83,7 +98,7 @@ def _whole_batches(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tens
 
 
 def _loader(split: Preprocessed, cfg: TrainConfig, seed: int, ranks: Distributed, device: torch.device):
-    dataset = ShiftedBatches(split, cfg.random_shift, seed)
+    dataset = AugmentedBatches(split, shift_pixels(cfg, split.images.shape[2:]), cfg.hflip, seed)
     # The shuffle order is a function of (seed, epoch) alone, set through `set_epoch`, not of how
     # much the loader's generator has been drawn from; the same sampler shards it across ranks.
     sampler = DistributedSampler(dataset, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=True, seed=seed)
@@ -225,6 +240,8 @@ def build_training(
     model: nn.Module | None = None,
 ) -> Training:
     """The loop's parts for `split`: a new `cfg.model` (from torch's seeded RNG) unless `model` is given."""
+    if "auto" in (cfg.model, cfg.epochs, cfg.hflip):
+        raise ValueError("train.model/epochs/hflip 'auto' depend on data.source: resolve with TrainConfig.for_source")
     if cfg.sync_batchnorm and device.type != "cuda":
         raise ValueError("train.sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; set it false on CPU")
     if cfg.batch_size % ranks.world_size:

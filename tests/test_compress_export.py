@@ -35,6 +35,25 @@ def _ops(path: Path) -> list[str]:
     return [node.op_type for node in onnx.load(str(path)).graph.node]
 
 
+def _every_variant(repo: Path, train_cfg: Any, checkpoint: Path, out: Path) -> tuple[Any, Any]:
+    """(the compress config, its result): all five variants of `checkpoint`, in this process."""
+    from tasks.compress import compress
+    from tasks.config import load_params
+
+    params = load_params(repo / "params.yaml")
+    variants = ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln")
+    cfg = params.compress.model_copy(update={"variants": variants})
+    threads = params.determinism.num_threads
+    return cfg, compress(cfg, train_cfg, params.seed, threads, checkpoint, repo / "artifacts/preprocessed", out)
+
+
+def _conv_shapes(path: Path) -> list[tuple[int, ...]]:
+    """The weight shape (out, in, kh, kw) of every Conv, in graph order."""
+    graph = onnx.load(str(path)).graph
+    shapes = {init.name: tuple(init.dims) for init in graph.initializer}
+    return [shapes[node.input[1]] for node in graph.node if node.op_type == "Conv"]
+
+
 def test_compress_measures_every_variant_and_export_ships_what_was_measured(dvc_repo: dict[str, Any]) -> None:
     repo = dvc_repo["repo"]
     compress_dir, export_dir = repo / "artifacts/compress", repo / "artifacts/export"
@@ -216,26 +235,14 @@ def test_a_candidate_failing_its_gates_passes_the_turn_to_the_next(dvc_repo: dic
 
 def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     """All five variants in-process, compared with what `dvc repro` built in its own process."""
-    from tasks.compress import compress
     from tasks.config import load_params
     from tasks.determinism import pin_everything
 
     repo = dvc_repo["repo"]
     params = load_params(repo / "params.yaml")
-    cfg = params.compress.model_copy(
-        update={"variants": ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln")}
-    )
     pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
     out = tmp_path / "compress"
-    result = compress(
-        cfg,
-        params.train,
-        params.seed,
-        params.determinism.num_threads,
-        repo / "artifacts/train/best.safetensors",
-        repo / "artifacts/preprocessed",
-        out,
-    )
+    cfg, result = _every_variant(repo, params.train, repo / "artifacts/train/best.safetensors", out)
     rows = {row.variant: row for row in result.rows}
     assert list(rows) == ["fp32", *cfg.variants]
     # the same bytes as the stage process built (fine-tuned pruning included)
@@ -248,12 +255,7 @@ def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path:
     assert set(result.history) == {"qat_int8", "pruned_l1", "pruned_ln"}
 
     # structured: a quarter of every conv's output channels are gone (and the next layers' inputs)
-    def conv_shapes(path: Path) -> list[tuple[int, ...]]:
-        graph = onnx.load(str(path)).graph
-        shapes = {init.name: tuple(init.dims) for init in graph.initializer}
-        return [shapes[node.input[1]] for node in graph.node if node.op_type == "Conv"]
-
-    full, pruned = conv_shapes(out / "models/fp32.onnx"), conv_shapes(out / "models/pruned_ln.onnx")
+    full, pruned = _conv_shapes(out / "models/fp32.onnx"), _conv_shapes(out / "models/pruned_ln.onnx")
     assert len(full) == len(pruned) == 3
     assert [p[0] for p in pruned] == [f[0] - round(cfg.prune_channels * f[0]) for f in full]
     assert [p[1] for p in pruned] == [full[0][1]] + [p[0] for p in pruned[:-1]]  # input channels follow
@@ -287,3 +289,33 @@ def test_registry_moves_champion_only_to_an_at_least_as_accurate_challenger(
         "challenger": "3",
     }
     assert client.get_model_version("m", "2").tags["promotion"] == "kept"
+
+
+def test_every_variant_is_built_for_resnet9(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+    """The default model for real images: BN folded, int8 QDQ, and channel pruning across its residual adds."""
+    from tasks.config import load_params
+    from tasks.determinism import pin_everything
+    from tasks.train import train
+
+    repo = dvc_repo["repo"]
+    params = load_params(repo / "params.yaml")
+    train_cfg = params.train.model_copy(update={"model": "resnet9", "epochs": 2})
+    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+    train(train_cfg, params.seed, repo / "artifacts/preprocessed", tmp_path / "train")
+    out = tmp_path / "compress"
+    cfg, result = _every_variant(repo, train_cfg, tmp_path / "train/best.safetensors", out)
+    rows = {row.variant: row for row in result.rows}
+    assert list(rows) == ["fp32", *cfg.variants]
+    for name in ("fp32", "qat_int8", "static_int8"):
+        assert "BatchNormalization" not in _ops(out / f"models/{name}.onnx"), name
+    assert _ops(out / "models/fp32.onnx").count("Add") == 3  # the three residual pairs
+    assert "QuantizeLinear" in _ops(out / "models/static_int8.onnx")
+    assert rows["static_int8"].size_ratio < 0.3 and rows["static_int8"].top1_agreement > 0.9
+
+    full, pruned = _conv_shapes(out / "models/fp32.onnx"), _conv_shapes(out / "models/pruned_ln.onnx")
+    assert len(pruned) == len(full) == 10
+    # a quarter of every group's channels (a residual pair keeps its input's count, so the adds line
+    # up), and every conv reads what the one before it now puts out
+    assert [p[0] for p in pruned] == [f[0] - round(cfg.prune_channels * f[0]) for f in full]
+    assert all(nxt[1] == prev[0] for prev, nxt in zip(pruned, pruned[1:], strict=False))
+    assert rows["pruned_ln"].size_ratio < 0.8 and rows["pruned_ln"].accuracy > 0.3

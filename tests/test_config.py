@@ -86,7 +86,7 @@ def test_malformed_yaml_and_missing_file(tmp_path: Path) -> None:
 
 def test_every_stage_reads_known_sections() -> None:
     for stage, sections in STAGE_PARAMS.items():
-        assert set(sections) <= set(Params.model_fields), stage
+        assert {s.split(".")[0] for s in sections} <= set(Params.model_fields), stage  # a section, or one key of one
         assert Params().sections(stage), stage
 
 

@@ -68,17 +68,17 @@ def test_every_model_and_optimiser_of_the_config_steps_in_strict_mode(cpu_run: d
 
 def test_fp32_and_bf16_training_twice_gives_equal_weight_bytes(cpu_run: dict[str, Any]) -> None:
     rows = _rows(cpu_run["report"], "determinism")
-    for name in ("small_cnn fp32", "small_cnn bf16"):
+    for name in ("resnet9 fp32", "resnet9 bf16"):
         row = rows[name]
         first, second = row["numbers"]["sha256"]
         assert row["status"] == "pass", row
         assert first == second and len(first) == 64
         assert row["numbers"]["weights_changed"] is True  # equal because deterministic, not because untouched
-    assert rows["small_cnn fp32"]["numbers"]["sha256"] != rows["small_cnn bf16"]["numbers"]["sha256"]
+    assert rows["resnet9 fp32"]["numbers"]["sha256"] != rows["resnet9 bf16"]["numbers"]["sha256"]
 
 
 def test_fp16_is_not_applicable_on_cpu_rather_than_passed(cpu_run: dict[str, Any]) -> None:
-    row = _rows(cpu_run["report"], "determinism")["small_cnn fp16"]
+    row = _rows(cpu_run["report"], "determinism")["resnet9 fp16"]
     assert row["status"] == "n/a"
     assert row["detail"].startswith("n/a on cpu")
     assert "sha256" not in row["numbers"]
@@ -97,7 +97,7 @@ def test_throughput_measures_pinned_fast_and_plain_and_reports_ratios(cpu_run: d
 
 
 def test_compress_and_export_run_from_a_checkpoint_trained_on_the_device(cpu_run: dict[str, Any]) -> None:
-    compressed = _rows(cpu_run["report"], "compress")["small_cnn"]
+    compressed = _rows(cpu_run["report"], "compress")["resnet9"]
     exported = _rows(cpu_run["report"], "export")["static_int8"]
     assert compressed["status"] == "pass", compressed
     assert list(compressed["numbers"]["variants"]) == ["fp32", "static_int8", "pruned_l1"]
@@ -161,7 +161,7 @@ def test_an_op_refused_in_strict_mode_is_a_failed_row_naming_it_and_exit_1(tmp_p
     strict = _rows(report, "strict")
     assert report["passed"] is False
     for optimizer in _literal("optimizer"):
-        assert strict[f"small_cnn/{optimizer}"]["status"] == "pass"
+        assert strict[f"resnet9/{optimizer}"]["status"] == "pass"
         failed = strict[f"resnet18/{optimizer}"]
         assert failed["status"] == "FAIL"
         assert failed["detail"] == "strict mode refused put_ (no deterministic implementation)"
@@ -196,5 +196,5 @@ def test_on_a_gpu_every_check_passes(tmp_path: Path) -> None:
     done = _check("--device", "cuda", "--json", str(tmp_path / "gpu-check.json"), timeout=1800)
     assert done.returncode == 0, f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr[-5000:]}"
     report = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert _rows(report, "determinism")["small_cnn fp16"]["status"] == "pass"
+    assert _rows(report, "determinism")["resnet9 fp16"]["status"] == "pass"
     assert report["device"]["type"] == "cuda" and report["device"]["cudnn"]

@@ -14,13 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 from tasks.checkpoints import CheckpointError, load_checkpoint, result_config
-from tasks.config import DataConfig, EvaluateConfig, SplitConfig, TrainConfig
+from tasks.config import SOURCE_RECIPES, DataConfig, EvaluateConfig, Params, SplitConfig, TrainConfig
 from tasks.determinism import pin_everything
 from tasks.download import download
 from tasks.evaluate import evaluate
-from tasks.preprocess import load_split, preprocess
+from tasks.preprocess import Preprocessed, load_split, preprocess
 from tasks.stats import compute_stats
 from tasks.train import train
+from tasks.training import AugmentedBatches, build_training, shift_pixels
 from tests.conftest import ROOT, run, subprocess_env, write_params
 
 SPLIT = SplitConfig()
@@ -51,7 +52,8 @@ def _train_in_subprocess(base: Path, name: str, **train: object) -> subprocess.P
             "seed": seed,
             "tracking": {"enabled": False},
             "determinism": {"num_threads": 1},
-            "train": {"epochs": 3, "num_workers": 2, **train},
+            # hflip: on (digits would not get it by default) so that mirroring is held to the same bytes too
+            "train": {"epochs": 3, "num_workers": 2, "hflip": True, **train},
         },
     )
     return subprocess.Popen(
@@ -92,7 +94,7 @@ def test_checkpoint_is_plain_safetensors_with_provenance(workdir: Path, tmp_path
     cfg = TrainConfig(epochs=2, num_workers=0, max_batches=3)
     result = train(cfg, 42, workdir / "artifacts" / "preprocessed", tmp_path)
     tensors = load_file(str(tmp_path / "best.safetensors"))  # no pickle involved
-    assert "net.classifier.1.weight" in tensors and "mean" in tensors
+    assert "net.classifier.weight" in tensors and "mean" in tensors  # resnet9's head
     model, meta = load_checkpoint(tmp_path / "best.safetensors")
     assert meta["config"] == result_config(cfg) and meta["seed"] == 42 and meta["epoch"] == result.best_epoch
     assert meta["world_size"] == 1 and "num_workers" not in meta["config"]  # how it ran, not what it computed
@@ -196,3 +198,50 @@ assert inductor_config.deterministic, "a later torch.compile would not be determ
 
 def test_pinning_is_cheap_and_still_reaches_inductor() -> None:
     run([sys.executable, "-c", _PIN_THEN_COMPILE], ROOT, PYTHONPATH=str(ROOT))
+
+
+@pytest.mark.parametrize("source", sorted(SOURCE_RECIPES))
+def test_auto_epochs_and_mirroring_follow_the_source(source: str) -> None:
+    extra = {"url": "https://example.org/a.tar.gz", "sha256": "0" * 64} if source == "imagefolder" else {}
+    auto = Params.model_validate({"data": {"source": source, **extra}, "train": {"epochs": "auto", "hflip": "auto"}})
+    assert (auto.train.epochs, auto.train.hflip) == (SOURCE_RECIPES[source].epochs, SOURCE_RECIPES[source].hflip)
+    assert auto.sections("train")["train.epochs"] == SOURCE_RECIPES[source].epochs  # MLflow sees the number
+    assert auto.sections("train")["data.source"] == source  # and what it was resolved from
+    given = Params.model_validate({"data": {"source": source, **extra}, "train": {"epochs": 3, "hflip": True}})
+    assert (given.train.epochs, given.train.hflip) == (3, True)
+
+
+def test_mirroring_is_for_garments_and_photos_not_digits() -> None:
+    assert [s for s, recipe in SOURCE_RECIPES.items() if recipe.hflip] == ["fashion_mnist", "cifar10", "cifar100"]
+
+
+def test_an_unresolved_auto_is_refused_before_training() -> None:
+    split = Preprocessed(np.zeros((4, 1, 8, 8), np.uint8), np.arange(4) % 2, ["a", "b"], [0.5], [0.25])
+    with pytest.raises(ValueError, match="'auto' depend on data.source"):
+        build_training(TrainConfig(epochs="auto", num_workers=0), 0, split, torch.device("cpu"))
+
+
+def test_shift_auto_is_an_eighth_of_the_shorter_side() -> None:
+    sizes = [(8, 8), (28, 28), (32, 32), (32, 20), (4, 4), (224, 224)]
+    assert [shift_pixels(TrainConfig(), size) for size in sizes] == [1, 4, 4, 2, 1, 28]
+    assert shift_pixels(TrainConfig(random_shift=0), (32, 32)) == 0
+    assert shift_pixels(TrainConfig(random_shift=3), (8, 8)) == 3
+
+
+def test_mirroring_is_seeded_by_the_batch_and_flips_about_half() -> None:
+    images = np.random.default_rng(0).integers(0, 256, (400, 3, 6, 5), dtype=np.uint8)
+    split = Preprocessed(images, np.zeros(400, np.int64), ["a"], [0.5] * 3, [0.25] * 3)
+    batches = AugmentedBatches(split, max_shift=0, hflip=True, seed=7)
+    indices = list(range(0, 400, 2)) + list(range(1, 400, 2))
+    out, _ = batches.__getitems__(indices)
+    again, _ = AugmentedBatches(split, max_shift=0, hflip=True, seed=7).__getitems__(indices)
+    assert torch.equal(out, again), "the same batch gets the same flips, whichever worker fetches it"
+    original = torch.from_numpy(images[indices])
+    flipped = (out == original.flip(-1)).flatten(1).all(1)
+    kept = (out == original).flatten(1).all(1)
+    assert bool((flipped | kept).all()), "each image is itself or its mirror, nothing else"
+    assert 0.4 < flipped.float().mean().item() < 0.6
+    other, _ = AugmentedBatches(split, max_shift=0, hflip=True, seed=8).__getitems__(indices)
+    assert not torch.equal(out, other)
+    plain, _ = AugmentedBatches(split, max_shift=0, hflip=False, seed=7).__getitems__(indices)
+    assert torch.equal(plain, original)

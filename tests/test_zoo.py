@@ -49,7 +49,7 @@ def test_a_bad_model_name_is_a_config_error_naming_key_value_and_a_hint(tmp_path
         load_params(params)
     message = str(error.value)
     assert "train.model: unknown model" in message and "(got resnet19)" in message
-    assert "did you mean resnet18" in message
+    assert "did you mean resnet9 or resnet18" in message
     # a name the installed torchvision lacks (config lists 0.29's) is refused when the model is built
     with pytest.raises(ModelError, match=r"train.model: 'resnet19' is not a classification model of torchvision"):
         build_model("resnet19", 10, [0.5], [0.2], [32, 32])

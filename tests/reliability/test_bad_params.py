@@ -273,7 +273,7 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
         (None, "cannot be read: Is a directory"),
         (b"- a\n- b\n", "expected a mapping of sections, got list"),
         (b"train: 5\n", "train: Input should be a valid dictionary"),
-        (b"train:\n  epochs: true\n", "train.epochs: Input should be a valid integer (got True)"),
+        (b"train:\n  epochs: true\n", "train.epochs: Input should be a valid integer or 'auto' (got True)"),
         (b"train:\n  lr: .inf\n", "train.lr: Input should be a finite number"),
         (b"1: x\nnull: y\n", "1: Keys should be strings (got 1); None: Keys should be strings (got None)"),
     ],
