@@ -371,11 +371,18 @@ def idx_bytes(array: np.ndarray) -> bytes:
     return header + array.tobytes(order="C")
 
 
-def mnist_files(dest: Path, n_train: int = 60, n_test: int = 20, seed: int = 0, num_classes: int = 10) -> MnistFiles:
+# Given images: (train images, train labels, test images, test labels) to write instead of noise.
+Given = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def mnist_files(
+    dest: Path, n_train: int = 60, n_test: int = 20, seed: int = 0, num_classes: int = 10, given: Given | None = None
+) -> MnistFiles:
     """Write the four gzipped IDX files of MNIST into ``dest``.
 
     Images are uniform noise; labels cycle ``0..num_classes-1`` so both parts contain every class whenever
-    ``n >= num_classes`` (the defaults do). Raises ``ValueError`` if ``n_train < num_classes``.
+    ``n >= num_classes`` (the defaults do). Raises ``ValueError`` if ``n_train < num_classes``. With
+    ``given`` ((N, 28, 28) uint8 images and their labels), those are written instead (n_* ignored).
     """
     if not 1 <= num_classes <= 256:
         raise ValueError(f"num_classes must be in 1..256 (labels are uint8), got {num_classes}")
@@ -387,6 +394,8 @@ def mnist_files(dest: Path, n_train: int = 60, n_test: int = 20, seed: int = 0, 
     test_images = rng.integers(0, 256, size=(n_test, 28, 28), dtype=np.uint8)
     train_labels = _cyclic_labels(n_train, num_classes).astype(np.uint8)
     test_labels = _cyclic_labels(n_test, num_classes).astype(np.uint8)
+    if given is not None:
+        train_images, train_labels, test_images, test_labels = (a.astype(np.uint8) for a in given)
 
     contents = {
         "train-images-idx3-ubyte.gz": train_images,
@@ -443,6 +452,7 @@ def cifar_archive(
     n_train: int | None = None,
     n_test: int = 20,
     seed: int = 0,
+    given: Given | None = None,
 ) -> CifarArchive:
     """Write ``cifar-10-python.tar.gz`` or ``cifar-100-python.tar.gz`` into ``dest_dir``.
 
@@ -465,6 +475,10 @@ def cifar_archive(
     test_images = rng.integers(0, 256, size=(n_test, 32, 32, 3), dtype=np.uint8)
     train_labels = _cyclic_labels(n_train, len(classes)).tolist()
     test_labels = _cyclic_labels(n_test, len(classes)).tolist()
+    if given is not None:  # (N, 32, 32, 3) uint8 images and their labels, instead of noise
+        train_images, test_images = given[0], given[2]
+        train_labels, test_labels = given[1].tolist(), given[3].tolist()
+        n_train, n_test = len(train_images), len(test_images)
 
     members: dict[str, bytes] = {}
     if is10:

@@ -1,0 +1,158 @@
+"""Accuracy and time per data source: the default pipeline on realistic data of our own making.
+
+    python -m benchmarks.sources [--sources mnist cifar10 ...] [--per-class 600] [--test-per-class 100]
+
+For each built-in source the check data of benchmarks/synthetic_images.py is written in that source's
+published format (MNIST's gzipped IDX files, the CIFAR-10 python archive; an ImageFolder tar.gz with
+train/ and test/) and served from a loopback HTTP server; the download stage fetches and verifies it
+like the real files, then every later stage runs as `python -m tasks <stage>` in a project folder of
+its own, with params.yaml's defaults (`epochs`, `random_shift`, `hflip`: auto) and tracking off.
+
+    mnist          glyphs: 28x28 grey handwritten digits     fashion_mnist  garments: 28x28 grey clothes
+    cifar10        shapes: 32x32 RGB objects on clutter      imagefolder    shapes as PNGs in train/ test/
+    digits         scikit-learn's 8x8 digits (offline, the default)
+
+The published checksums are those of the real files, so this process points torchvision's tables
+(md5 of each file) at the generated ones, as tests/test_download.py does; nothing else is changed.
+A table per source goes to stdout and `<out>/sources.json`: images, epochs, train seconds, fp32 test
+accuracy, the shipped variant and its accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.harness import ROOT, machine
+from benchmarks.synthetic_images import generate, write_imagefolder
+from tasks.config import DataConfig, load_params, load_yaml
+from tasks.download import download
+
+DATASET = {"mnist": "glyphs", "fashion_mnist": "garments", "cifar10": "shapes", "imagefolder": "shapes"}
+STAGES_AFTER_DOWNLOAD = ("stats", "preprocess", "train", "evaluate", "compress", "export")
+
+
+Tables = dict[type, dict[str, Any]]  # torchvision dataset class -> its checksum attributes for our files
+
+
+def publish(source: str, served: Path, url: str, per_class: int, test_per_class: int) -> tuple[dict[str, Any], Tables]:
+    """Write `source`'s files under `served` (to be reachable at `url`).
+
+    Returns the data section that downloads them, and the torchvision checksum tables that name
+    them (set them on the classes for as long as the download runs).
+    """
+    import torchvision
+
+    from tests.fakedata import cifar_archive, mnist_files, pack
+
+    if source == "digits":
+        return {"source": "digits"}, {}
+    name = DATASET[source]
+    if source == "imagefolder":
+        write_imagefolder(served / "tree", name, seed=0, splits={"train": per_class, "test": test_per_class})
+        sha = pack(served / "tree", served / "shapes.tar.gz", "tar.gz", prefix="shapes")
+        return {"source": source, "url": f"{url}/shapes.tar.gz", "sha256": sha}, {}
+    train_x, train_y, _ = generate(name, per_class, seed=0)
+    test_x, test_y, _ = generate(name, test_per_class, seed=0, start=per_class)
+    if source == "cifar10":
+        archive = cifar_archive(served, "cifar10", given=(train_x, train_y, test_x, test_y))
+        tables = {key: getattr(archive, key) for key in ("tgz_md5", "train_list", "test_list", "meta")}
+        return {"source": source, "mirror": f"{url}/"}, {torchvision.datasets.CIFAR10: tables}
+    files = mnist_files(served, given=(train_x[..., 0], train_y, test_x[..., 0], test_y))
+    cls = torchvision.datasets.MNIST if source == "mnist" else torchvision.datasets.FashionMNIST
+    return {"source": source, "mirror": f"{url}/"}, {cls: {"resources": files.resources}}
+
+
+def _project(folder: Path, data: dict[str, Any], variants: list[str], train: dict[str, Any]) -> Path:
+    """A project folder: params.yaml as the repository's, but this source, no MLflow, `variants` built."""
+    params = load_yaml((ROOT / "params.yaml").read_text())
+    params["data"].update(data)
+    params["train"].update(train)
+    params["tracking"]["enabled"] = False
+    params["compress"]["variants"] = variants
+    params["export"]["candidates"] = [v for v in params["export"]["candidates"] if v in variants or v == "fp32"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return folder
+
+
+def _stage(project: Path, stage: str) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tasks", stage], cwd=project, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{project.name}: {stage} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def run_source(
+    source: str, work: Path, per_class: int, test_per_class: int, variants: list[str], train: dict[str, Any]
+) -> dict:
+    """One source through the whole pipeline; its row of the table."""
+    from tests.httpserver import FileServer
+
+    served = work / source / "served"
+    served.mkdir(parents=True, exist_ok=True)
+    with FileServer() as server:
+        data, tables = publish(source, served, server.url, per_class, test_per_class)
+        for cls, attributes in tables.items():  # this process only downloads: no need to put them back
+            for key, value in attributes.items():
+                setattr(cls, key, value)
+        for path in served.rglob("*"):
+            if path.is_file():
+                server.add_file("/" + path.relative_to(served).as_posix(), path)
+        project = _project(work / source / "project", data, variants, train)
+        t0 = time.perf_counter()
+        download(DataConfig(**data), project / "data", work / source / "cache")
+        seconds = {"download": time.perf_counter() - t0}
+    seconds |= {stage: _stage(project, stage) for stage in STAGES_AFTER_DOWNLOAD}
+    artifacts = project / "artifacts"
+    pre = json.loads((artifacts / "preprocessed" / "meta.json").read_text())
+    history = json.loads((artifacts / "train" / "history.json").read_text())
+    gates = json.loads((artifacts / "export" / "gates.json").read_text())
+    metrics = json.loads((artifacts / "evaluate" / "metrics.json").read_text())
+    return {
+        "source": source,
+        "images": pre["split_sizes"],
+        "shape": pre["image_shape"],
+        "model": load_params(project / "params.yaml").train.model,  # auto resolved
+        "epochs": len(history),
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "test_accuracy": metrics["accuracy"],
+        "shipped": gates["variant"],
+        "shipped_accuracy": gates["accuracy"],
+        "fallback_reason": gates["fallback_reason"],
+        "compress": json.loads((artifacts / "compress" / "metrics.json").read_text()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sources", description=__doc__.split("\n")[0])
+    parser.add_argument("--sources", nargs="+", default=["digits", *DATASET], choices=["digits", *DATASET])
+    parser.add_argument("--per-class", type=int, default=600, help="published train images per class")
+    parser.add_argument("--test-per-class", type=int, default=100, help="published test images per class")
+    parser.add_argument("--variants", nargs="+", default=["static_int8"], help="compress.variants to build")
+    parser.add_argument("--epochs", type=int, help="train.epochs (default: auto, the source's recipe)")
+    parser.add_argument("--model", help="train.model (default: params.yaml's)")
+    parser.add_argument("--out", type=Path, default=ROOT / "artifacts" / "bench-sources")
+    args = parser.parse_args(argv)
+    rows = []
+    for source in args.sources:
+        train = {key: value for key, value in (("epochs", args.epochs), ("model", args.model)) if value}
+        rows.append(run_source(source, args.out, args.per_class, args.test_per_class, args.variants, train))
+        print(json.dumps(rows[-1]), flush=True)
+    report = {"machine": machine(), "per_class": args.per_class, "test_per_class": args.test_per_class, "rows": rows}
+    (args.out / "sources.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
