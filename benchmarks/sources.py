@@ -1,6 +1,6 @@
 """Accuracy and time per data source: the default pipeline on realistic data of our own making.
 
-    python -m benchmarks.sources [--sources mnist cifar10 ...] [--per-class 600] [--test-per-class 100]
+    python -m benchmarks.sources [--sources mnist cifar10 ...] [--train-images 6000] [--test-images 1000]
 
 For each built-in source the check data of benchmarks/synthetic_images.py is written in that source's
 published format (MNIST's gzipped IDX files, the CIFAR-10 python archive; an ImageFolder tar.gz with
@@ -10,7 +10,7 @@ its own, with params.yaml's defaults (`epochs`, `random_shift`, `hflip`: auto) a
 
     mnist          glyphs: 28x28 grey handwritten digits     fashion_mnist  garments: 28x28 grey clothes
     cifar10        shapes: 32x32 RGB objects on clutter      imagefolder    shapes as PNGs in train/ test/
-    digits         scikit-learn's 8x8 digits (offline, the default)
+    cifar100       shapes100: shapes x 10 hue bands          digits         scikit-learn's 8x8 digits (offline)
 
 The published checksums are those of the real files, so this process points torchvision's tables
 (md5 of each file) at the generated ones, as tests/test_download.py does; nothing else is changed.
@@ -32,19 +32,26 @@ from typing import Any
 import yaml
 
 from benchmarks.harness import ROOT, machine
-from benchmarks.synthetic_images import generate, write_imagefolder
+from benchmarks.synthetic_images import DATASETS, generate, write_imagefolder
 from tasks.config import DataConfig, load_params, load_yaml
 from tasks.download import download
 
-DATASET = {"mnist": "glyphs", "fashion_mnist": "garments", "cifar10": "shapes", "imagefolder": "shapes"}
+DATASET = {
+    "mnist": "glyphs",
+    "fashion_mnist": "garments",
+    "cifar10": "shapes",
+    "cifar100": "shapes100",
+    "imagefolder": "shapes",
+}
 STAGES_AFTER_DOWNLOAD = ("stats", "preprocess", "train", "evaluate", "compress", "export")
 
 
 Tables = dict[type, dict[str, Any]]  # torchvision dataset class -> its checksum attributes for our files
 
 
-def publish(source: str, served: Path, url: str, per_class: int, test_per_class: int) -> tuple[dict[str, Any], Tables]:
-    """Write `source`'s files under `served` (to be reachable at `url`).
+def publish(source: str, served: Path, url: str, train_images: int, test_images: int) -> tuple[dict[str, Any], Tables]:
+    """Write `source`'s files under `served` (to be reachable at `url`): about `train_images` and
+    `test_images` in its published train and test sets, the same number of each class.
 
     Returns the data section that downloads them, and the torchvision checksum tables that name
     them (set them on the classes for as long as the download runs).
@@ -56,16 +63,19 @@ def publish(source: str, served: Path, url: str, per_class: int, test_per_class:
     if source == "digits":
         return {"source": "digits"}, {}
     name = DATASET[source]
+    classes = len(DATASETS[name].classes)
+    per_class, test_per_class = train_images // classes, test_images // classes
     if source == "imagefolder":
         write_imagefolder(served / "tree", name, seed=0, splits={"train": per_class, "test": test_per_class})
         sha = pack(served / "tree", served / "shapes.tar.gz", "tar.gz", prefix="shapes")
         return {"source": source, "url": f"{url}/shapes.tar.gz", "sha256": sha}, {}
     train_x, train_y, _ = generate(name, per_class, seed=0)
     test_x, test_y, _ = generate(name, test_per_class, seed=0, start=per_class)
-    if source == "cifar10":
-        archive = cifar_archive(served, "cifar10", given=(train_x, train_y, test_x, test_y))
+    if source in ("cifar10", "cifar100"):
+        archive = cifar_archive(served, source, given=(train_x, train_y, test_x, test_y))
         tables = {key: getattr(archive, key) for key in ("tgz_md5", "train_list", "test_list", "meta")}
-        return {"source": source, "mirror": f"{url}/"}, {torchvision.datasets.CIFAR10: tables}
+        cls = torchvision.datasets.CIFAR10 if source == "cifar10" else torchvision.datasets.CIFAR100
+        return {"source": source, "mirror": f"{url}/"}, {cls: tables}
     files = mnist_files(served, given=(train_x[..., 0], train_y, test_x[..., 0], test_y))
     cls = torchvision.datasets.MNIST if source == "mnist" else torchvision.datasets.FashionMNIST
     return {"source": source, "mirror": f"{url}/"}, {cls: {"resources": files.resources}}
@@ -94,7 +104,7 @@ def _stage(project: Path, stage: str) -> float:
 
 
 def run_source(
-    source: str, work: Path, per_class: int, test_per_class: int, variants: list[str], train: dict[str, Any]
+    source: str, work: Path, train_images: int, test_images: int, variants: list[str], train: dict[str, Any]
 ) -> dict:
     """One source through the whole pipeline; its row of the table."""
     from tests.httpserver import FileServer
@@ -102,7 +112,7 @@ def run_source(
     served = work / source / "served"
     served.mkdir(parents=True, exist_ok=True)
     with FileServer() as server:
-        data, tables = publish(source, served, server.url, per_class, test_per_class)
+        data, tables = publish(source, served, server.url, train_images, test_images)
         for cls, attributes in tables.items():  # this process only downloads: no need to put them back
             for key, value in attributes.items():
                 setattr(cls, key, value)
@@ -137,8 +147,8 @@ def run_source(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sources", description=__doc__.split("\n")[0])
     parser.add_argument("--sources", nargs="+", default=["digits", *DATASET], choices=["digits", *DATASET])
-    parser.add_argument("--per-class", type=int, default=600, help="published train images per class")
-    parser.add_argument("--test-per-class", type=int, default=100, help="published test images per class")
+    parser.add_argument("--train-images", type=int, default=6000, help="in the published train set (all classes)")
+    parser.add_argument("--test-images", type=int, default=1000, help="in the published test set (all classes)")
     parser.add_argument("--variants", nargs="+", default=["static_int8"], help="compress.variants to build")
     parser.add_argument("--epochs", type=int, help="train.epochs (default: auto, the source's recipe)")
     parser.add_argument("--model", help="train.model (default: params.yaml's)")
@@ -147,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for source in args.sources:
         train = {key: value for key, value in (("epochs", args.epochs), ("model", args.model)) if value}
-        rows.append(run_source(source, args.out, args.per_class, args.test_per_class, args.variants, train))
+        rows.append(run_source(source, args.out, args.train_images, args.test_images, args.variants, train))
         print(json.dumps(rows[-1]), flush=True)
-    report = {"machine": machine(), "per_class": args.per_class, "test_per_class": args.test_per_class, "rows": rows}
+    report = {"machine": machine(), "train_images": args.train_images, "test_images": args.test_images, "rows": rows}
     (args.out / "sources.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -7,6 +7,8 @@ usual benchmarks, so that accuracy and timing claims can be checked beyond it wi
                                        affine (rotation, shear, aspect), blur and noise, white on black
     shapes     32x32 RGB, 10 classes   CIFAR-like: an object shape of random colour, size and rotation on a
                                        cluttered background, with distractor fragments, uneven light and noise
+    shapes100  32x32 RGB, 100 classes  CIFAR-100-like: the same pictures, the class also naming the object's
+                                       hue band (10 shapes x 10 hues; the background keeps any colour)
     garments   28x28 grey, 10 classes  Fashion-MNIST-like: jittered garment silhouettes with textured fill
 
 Every image is a pure function of (class, rng); the rng of image `index` of class `label` is seeded
@@ -120,7 +122,10 @@ def _ramp(rng: Rng, size: int) -> np.ndarray:
 
 def _colour(rng: Rng) -> np.ndarray:
     """Any colour, drawn the same way for objects, backgrounds and distractors: colour never tells the class."""
-    h, s, v = rng.random(), rng.uniform(0.0, 1.0), rng.uniform(0.15, 1.0)
+    return _hsv(rng.random(), rng.uniform(0.0, 1.0), rng.uniform(0.15, 1.0))
+
+
+def _hsv(h: float, s: float, v: float) -> np.ndarray:
     k = (np.array([5.0, 3.0, 1.0]) + h * 6) % 6
     return (v - v * s * np.clip(np.minimum(k, 4 - k), 0, 1)).astype(np.float32)
 
@@ -343,14 +348,30 @@ def _distractors(image: np.ndarray, rng: Rng, count: int) -> np.ndarray:
 
 def shape(label: int, rng: Rng, size: int = SIZE_RGB) -> np.ndarray:
     """A CIFAR-like picture of shape SHAPES[label]: (size, size, 3) uint8."""
+    return _picture(label, rng, size, _colour)
+
+
+def shape100(label: int, rng: Rng, size: int = SIZE_RGB) -> np.ndarray:
+    """A CIFAR-100-like picture: class = (shape SHAPES[label // 10], hue band label % 10 of the object).
+
+    Background and distractors keep any colour, so a hue is told from the object, not the frame.
+    """
+
+    def tinted(rng: Rng) -> np.ndarray:  # hue within its tenth of the circle, clearly saturated
+        return _hsv((label % 10 + rng.uniform(0.15, 0.85)) / 10, rng.uniform(0.55, 1.0), rng.uniform(0.35, 1.0))
+
+    return _picture(label // 10, rng, size, tinted)
+
+
+def _picture(kind: int, rng: Rng, size: int, object_colour: Callable[[Rng], np.ndarray]) -> np.ndarray:
     image = _background(rng, size)
     image = _distractors(image, rng, int(rng.integers(0, MAX_DISTRACTORS + 1)))
     centre = size / 2 + np.clip(rng.normal(0, 0.08 * size, 2), -0.15 * size, 0.15 * size)
-    alpha = _place(_outline(SHAPES[label], rng), rng, rng.uniform(0.28, 0.42) * size, centre)
+    alpha = _place(_outline(SHAPES[kind], rng), rng, rng.uniform(0.28, 0.42) * size, centre)
     behind = (image * alpha[..., None]).sum((0, 1)) / max(float(alpha.sum()), 1.0)
     luma = np.array([0.3, 0.59, 0.11], np.float32)
     for _ in range(10):  # mostly clear against what is behind it (lightness, not hue); sometimes, as in photos, barely
-        colour = _colour(rng)
+        colour = object_colour(rng)
         if abs(float((colour - behind) @ luma)) > CONTRAST:
             break
     image = _paint(image, alpha, rng, colour, patterned=PATTERNED)
@@ -479,6 +500,7 @@ class Dataset:
 DATASETS = {
     "glyphs": Dataset(tuple(str(d) for d in range(10)), (28, 28, 1), glyph),
     "shapes": Dataset(tuple(SHAPES), (SIZE_RGB, SIZE_RGB, 3), shape),
+    "shapes100": Dataset(tuple(f"{k}_hue{h}" for k in SHAPES for h in range(10)), (SIZE_RGB, SIZE_RGB, 3), shape100),
     "garments": Dataset(tuple(GARMENTS), (28, 28, 1), garment),
 }
 

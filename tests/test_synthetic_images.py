@@ -12,7 +12,7 @@ from PIL import Image
 
 from benchmarks.synthetic_images import DATASETS, generate, main, write_imagefolder
 
-SHAPES = {"glyphs": (28, 28, 1), "shapes": (32, 32, 3), "garments": (28, 28, 1)}
+SHAPES = {"glyphs": (28, 28, 1), "shapes": (32, 32, 3), "shapes100": (32, 32, 3), "garments": (28, 28, 1)}
 
 
 def test_every_dataset_is_listed() -> None:
@@ -25,19 +25,20 @@ def test_generate_is_deterministic_balanced_and_typed(name: str) -> None:
     again, again_labels, _ = generate(name, 4, seed=7)
     assert hashlib.sha256(images.tobytes()).digest() == hashlib.sha256(again.tobytes()).digest()
     assert np.array_equal(labels, again_labels)
-    assert images.shape == (40, *SHAPES[name]) and images.dtype == np.uint8
-    assert labels.dtype == np.int64 and np.bincount(labels).tolist() == [4] * 10
-    assert len(classes) == 10 and classes == sorted(classes), "ImageFolder numbers sorted folder names"
+    assert images.shape == (4 * len(classes), *SHAPES[name]) and images.dtype == np.uint8
+    k = len(classes)
+    assert labels.dtype == np.int64 and np.bincount(labels).tolist() == [4] * k
+    assert k == (100 if name == "shapes100" else 10) and classes == sorted(classes), "ImageFolder sorts its folders"
     assert not np.array_equal(generate(name, 4, seed=8)[0], images)
     assert images.std() > 20, "images, not blank frames"
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_an_image_depends_on_its_number_not_on_what_was_generated_before(name: str) -> None:
-    images, _, _ = generate(name, 3, seed=1)
+    images, _, classes = generate(name, 3, seed=1)
     later, labels, _ = generate(name, 2, seed=1, start=1)  # numbers 1 and 2 of each class
-    assert np.array_equal(later, images[10:])
-    assert np.array_equal(labels, np.tile(np.arange(10), 2))
+    assert np.array_equal(later, images[len(classes) :])
+    assert np.array_equal(labels, np.tile(np.arange(len(classes)), 2))
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -98,7 +99,7 @@ def test_cli_writes_splits_and_a_preview(tmp_path: Path) -> None:
     assert preview.height == 10 * (28 * 3 + 2) and preview.width > 12 * 28 * 3
 
 
-@pytest.mark.parametrize("source", ["mnist", "fashion_mnist", "cifar10", "imagefolder"])
+@pytest.mark.parametrize("source", ["mnist", "fashion_mnist", "cifar10", "cifar100", "imagefolder"])
 def test_the_check_data_downloads_in_its_sources_published_format(
     source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -110,7 +111,8 @@ def test_the_check_data_downloads_in_its_sources_published_format(
     from tests.httpserver import FileServer
 
     with FileServer() as server:
-        data, tables = publish(source, tmp_path / "served", server.url, per_class=3, test_per_class=2)
+        k = len(DATASETS[DATASET[source]].classes)
+        data, tables = publish(source, tmp_path / "served", server.url, train_images=3 * k, test_images=2 * k)
         for path in (tmp_path / "served").glob("*.*"):
             server.add_file(f"/{path.name}", path)
         for cls, attributes in tables.items():
@@ -120,7 +122,7 @@ def test_the_check_data_downloads_in_its_sources_published_format(
     raw = read_raw(tmp_path / "data")
     train, train_labels, classes = generate(DATASET[source], 3, seed=0)
     test, test_labels, _ = generate(DATASET[source], 2, seed=0, start=3)
-    assert raw.published_splits == {"train": (0, 30), "test": (30, 50)}
+    assert raw.published_splits == {"train": (0, 3 * k), "test": (3 * k, 5 * k)}
     if source == "imagefolder":  # read back folder by folder: sorted by class, then by file name
         order = np.argsort(train_labels, kind="stable"), np.argsort(test_labels, kind="stable")
         train, train_labels, test, test_labels = (
