@@ -76,12 +76,14 @@ def _tutorial_epoch(pre: Path, num_workers: int):
 
     from tasks.models import build_model
     from tasks.preprocess import load_split
+    from tasks.training import shift_pixels
 
     p = params()
     cfg = p.train
     torch.manual_seed(p.seed)
     split = load_split(pre, "train")
-    steps = [transforms.RandomCrop(split.images.shape[-2:], padding=cfg.random_shift)] if cfg.random_shift else []
+    shift = shift_pixels(cfg, split.images.shape[-2:])
+    steps = [transforms.RandomCrop(split.images.shape[-2:], padding=shift)] if shift else []
     transform = transforms.Compose([*steps, transforms.ToTensor(), transforms.Normalize(split.mean, split.std)])
     dataset = TutorialDigits(np.asarray(split.images), np.asarray(split.labels), transform)
     # the same network; its built-in normalisation set to identity (the transform normalises)

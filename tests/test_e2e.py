@@ -117,7 +117,8 @@ def test_dvc_repro_runs_every_stage_and_tracks_them(dvc_repo: dict[str, Any]) ->
             check_stage_run(repo, child)
     train_run = next(c for c in executions[1][1] if c.data.tags["lockstep.stage"] == "train")
     assert train_run.data.params["train.lr"] == "0.05" and train_run.data.params["train.epochs"] == str(EPOCHS)
-    assert "data.source" not in train_run.data.params  # only the params the stage reads
+    # only the params the stage reads: data.source (what `auto` resolves from), not the rest of `data`
+    assert train_run.data.params["data.source"] == "digits" and "data.mirror" not in train_run.data.params
     history = client_for(repo).get_metric_history(train_run.info.run_id, "val_accuracy")
     assert [m.step for m in history] == list(range(1, EPOCHS + 1))
     for key in ("train_loss", "train_accuracy", "val_loss"):
