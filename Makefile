@@ -14,7 +14,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-all lint bench gpu-check repro serve ui mlflow-server reproduce env clean
+.PHONY: run test test-all lint bench gpu-check repro serve ui mlflow-server reproduce mark-orphans env clean
 
 # Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
 # MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
@@ -86,6 +86,12 @@ mlflow-server: $(STAMP)  ## MLflow tracking server (database + artifact store) o
 reproduce: $(STAMP)  ## re-run a past run's training and compare weights: make reproduce RUN=<mlflow run id>
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<mlflow run id>" >&2; exit 2; }
 	$(VENV)/bin/python -m tasks.reproduce $(RUN)
+
+# Runs left RUNNING by a killed flow or stage are marked KILLED by the next pipeline run anyway; this
+# does it now, over every experiment (tasks/orphans.py), e.g. `make mark-orphans ARGS="--dry-run"` or
+# ARGS="--older-than 7d" for runs it cannot check from here (another host, an older lockstep's).
+mark-orphans: $(STAMP)  ## mark KILLED (with the reason) the MLflow runs whose process is gone
+	$(VENV)/bin/python -m tasks.orphans $(ARGS)
 
 env: $(STAMP)  ## create or update .venv from uv.lock
 

@@ -51,11 +51,10 @@ def two_pass_loop(data_dir: Path, split: SplitConfig, seed: int) -> tuple[list[f
     up front rather than decoded per sample. Units follow the stage: pixels scaled to [0, 1],
     std with ddof=0 over every pixel of the split.
     """
-    from tasks.data_format import split_indices
+    from tasks.data_format import open_raw, split_indices
 
     images = np.load(Path(data_dir) / "images.npy")  # (N, H, W, C) uint8
-    labels = np.load(Path(data_dir) / "labels.npy")
-    train = split_indices(labels, split, seed)["train"]
+    train = split_indices(open_raw(data_dir), split, seed)["train"]
     height, width, channels = images.shape[1:]
     pixels = len(train) * height * width
 

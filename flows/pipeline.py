@@ -28,7 +28,7 @@ import threading
 from contextlib import nullcontext
 from typing import Any
 
-from flows import prefect_env
+from flows import notify, prefect_env
 from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
 from tasks.layout import ROOT
 
@@ -131,7 +131,15 @@ def summarize(results: dict[str, dict[str, Any]], data_md5_before: str, data_md5
     return "stages run: none (everything up to date): nothing retrained"
 
 
-@flow(name=FLOW_NAME, log_prints=True)
+@flow(
+    name=FLOW_NAME,
+    log_prints=True,
+    # who runs the service is told of failed, refused and crashed runs and of promotions (flows/notify.py)
+    on_running=[notify.announce],
+    on_failure=[notify.on_failure],
+    on_crashed=[notify.on_crashed],
+    on_completion=[notify.on_completion],
+)
 def pipeline(
     params_file: str = PARAMS_FILE, force: bool = False, reingest: bool = False, overrides: dict[str, Any] | None = None
 ) -> dict[str, dict[str, Any]]:
@@ -169,7 +177,8 @@ def pipeline(
         results: dict[str, dict[str, Any]] = {}
         with pipeline_run(params.tracking, entry_point="prefect") as run_id:
             for name in STAGES:
-                results[name] = STAGE_TASKS[name](name, params, force or (reingest and name == "download"))
+                with notify.stage(name):  # a failure or crash inside names the stage
+                    results[name] = STAGE_TASKS[name](name, params, force or (reingest and name == "download"))
             summary = summarize(results, before, data_md5())
             if run_id:
                 retrained = str(results["train"]["ran"]).lower()

@@ -116,6 +116,11 @@ class DataConfig(_Section):
 class SplitConfig(_Section):
     # a source's published test set (MNIST, CIFAR, train/ test/ folders) is the one papers report on
     published: bool = True
+    # hash: each image goes where a seeded hash of its content sends it, so that adding images never
+    # moves an existing one to another split and copies of an image always share one (data that
+    # grows: a fair comparison between models needs the same test images); random: a seeded,
+    # stratified shuffle (exact class fractions, but any change to the data reshuffles everything)
+    assign: Literal["hash", "random"] = "hash"
     train: float = Field(0.7, gt=0, lt=1)
     val: float = Field(0.15, gt=0, lt=1)  # model selection needs a validation split
     test: float = Field(0.15, gt=0, lt=1)
@@ -342,6 +347,59 @@ class ExportConfig(_Section):
         return values
 
 
+class ChecksConfig(_Section):
+    """Data checks on a new snapshot before it replaces the last trained one (the download stage).
+
+    A gate, not an input: a snapshot that passes is written exactly as without them, so these
+    thresholds are not DVC params of any stage (changing one retrains nothing). A failed check
+    refuses the snapshot: the stage fails with one line naming the check and its numbers, and data/
+    stays as it was.
+    """
+
+    enabled: bool = True
+    # fewer images than the last trained snapshot, as a fraction of it (0.1: a drop of over 10% is refused)
+    max_image_drop: float = Field(0.1, ge=0, le=1)
+    missing_classes: Literal["refuse", "warn"] = "refuse"  # a class the last trained snapshot had
+    new_classes: Literal["refuse", "warn"] = "warn"  # a class it did not have (the head changes size)
+    max_class_imbalance: float = Field(20.0, ge=1, le=1e9)  # largest class / smallest class
+    max_mean_shift: float = Field(0.5, ge=0, le=1e3)  # per channel, in units of the last snapshot's std
+    max_std_ratio: float = Field(1.5, ge=1, le=1e3)  # per channel, new std / last std or its inverse
+    # population stability index of the class frequencies: < 0.1 little change, > 0.25 a large one
+    max_label_psi: float = Field(0.25, ge=0, le=1e3)
+    # test images whose exact content is also in train or val (they inflate test accuracy)
+    max_duplicates_across_splits: float = Field(0.01, ge=0, le=1)  # as a fraction of the test split
+
+
+class PromotionConfig(_Section):
+    """How a new model version is judged against the champion (tasks/registry.py), on the same test
+    images: the champion's ONNX model is scored on the challenger's test split. Read by the export
+    stage's registry step only, like `tracking`: not a DVC param (changing it re-exports nothing)."""
+
+    # margin: promote when challenger accuracy - champion accuracy >= min_margin on the same images;
+    # mcnemar: promote only when the challenger is better by McNemar's exact test at `alpha`
+    rule: Literal["margin", "mcnemar"] = "margin"
+    min_margin: float = Field(0.0, ge=-1, le=1)  # 0.0: at least as accurate as the champion
+    alpha: float = Field(0.05, gt=0, lt=1)
+    # a champion that cannot be scored on the new data (other classes or input shape)
+    incomparable: Literal["promote", "keep"] = "promote"
+    max_champion_bytes: int = Field(2 << 30, ge=1, le=1 << 40)  # the champion's files, fetched from the registry
+
+
+class NotifyConfig(_Section):
+    """Who is told when a run fails, crashes or is refused, and of each promotion decision
+    (flows/notify.py). Webhook URLs carry tokens: they are never params. They come from a Prefect
+    block (`block`, made with `prefect block create` or the UI) or from an environment variable
+    (`url_env`); with neither set, nobody is told and the run says so once."""
+
+    events: tuple[Literal["failed", "crashed", "refused", "promotion"], ...] = Field(
+        ("failed", "crashed", "refused", "promotion"), strict=False
+    )
+    block: str | None = Field(None, max_length=256, pattern=r"^[a-z0-9-]+/[a-z0-9-]+$")  # <block type>/<name>
+    url_env: str = Field("LOCKSTEP_NOTIFY_URL", max_length=128, pattern=r"^[A-Z_][A-Z0-9_]*$")
+    format: Literal["slack", "generic"] = "slack"  # slack: {"text": ...}; generic: the event as JSON fields
+    timeout_s: float = Field(5.0, gt=0, le=60)  # per message; a slow or dead receiver never stalls a run
+
+
 class TrackingConfig(_Section):
     enabled: bool = True
     experiment: str = Field("lockstep", min_length=1, max_length=256)
@@ -359,6 +417,7 @@ class OrchestrationConfig(_Section):
     timezone: str = Field("UTC", max_length=64)
     reingest: bool = True  # scheduled runs re-read the source first; unchanged data means nothing retrains
     lock_wait_s: float = Field(3600.0, ge=0, le=7 * 24 * 3600)  # an overlapping run waits this long, then is refused
+    notify: NotifyConfig = NotifyConfig()
 
     @field_validator("timezone")
     @classmethod
@@ -382,6 +441,8 @@ class Params(_Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     compress: CompressConfig = CompressConfig()
     export: ExportConfig = ExportConfig()
+    checks: ChecksConfig = ChecksConfig()
+    promotion: PromotionConfig = PromotionConfig()
     tracking: TrackingConfig = TrackingConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
 

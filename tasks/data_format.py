@@ -17,6 +17,7 @@ write them in chunks (`NpyWriter`), with no pickle involved. Files are written d
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -280,29 +281,96 @@ def read_raw(data_dir: Path) -> RawDataset:
     return RawDataset(images, snapshot.labels, snapshot.classes, snapshot.source, snapshot.published_splits)
 
 
-def split_indices(
-    labels: np.ndarray, split: SplitConfig, seed: int, published: PublishedSplits | None = None
-) -> dict[str, np.ndarray]:
-    """Train/val/test indices (each sorted, so chunked reads stay sequential).
+def content_digests(rows: NpyRows, chunk_size: int = 4096) -> np.ndarray:
+    """(N, 16) uint8: a BLAKE2b-128 digest of each image's bytes (shape and pixels; not its label).
 
-    With `published` splits (the snapshot's own, see `open_raw`) and `split.published`, test is
-    exactly the published test set, as papers report, and so is val when one is published;
-    otherwise val is a seeded, stratified val/(train + val) of the published train set. Without
-    them, every split is a seeded, stratified cut of all images.
-
-    Both the stats stage (train split only) and the preprocess stage call this, so they agree on
-    which images are training images without passing index files between them.
+    What "the same image" means wherever the pipeline asks: which split an image belongs to
+    (`split.assign: hash`) and which images are copies of each other (tasks/checks.py).
     """
-    rng = np.random.default_rng(seed)
-    if published is None or not split.published:
-        test, val, train = _stratified(np.arange(len(labels)), labels, (split.test, split.val), rng)
-        return {"train": train, "val": val, "test": test}
-    parts = {name: np.arange(*published[name]) for name in published}
-    if "val" not in parts:
-        parts["val"], parts["train"] = _stratified(
-            parts["train"], labels, (split.val / (split.train + split.val),), rng
-        )
-    return {name: parts[name] for name in SPLITS}
+    digests = np.empty((rows.shape[0], 16), dtype=np.uint8)
+    shape = repr(tuple(rows.shape[1:])).encode()  # a 28x28 image and a 14x56 one with the same bytes differ
+    size = int(np.prod(rows.shape[1:], dtype=np.int64))
+    # Copying one primed hasher, over memoryview slices of the block, rather than a new hasher over
+    # each row's `tobytes()`: the per-image Python overhead dominates for small images (3-5x faster
+    # on 8x8 digits; the same digests).
+    empty = hashlib.blake2b(digest_size=16, person=b"lockstep-image")
+    for start, block in zip(
+        range(0, rows.shape[0], chunk_size), rows.chunks(np.arange(rows.shape[0]), chunk_size), strict=True
+    ):
+        pixels, out = memoryview(block.reshape(-1)), []
+        for row in range(len(block)):
+            digest = empty.copy()
+            digest.update(pixels[row * size : (row + 1) * size])
+            digest.update(shape)
+            out.append(digest.digest())
+        digests[start : start + len(block)] = np.frombuffer(b"".join(out), dtype=np.uint8).reshape(-1, 16)
+    return digests
+
+
+def split_indices(
+    snapshot: RawSnapshot,
+    split: SplitConfig,
+    seed: int,
+    digests: np.ndarray | None = None,
+    chunk_size: int = 4096,
+) -> dict[str, np.ndarray]:
+    """Train/val/test indices of `snapshot` (each sorted, so chunked reads stay sequential).
+
+    With the snapshot's own published splits and `split.published`, test is exactly the published
+    test set, as papers report, and so is val when one is published; otherwise val is cut from the
+    published train set (a val/(train + val) share). Without them, all three are cut from all images.
+    A cut is `split.assign`: `hash` sends each image where a seeded hash of its content says
+    (`hash_positions`), so images added later never move an existing one and copies of an image
+    share a split; `random` is a seeded, stratified shuffle (exact class fractions).
+
+    `digests` (`content_digests` of the snapshot) saves the streamed digest pass when the caller has
+    them already. Both the stats stage (train split only) and the preprocess stage call this, so they
+    agree on which images are training images without passing index files between them.
+    """
+    labels = snapshot.labels
+    published = snapshot.published_splits if split.published else None
+    if published is not None and "val" in published:  # nothing to cut: every split is the source's own
+        return {name: np.arange(*published[name]) for name in SPLITS}
+    if published is None:
+        candidates, fractions = np.arange(len(labels)), (split.test, split.val)
+    else:
+        candidates, fractions = np.arange(*published["train"]), (split.val / (split.train + split.val),)
+    if split.assign == "random":
+        # the generator is made here, as before `assign` existed, so the same seed gives the same indices
+        cuts = _stratified(candidates, labels, fractions, np.random.default_rng(seed))
+    else:
+        if digests is None:
+            digests = content_digests(snapshot.rows, chunk_size)
+        cuts = _by_position(candidates, hash_positions(digests[candidates], seed), fractions)
+    if published is None:
+        test, val, train = cuts
+    else:
+        (val, train), test = cuts, np.arange(*published["test"])
+    return {"train": train, "val": val, "test": test}
+
+
+def hash_positions(digests: np.ndarray, seed: int) -> np.ndarray:
+    """(N,) float64 in [0, 1): where each image (by its `content_digests` row) falls, for `seed`.
+
+    BLAKE2b keyed with the seed: a function of the image's content and the seed alone, so an image
+    keeps its position whatever else is in the snapshot, and another seed gives independent positions.
+    The top 53 bits of the first 8 bytes make an exact float64 (the same on every machine).
+    """
+    keyed = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"), person=b"lockstep-split")
+    data, width = memoryview(np.ascontiguousarray(digests).reshape(-1)), digests.shape[1]
+    words = []
+    for start in range(0, len(data), width):
+        position = keyed.copy()  # a copy of the keyed hasher: cheaper than keying a new one per image
+        position.update(data[start : start + width])
+        words.append(position.digest())
+    as_integers = np.frombuffer(b"".join(words), dtype="<u8")
+    return (as_integers >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def _by_position(indices: np.ndarray, positions: np.ndarray, fractions: tuple[float, ...]) -> list[np.ndarray]:
+    """`indices` cut by their `positions`: [0, f1) first, [f1, f1 + f2) next, ..., the rest last."""
+    which = np.searchsorted(np.cumsum(fractions), positions, side="right")
+    return [indices[which == cut] for cut in range(len(fractions) + 1)]
 
 
 def _stratified(

@@ -32,8 +32,9 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import numpy as np
 
 from tasks.archive import ArchiveLimits, extract, is_archive
+from tasks.atomic import atomic_dir
 from tasks.config import DataConfig
-from tasks.data_format import PublishedSplits, RawDataset, read_raw, write_raw
+from tasks.data_format import PublishedSplits, RawDataset, RawSnapshot, open_raw, read_raw, write_raw
 from tasks.errors import ExpectedFailure
 from tasks.fetch import AUTH_ENV, TOKEN_ENV, Auth, Checksum, Retry, fetch, verify
 from tasks.imagefolder import ImageLimits, ingest_folder
@@ -216,18 +217,29 @@ SOURCES: dict[str, Callable[[_Context, Path], None]] = {
 }
 
 
-def download(cfg: DataConfig, out_dir: Path, cache_dir: Path, retry: Retry | None = None) -> DownloadResult:
+def download(
+    cfg: DataConfig,
+    out_dir: Path,
+    cache_dir: Path,
+    retry: Retry | None = None,
+    check: Callable[[RawSnapshot], None] | None = None,
+) -> DownloadResult:
     """Ingest `cfg.source` into `out_dir`, replacing any previous snapshot atomically.
 
-    Raises ExpectedFailure (a DownloadError for network and checksum failures) with a message naming
-    the file or URL; `out_dir` is then exactly as it was.
+    `check` sees the new snapshot before it replaces the old one, and refuses it by raising (the
+    data checks, tasks/checks.py). Raises ExpectedFailure (a DownloadError for network and checksum
+    failures, DataRefused for a refused snapshot) with a message naming the file, URL or check;
+    `out_dir` is then exactly as it was.
     """
     retry = retry or Retry(attempts=cfg.retries + 1, timeout_s=cfg.timeout_s, deadline_s=cfg.deadline_s)
     _warn_about_credentials_in_params(cfg)
     cache = Path(cache_dir) / cfg.source
     cache.mkdir(parents=True, exist_ok=True)
     ctx = _Context(cfg, cache, retry, Auth.from_environment([cfg.mirror, cfg.url]))
-    SOURCES[cfg.source](ctx, out_dir)
+    with atomic_dir(Path(out_dir)) as staging:
+        SOURCES[cfg.source](ctx, staging)
+        if check is not None:
+            check(open_raw(staging))
     written = read_raw(out_dir)  # read back: what later stages will see
     return DownloadResult(
         source=written.source,

@@ -13,3 +13,14 @@ class ExpectedFailure(RuntimeError):
 
     Whatever raised it has left the previous outputs as they were.
     """
+
+
+class DataRefused(ExpectedFailure):
+    """A new data snapshot failed a data check (tasks/checks.py) and was not taken: nothing retrains.
+
+    The message is one line naming the check and its numbers; `report` is the whole check report.
+    """
+
+    def __init__(self, message: str, report: dict | None = None) -> None:
+        super().__init__(message)
+        self.report = report or {}

@@ -16,6 +16,12 @@ DATA_DVC = Path("data.dvc")
 ARTIFACTS = Path("artifacts")
 
 DOWNLOAD_RECEIPT = ARTIFACTS / "download" / "receipt.json"
+DATA_PROFILE = ARTIFACTS / "download" / "profile.json"  # the snapshot in data/, summarised (tasks/checks.py)
+# The profile of the snapshot the current model was trained on: what the data checks compare with.
+TRAINED_PROFILE = ARTIFACTS / "train" / "data_profile.json"
+# The last data check report, refused or not. Not a DVC output: it depends on the history (what was
+# trained before), not only on the data.
+CHECKS_REPORT = ARTIFACTS / "checks" / "report.json"
 STATS_FILE = ARTIFACTS / "stats" / "stats.json"
 PREPROCESSED_DIR = ARTIFACTS / "preprocessed"
 TRAIN_DIR = ARTIFACTS / "train"

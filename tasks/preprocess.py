@@ -5,8 +5,9 @@ Output (`artifacts/preprocessed/`), format `lockstep-preprocessed/2`:
     {split}_images.npy   uint8, (N, C, H, W): channels-first, as torch wants them
     {split}_labels.npy   int64, (N,)
     meta.json            classes, image shape, split sizes, which splits are the source's published
-                         ones, the normalisation (mean, std), and the sha256 of every array file,
-                         checked by `load_split` before any use
+                         ones, how the others were cut (`split_assign`: hash or random), the
+                         normalisation (mean, std), and the sha256 of every array file, checked by
+                         `load_split` before any use
 
 Images stay uint8 (4x smaller than float32, no per-sample decoding): training normalises whole
 batches on the device with the mean/std recorded here, which come from the stats stage.
@@ -41,6 +42,9 @@ class PreprocessResult:
     # the splits that are the source's own (["test"]: its published test set), [] when all are seeded
     # cuts: which test set a test accuracy is measured on
     published: list[str]
+    # how the splits that are not published were cut (`split.assign`): by content hash, which keeps
+    # them stable as the data grows, or by a seeded stratified shuffle
+    split_assign: str
 
 
 def preprocess(data_dir: Path, stats: ChannelStats, split: SplitConfig, seed: int, out_dir: Path) -> PreprocessResult:
@@ -50,7 +54,7 @@ def preprocess(data_dir: Path, stats: ChannelStats, split: SplitConfig, seed: in
     if len(stats.mean) != channels:
         raise ValueError(f"stats have {len(stats.mean)} channels, images have {channels}")
     published = raw.published_splits if split.published else None
-    indices = split_indices(raw.labels, split, seed, published)
+    indices = split_indices(raw, split, seed, chunk_size=CHUNK)
     result = PreprocessResult(
         split_sizes={name: len(idx) for name, idx in indices.items()},
         num_classes=len(raw.classes),
@@ -58,6 +62,7 @@ def preprocess(data_dir: Path, stats: ChannelStats, split: SplitConfig, seed: in
         mean=stats.mean,
         std=stats.std,
         published=_as_published(published),
+        split_assign=split.assign,
     )
     with atomic_dir(out_dir) as staging:
         for name in SPLITS:

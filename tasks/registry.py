@@ -1,55 +1,177 @@
 """The MLflow model registry: register the shipped model, then decide whether it becomes champion.
 
-Every registered version gets the alias `challenger`. The alias `champion` moves to it only if its
-test accuracy is at least the current champion's (or there is no champion yet). Both numbers and
-the decision are recorded on the stage run (tags and metrics) and on the model version (tags), so
-the MLflow UI shows why a version was or was not promoted.
+Every registered version gets the alias `challenger`. Whether `champion` moves to it is decided on a
+paired comparison: the current champion's ONNX model is fetched from the registry and scored on the
+challenger's test split, with the same runtime, so both accuracies are over the same images (an
+accuracy the champion reached on last month's test split says nothing about this month's). The
+rule is params.yaml's `promotion`: a minimum margin, or McNemar's exact test on the images where
+exactly one of the two is right. A champion that cannot be scored on the new data (other classes,
+another input shape, files too large or not a plain ONNX model) is a recorded reason, and
+`promotion.incomparable` says what then happens.
 
-Accuracies compare the test split each model was scored on: when the data changed between the two
-runs, that is a different test split, and the run records both data hashes (`data.md5` tags).
+Both scores, the test split's hash, the margin, the p-value and the verdict are recorded on the
+stage run and on the model version, so the MLflow UI shows why a version was or was not promoted.
+A champion's files come from a tracking server others write to: their size is bounded, and a model
+that points at external data files (which could name any path) is refused unread.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from tasks.config import PromotionConfig
+from tasks.preprocess import Preprocessed
+
 CHALLENGER, CHAMPION = "challenger", "champion"
-ACCURACY_TAG = "test_accuracy"
+ACCURACY_TAG = "test_accuracy"  # on the version's own test split
+CLASSES_TAG, INPUT_TAG, SPLIT_TAG = "classes.sha256", "input_shape", "test_split.sha256"
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Two models scored on the same images."""
+
+    images: int
+    challenger_accuracy: float
+    champion_accuracy: float
+    challenger_only: int  # images the challenger gets right and the champion wrong
+    champion_only: int
+
+    @property
+    def margin(self) -> float:
+        return self.challenger_accuracy - self.champion_accuracy
+
+    @property
+    def p_value(self) -> float:
+        """McNemar's exact test, one-sided: the chance of the challenger winning at least this many of
+        the discordant images if both models were equally good. Written out (a binomial tail) rather
+        than imported from scipy, which is not otherwise a dependency."""
+        n, wins = self.challenger_only + self.champion_only, self.challenger_only
+        return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n if n else 1.0
 
 
 @dataclass(frozen=True)
 class Promotion:
     name: str
     version: str
-    accuracy: float
+    accuracy: float  # the challenger's, on its own test split
     champion_version: str | None  # before this decision
-    champion_accuracy: float | None
+    paired: Paired | None  # None: no champion, or one that could not be scored
     promoted: bool
+    verdict: str  # one line: what was decided and why
+    test_split_sha256: str
 
 
-def decide_promotion(client: Any, name: str, version: str, accuracy: float) -> Promotion:
-    """Alias `version` as challenger; move `champion` to it if `accuracy` >= the champion's."""
-    client.set_model_version_tag(name, version, ACCURACY_TAG, repr(accuracy))
+def identity(test: Preprocessed) -> dict[str, str]:
+    """What a model version must share with the data to be scored on it (tags of every version)."""
+    classes = hashlib.sha256(json.dumps(list(test.classes)).encode()).hexdigest()
+    return {CLASSES_TAG: classes, INPUT_TAG: "x".join(str(n) for n in test.images.shape[1:])}
+
+
+def split_sha256(test: Preprocessed) -> str:
+    digest = hashlib.sha256(json.dumps(list(test.classes)).encode())
+    digest.update(np.ascontiguousarray(test.images).tobytes())
+    digest.update(np.ascontiguousarray(test.labels).astype(np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def decide_promotion(
+    client: Any, name: str, version: str, shipped: Path, test: Preprocessed, accuracy: float, cfg: PromotionConfig
+) -> Promotion:
+    """Alias `version` as challenger; move `champion` to it if it wins the paired comparison."""
+    split = split_sha256(test)
+    for key, value in {**identity(test), ACCURACY_TAG: repr(accuracy), SPLIT_TAG: split}.items():
+        client.set_model_version_tag(name, version, key, value)
     client.set_registered_model_alias(name, CHALLENGER, version)
-    champion_version = client.get_registered_model(name).aliases.get(CHAMPION)
-    current = client.get_model_version(name, str(champion_version)) if champion_version is not None else None
-    champion_accuracy = None
-    if current is not None:
-        recorded = current.tags.get(ACCURACY_TAG)
-        # A champion set without an accuracy (by hand, or by an older lockstep) cannot be compared:
-        # the challenger replaces it.
-        champion_accuracy = float(recorded) if recorded is not None else None
-    promoted = champion_accuracy is None or accuracy >= champion_accuracy
+    champion = client.get_registered_model(name).aliases.get(CHAMPION)
+    paired, problem = None, "no champion yet"
+    if champion is not None:
+        with tempfile.TemporaryDirectory(prefix="lockstep-champion-") as tmp:
+            champion_file, problem = _fetch_champion(client, name, str(champion), test, Path(tmp), cfg)
+            if champion_file is not None:
+                paired = score_pair(shipped, champion_file, test)
+    promoted, verdict = _judge(name, version, str(champion) if champion else None, paired, problem, cfg)
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version)
-    decision = "promoted" if promoted else "kept"
-    client.set_model_version_tag(name, version, "promotion", decision)
-    return Promotion(
-        name=name,
-        version=version,
-        accuracy=accuracy,
-        champion_version=str(current.version) if current is not None else None,
-        champion_accuracy=champion_accuracy,
-        promoted=promoted,
+    client.set_model_version_tag(name, version, "promotion", "promoted" if promoted else "kept")
+    client.set_model_version_tag(name, version, "promotion.verdict", verdict)
+    return Promotion(name, version, accuracy, str(champion) if champion else None, paired, promoted, verdict, split)
+
+
+def score_pair(challenger: Path, champion: Path, test: Preprocessed, threads: int = 1) -> Paired:
+    """Both ONNX models on every test image, in ONNX Runtime."""
+    from tasks.onnx_model import predict, session
+
+    right = [
+        predict(session(path, threads), test.images).argmax(axis=1) == test.labels for path in (challenger, champion)
+    ]
+    return Paired(
+        images=len(test.labels),
+        challenger_accuracy=float(right[0].mean()),
+        champion_accuracy=float(right[1].mean()),
+        challenger_only=int(np.sum(right[0] & ~right[1])),
+        champion_only=int(np.sum(right[1] & ~right[0])),
     )
+
+
+def _fetch_champion(
+    client: Any, name: str, version: str, test: Preprocessed, dest: Path, cfg: PromotionConfig
+) -> tuple[Path | None, str]:
+    """The champion's model.onnx if it can be scored on `test`, else (None, why not)."""
+    import mlflow
+
+    current = client.get_model_version(name, version)
+    tags = current.tags
+    for key, expected in identity(test).items():
+        if tags.get(key) != expected:
+            what = "class names" if key == CLASSES_TAG else "input shape"
+            found = "none recorded" if key not in tags else tags[key][:16]
+            return None, f"champion v{version} has other {what} ({found}) than this data ({expected[:16]})"
+    uri = f"models:/{name}/{version}"
+    files = {info.path: info.file_size or 0 for info in mlflow.artifacts.list_artifacts(artifact_uri=uri)}
+    if "model.onnx" not in files:
+        return None, f"champion v{version} has no model.onnx"
+    if files["model.onnx"] > cfg.max_champion_bytes:
+        return None, f"champion v{version}'s model.onnx is {files['model.onnx']} bytes (promotion.max_champion_bytes)"
+    path = Path(mlflow.artifacts.download_artifacts(f"{uri}/model.onnx", dst_path=str(dest)))
+    if path.stat().st_size > cfg.max_champion_bytes:  # the listing said otherwise: trust the bytes
+        return None, f"champion v{version}'s model.onnx is larger than listed"
+    return (path, "") if _self_contained(path) else (None, f"champion v{version}'s model.onnx uses external data")
+
+
+def _self_contained(path: Path) -> bool:
+    """True when every weight is inside the file: an external-data entry could name any file here."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def _judge(
+    name: str, version: str, champion: str | None, paired: Paired | None, problem: str, cfg: PromotionConfig
+) -> tuple[bool, str]:
+    if paired is None:
+        promoted = champion is None or cfg.incomparable == "promote"
+        return promoted, f"{name} v{version} {_action(promoted, champion)}: {problem}"
+    if cfg.rule == "mcnemar":
+        promoted = paired.margin > 0 and paired.p_value < cfg.alpha
+        rule = f"McNemar p={paired.p_value:.3g} {'<' if promoted else 'not <'} {cfg.alpha:g}"
+    else:
+        promoted = paired.margin >= cfg.min_margin
+        rule = f"margin {paired.margin:+.4f} {'>=' if promoted else '<'} {cfg.min_margin:g}"
+    return promoted, (
+        f"{name} v{version} {_action(promoted, champion)}: challenger {paired.challenger_accuracy:.4f} vs "
+        f"champion v{champion} {paired.champion_accuracy:.4f} on the same {paired.images} test images ({rule})"
+    )
+
+
+def _action(promoted: bool, champion: str | None) -> str:
+    return "promoted to champion" if promoted else f"not promoted (champion stays v{champion})"

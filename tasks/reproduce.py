@@ -49,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from tasks import cpu_mode, layout, tracking
+from tasks import cpu_mode, layout, orphans, tracking
 from tasks.atomic import write_text
 from tasks.cli import configure_logging, exit_code, one_line
 from tasks.config import ConfigError, load_params, load_yaml, shown
@@ -623,6 +623,7 @@ def _log_outcome(client: Any, report: ReproduceReport, workdir: Path) -> str:
         **{f"reproduce.logged_sha256.{c.name}": c.logged for c in report.weights},
         **{f"reproduce.sha256.{c.name}": str(c.rebuilt) for c in report.weights},
         **report.machine_now,
+        **orphans.owner_tags(),  # a kill before it ends leaves it to the next sweep
     }
     run = client.create_run(report.experiment_id, run_name=f"reproduce {report.run_id[:8]}", tags=tags)
     report.reproduce_run_id = run.info.run_id
@@ -813,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    orphans.sweep(_client(tracking.tracking_uri()), None, "python -m tasks.reproduce")  # runs left RUNNING by kills
     try:
         report = reproduce(
             args.run_id,

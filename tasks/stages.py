@@ -25,7 +25,9 @@ from tasks.hashing import data_md5
 from tasks.tracking import StageRun, lineage_tags, stage_run
 
 if TYPE_CHECKING:
+    from tasks.checks import Report
     from tasks.export import ExportResult
+    from tasks.registry import Promotion
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +41,41 @@ def track_data_with_dvc() -> None:
 
 
 def _download(params: Params, run: StageRun) -> dict[str, float]:
+    from tasks.checks import read_profile, refuse_if_failed, run_checks
+    from tasks.data_format import RawSnapshot
     from tasks.download import download
 
-    result = download(params.data, layout.DATA_DIR, layout.download_cache())
+    checked: list[Report] = []
+
+    def check(snapshot: RawSnapshot) -> None:  # before the new snapshot replaces data/
+        trained = read_profile(layout.TRAINED_PROFILE)
+        checked.append(run_checks(snapshot, params.data, params.checks, params.split, params.seed, trained))
+        refuse_if_failed(checked[-1])
+
+    try:
+        result = download(params.data, layout.DATA_DIR, layout.download_cache(), check=check)
+    finally:  # a refused snapshot's report is what the person on call reads
+        if checked:
+            _record_checks(checked[-1], run)
     track_data_with_dvc()
     receipt = {**asdict(result), "data_md5": data_md5()}
     write_text(layout.DOWNLOAD_RECEIPT, json.dumps(receipt, indent=2) + "\n")
-    run.log_artifact(layout.DOWNLOAD_RECEIPT)
-    run.log_artifact(layout.DATA_DVC)
+    write_text(layout.DATA_PROFILE, json.dumps(asdict(checked[-1].profile), indent=2) + "\n")
+    for path in (layout.DOWNLOAD_RECEIPT, layout.DATA_DVC, layout.DATA_PROFILE):
+        run.log_artifact(path)
     return {"num_images": result.num_images, "num_classes": result.num_classes}
+
+
+def _record_checks(report: Report, run: StageRun) -> None:
+    write_text(layout.CHECKS_REPORT, json.dumps(report.as_json(), indent=2) + "\n")
+    run.log_artifact(layout.CHECKS_REPORT, "checks")
+    run.log_metrics(report.metrics())
+    verdict = "refused" if report.refused else "passed with warnings" if report.warnings else "passed"
+    run.set_tags({"checks.verdict": verdict, "checks.failed": ", ".join(c.name for c in report.refused) or "none"})
+    for warning in report.warnings:
+        log.warning("data check %s: %s", warning.name, warning.detail)
+    for note in report.notes:
+        log.info("data checks: %s", note)
 
 
 def _stats(params: Params, run: StageRun) -> dict[str, float]:
@@ -97,6 +125,7 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
             **(result.pretrained or {}),  # pretrained.sha256 / .source (redacted) / .reinitialised
         }
     )
+    _keep_trained_profile()
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
         run.log_artifact(layout.TRAIN_DIR / name, "checkpoints" if name.endswith(".safetensors") else None)
     # What `python -m tasks.reproduce <run id>` rebuilds this run from: the resolved params, the data
@@ -111,6 +140,17 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
                 if path.exists():
                     run.log_artifact(path, "reproduce")
     return {"best_epoch": result.best_epoch, "best_val_accuracy": result.best_val_accuracy}
+
+
+def _keep_trained_profile() -> None:
+    """What the next data checks compare a new snapshot with: the data this model was trained on.
+
+    DVC runs train only with the profile in place (a dep); a workspace laid out by hand may lack it.
+    """
+    if layout.DATA_PROFILE.exists():
+        write_text(layout.TRAINED_PROFILE, layout.DATA_PROFILE.read_text())
+    else:
+        log.warning("%s is missing: the next data checks have no trained snapshot to compare with", layout.DATA_PROFILE)
 
 
 def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
@@ -146,7 +186,7 @@ def _compress(params: Params, run: StageRun) -> dict[str, float]:
     }
 
 
-def _export(params: Params, run: StageRun) -> dict[str, float]:
+def _export(params: Params, run: StageRun) -> dict[str, Any]:
     from tasks.checkpoints import read_safetensors
     from tasks.export import CARD, GATES, TORCH_DIR, CardContext, export
 
@@ -174,14 +214,15 @@ def _export(params: Params, run: StageRun) -> dict[str, float]:
     run.set_tags({"export.shipped_variant": result.variant, "export.fallback_reason": result.fallback_reason or "none"})
     if result.fallback_reason:
         log.warning("export: %s", result.fallback_reason)
+    metrics: dict[str, Any] = {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}
     if run.enabled:  # only after every gate passed: a failing model is never registered
-        _register(params, run, result)
-    return {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}
+        metrics["promotion"] = _register(params, run, result)  # the verdict line, for the flow's notification
+    return metrics
 
 
-def _register(params: Params, run: StageRun, exported: ExportResult) -> None:
+def _register(params: Params, run: StageRun, exported: ExportResult) -> str:
     """Log both ONNX models (onnx flavour, explicit signature), register the shipped one and
-    decide champion/challenger (tasks/registry.py)."""
+    decide champion/challenger on the same test images (tasks/registry.py); return the verdict."""
     import numpy as np
     import onnx
     from mlflow.models import ModelSignature
@@ -189,6 +230,7 @@ def _register(params: Params, run: StageRun, exported: ExportResult) -> None:
 
     from tasks.export import FP32, SHIPPED
     from tasks.onnx_model import INPUT, OUTPUT
+    from tasks.preprocess import load_split
     from tasks.registry import decide_promotion
 
     mlflow, name = run.mlflow, params.tracking.registered_model
@@ -211,21 +253,48 @@ def _register(params: Params, run: StageRun, exported: ExportResult) -> None:
     info = mlflow.onnx.log_model(
         onnx.load(str(layout.EXPORT_DIR / SHIPPED)), name="model", registered_model_name=name, **logged
     )
-    promotion = decide_promotion(mlflow.MlflowClient(), name, str(info.registered_model_version), exported.accuracy)
+    test = load_split(layout.PREPROCESSED_DIR, "test")
+    promotion = decide_promotion(
+        mlflow.MlflowClient(),
+        name,
+        str(info.registered_model_version),
+        layout.EXPORT_DIR / SHIPPED,
+        test,
+        exported.accuracy,
+        params.promotion,
+    )
+    _record_promotion(run, promotion, params)
+    return promotion.verdict
+
+
+def _record_promotion(run: StageRun, promotion: Promotion, params: Params) -> None:
+    """The decision and its numbers on the export run (the version's own tags are the registry's)."""
+    log.info("registry: %s", promotion.verdict)
     run.set_tags(
         {
-            "registry.model": name,
+            "registry.model": promotion.name,
             "registry.version": promotion.version,
             "registry.decision": "promoted to champion" if promotion.promoted else "kept current champion",
             "registry.champion_version_before": promotion.champion_version or "none",
+            "registry.verdict": promotion.verdict,
+            "registry.test_split_sha256": promotion.test_split_sha256,
+            **{f"promotion.{key}": value for key, value in params.promotion.model_dump().items()},
         }
     )
     run.log_metrics({"registry.challenger_accuracy": promotion.accuracy})
-    if promotion.champion_accuracy is not None:
-        run.log_metrics({"registry.champion_accuracy": promotion.champion_accuracy})
+    if promotion.paired is not None:
+        paired = promotion.paired
+        run.log_metrics(
+            {
+                "registry.paired_challenger_accuracy": paired.challenger_accuracy,
+                "registry.champion_accuracy": paired.champion_accuracy,
+                "registry.margin": paired.margin,
+                "registry.mcnemar_p": paired.p_value,
+            }
+        )
 
 
-_WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, float]]] = {
+_WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, Any]]] = {
     "download": _download,
     "stats": _stats,
     "preprocess": _preprocess,
@@ -237,7 +306,8 @@ _WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, float]]] = {
 
 
 def run_stage(name: str, params: Params) -> dict[str, Any]:
-    """Pin determinism, open the stage's MLflow run, do the stage; return its summary metrics."""
+    """Pin determinism, open the stage's MLflow run, do the stage; return its summary metrics (and, for
+    export, the promotion verdict under "promotion")."""
     determinism = pin_everything(
         params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu
     )
@@ -245,6 +315,6 @@ def run_stage(name: str, params: Params) -> dict[str, Any]:
     with stage_run(name, params.tracking, logged) as run:
         run.set_tags({f"determinism.{k}": v for k, v in determinism.items()})
         run.set_tags(fingerprint())
-        metrics = _WRAPPERS[name](params, run)
-        run.log_metrics(metrics)
-    return metrics
+        results = _WRAPPERS[name](params, run)
+        run.log_metrics({key: value for key, value in results.items() if isinstance(value, int | float)})
+    return results

@@ -61,5 +61,5 @@ def channel_stats(blocks: Iterable[np.ndarray]) -> ChannelStats:
 def compute_stats(data_dir: Path, split: SplitConfig, seed: int, chunk_size: int) -> ChannelStats:
     """Stats of the training split of the raw snapshot in `data_dir` (the split `preprocess` writes)."""
     raw = open_raw(data_dir)
-    train_idx = split_indices(raw.labels, split, seed, raw.published_splits)["train"]
+    train_idx = split_indices(raw, split, seed, chunk_size=chunk_size)["train"]
     return channel_stats(raw.rows.chunks(train_idx, chunk_size))

@@ -9,6 +9,11 @@ How a stage finds its parent run, whichever entry point started it:
    (`lockstep.session`). The first stage creates it, later ones resume it, and each stage marks it
    finished when it is done, so it is never left "running".
 
+Every run records its owner (tasks/orphans.py `owner_tags`): the process that ends it, which for a DVC
+session's parent run is the dvc process. A run whose owner was killed stays RUNNING; the next pipeline
+execution marks it KILLED, with the reason (`sweep`, at the start of `pipeline_run` and of a stage
+that creates or resumes a session's parent run).
+
 MLflow is imported lazily: a GPU box with torch alone can still run the train stage with
 `tracking.enabled: false`.
 
@@ -37,6 +42,7 @@ from tasks.config import TrackingConfig
 from tasks.errors import ExpectedFailure
 from tasks.hashing import data_md5, file_digest
 from tasks.layout import project_root
+from tasks.orphans import owner_tags, sweep
 from tasks.redact import redact, redact_mapping
 
 PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
@@ -258,8 +264,9 @@ def _text_of(path: Path, limit: int = 16 * 2**20) -> str | None:
         return None
 
 
-def _session_key() -> str:
-    """An id shared by every stage process of one `dvc repro` / `dvc exp run` invocation."""
+def _session_owner() -> tuple[str, psutil.Process]:
+    """The process every stage process of one `dvc repro` / `dvc exp run` invocation shares: that dvc
+    process ("dvc"), or this process itself ("process") outside DVC."""
     me = psutil.Process()
     for proc in me.parents():
         try:
@@ -267,8 +274,14 @@ def _session_key() -> str:
         except psutil.Error:
             continue
         if "dvc" in (Path(part).name for part in cmd[:3]):  # `dvc ...` or `python -m dvc ...`
-            return f"dvc:{proc.pid}:{proc.create_time():.3f}"
-    return f"process:{me.pid}:{me.create_time():.3f}"
+            return "dvc", proc
+    return "process", me
+
+
+def _session_key(owner: tuple[str, psutil.Process] | None = None) -> str:
+    """An id shared by every stage process of one `dvc repro` / `dvc exp run` invocation."""
+    kind, proc = owner or _session_owner()
+    return f"{kind}:{proc.pid}:{proc.create_time():.3f}"
 
 
 def _experiment_id(mlflow: Any, name: str) -> str:
@@ -286,7 +299,9 @@ def _experiment_id(mlflow: Any, name: str) -> str:
 
 def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point: str) -> str:
     client = mlflow.MlflowClient()
-    key = _session_key()
+    sweep(client, [experiment_id], f"a {entry_point} stage")
+    owner = _session_owner()
+    key = _session_key(owner)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{SESSION_TAG}` = '{key}'", max_results=1)
     if found:
         run_id = found[0].info.run_id
@@ -295,7 +310,9 @@ def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point:
     run = client.create_run(
         experiment_id,
         run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        tags=redact_mapping({SESSION_TAG: key, "lockstep.entry_point": entry_point, **lineage_tags()}),
+        tags=redact_mapping(
+            {SESSION_TAG: key, "lockstep.entry_point": entry_point, **lineage_tags(), **owner_tags(owner[1])}
+        ),
     )
     return run.info.run_id
 
@@ -313,10 +330,11 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str) -> Iterator[str | None]:
     mlflow = _mlflow()
     client = mlflow.MlflowClient()
     experiment_id = _experiment_id(mlflow, cfg.experiment)
+    sweep(client, [experiment_id], f"the {entry_point} pipeline run")
     run = client.create_run(
         experiment_id,
         run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        tags=redact_mapping({"lockstep.entry_point": entry_point, **lineage_tags()}),
+        tags=redact_mapping({"lockstep.entry_point": entry_point, **lineage_tags(), **owner_tags()}),
     )
     run_id = run.info.run_id
     previous = os.environ.get(PARENT_ENV)
@@ -369,7 +387,10 @@ def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterat
     status = "FAILED"
     try:
         with mlflow.start_run(
-            run_name=stage, experiment_id=experiment_id, parent_run_id=parent_id, tags=_redacted_context_tags()
+            run_name=stage,
+            experiment_id=experiment_id,
+            parent_run_id=parent_id,
+            tags={**_redacted_context_tags(), **redact_mapping(owner_tags())},
         ) as active:
             run = StageRun(mlflow, active.info.run_id)
             run.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})

@@ -203,7 +203,10 @@ def test_a_candidate_failing_its_gates_passes_the_turn_to_the_next(dvc_repo: dic
 
     done = _export_with(repo, {**gate, "candidates": [worse, better, "fp32"]})
     assert done.returncode == 0, done.stderr
-    assert f"{worse} failed its gates ({worse} top-1 agreement with fp32 on the 269 test images" in done.stderr
+    test_images = json.loads((repo / "artifacts/preprocessed/meta.json").read_text())["split_sizes"]["test"]
+    assert (
+        f"{worse} failed its gates ({worse} top-1 agreement with fp32 on the {test_images} test images" in done.stderr
+    )
     assert f"{better} shipped instead" in done.stderr
     assert sha256(export / "model.onnx") == sha256(repo / f"artifacts/compress/models/{better}.onnx")
     gates = json.loads((export / "gates.json").read_text())
@@ -261,35 +264,6 @@ def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path:
     assert [p[0] for p in pruned] == [f[0] - round(cfg.prune_channels * f[0]) for f in full]
     assert [p[1] for p in pruned] == [full[0][1]] + [p[0] for p in pruned[:-1]]  # input channels follow
     assert rows["pruned_ln"].size_ratio < 0.7 and rows["pruned_ln"].sparsity > cfg.prune_channels
-
-
-def test_registry_moves_champion_only_to_an_at_least_as_accurate_challenger(
-    dvc_repo: dict[str, Any], tmp_path: Path
-) -> None:
-    import mlflow
-
-    from tasks.registry import decide_promotion
-
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    client = mlflow.MlflowClient()
-    model = onnx.load(str(dvc_repo["repo"] / "artifacts/export/model.onnx"))
-    decisions = []
-    for accuracy in (0.90, 0.85, 0.90):
-        with mlflow.start_run():
-            info = mlflow.onnx.log_model(model, name="model", registered_model_name="m", save_as_external_data=False)
-        decisions.append(decide_promotion(client, "m", str(info.registered_model_version), accuracy))
-        aliases = client.get_registered_model("m").aliases
-        assert str(aliases["challenger"]) == str(info.registered_model_version)
-    assert [(d.promoted, d.champion_version, d.champion_accuracy) for d in decisions] == [
-        (True, None, None),
-        (False, "1", 0.90),
-        (True, "1", 0.90),
-    ]
-    assert {k: str(v) for k, v in client.get_registered_model("m").aliases.items()} == {
-        "champion": "3",
-        "challenger": "3",
-    }
-    assert client.get_model_version("m", "2").tags["promotion"] == "kept"
 
 
 def test_every_variant_is_built_for_resnet9(dvc_repo: dict[str, Any], tmp_path: Path) -> None:

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from tasks.config import DataConfig, SplitConfig
-from tasks.data_format import FORMAT, RawDataset, read_raw, split_indices, write_raw
+from tasks.data_format import FORMAT, RawDataset, open_raw, read_raw, split_indices, write_raw
 from tasks.download import download
 from tasks.errors import ExpectedFailure
 from tasks.preprocess import load_split, preprocess
 from tasks.stats import channel_stats, compute_stats
 
-SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)
+SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # assign: hash, the default (tests/test_splits.py)
+RANDOM = SplitConfig(train=0.7, val=0.15, test=0.15, assign="random")
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -65,24 +66,26 @@ def test_bad_dataset_is_refused_and_previous_snapshot_kept(raw_dir: Path, tmp_pa
     assert _digest(target) == before
 
 
-def test_split_is_stratified_seeded_disjoint_and_complete(raw_dir: Path) -> None:
-    labels = read_raw(raw_dir).labels
-    parts = split_indices(labels, SPLIT, seed=7)
+def test_random_split_is_stratified_seeded_disjoint_and_complete(raw_dir: Path) -> None:
+    raw = open_raw(raw_dir)
+    labels = raw.labels
+    parts = split_indices(raw, RANDOM, seed=7)
     joined = np.concatenate(list(parts.values()))
     assert len(joined) == len(labels) and len(np.unique(joined)) == len(labels)
     for name, fraction in (("train", 0.7), ("val", 0.15), ("test", 0.15)):
         counts = np.bincount(labels[parts[name]], minlength=10)
         expected = np.bincount(labels, minlength=10) * fraction
         assert np.all(np.abs(counts - expected) <= 1), name  # every class in proportion
-    again = split_indices(labels, SPLIT, seed=7)
+    again = split_indices(raw, RANDOM, seed=7)
     assert all(np.array_equal(parts[k], again[k]) for k in parts)
-    other = split_indices(labels, SPLIT, seed=8)
+    other = split_indices(raw, RANDOM, seed=8)
     assert not np.array_equal(parts["test"], other["test"])
 
 
 def test_stats_match_numpy_over_the_whole_training_array(raw_dir: Path) -> None:
     raw = read_raw(raw_dir)
-    train = np.asarray(raw.images[split_indices(raw.labels, SPLIT, seed=42)["train"]], dtype=np.float64) / 255.0
+    train_idx = split_indices(open_raw(raw_dir), SPLIT, seed=42)["train"]
+    train = np.asarray(raw.images[train_idx], dtype=np.float64) / 255.0
     stats = compute_stats(raw_dir, SPLIT, seed=42, chunk_size=100)  # many chunks
     assert np.allclose(stats.mean, train.mean(axis=(0, 1, 2)), rtol=0, atol=1e-6)
     assert np.allclose(stats.std, train.std(axis=(0, 1, 2)), rtol=0, atol=1e-6)
@@ -106,7 +109,7 @@ def test_preprocess_writes_uint8_splits_with_the_stats(raw_dir: Path, tmp_path: 
     out = tmp_path / "preprocessed"
     result = preprocess(raw_dir, stats, SPLIT, 42, out)
     raw = read_raw(raw_dir)
-    parts = split_indices(raw.labels, SPLIT, seed=42)
+    parts = split_indices(open_raw(raw_dir), SPLIT, seed=42)
     for name in ("train", "val", "test"):
         split = load_split(out, name)
         assert split.images.dtype == np.uint8 and split.images.shape[1:] == (1, 8, 8)
@@ -114,6 +117,7 @@ def test_preprocess_writes_uint8_splits_with_the_stats(raw_dir: Path, tmp_path: 
         assert np.array_equal(split.labels, raw.labels[parts[name]])
         assert split.mean == stats.mean and split.std == stats.std
     assert sum(result.split_sizes.values()) == 1797
+    assert json.loads((out / "meta.json").read_text())["split_assign"] == "hash"
     first = _digest(out)
     preprocess(raw_dir, stats, SPLIT, 42, out)
     assert _digest(out) == first  # deterministic bytes

@@ -22,7 +22,7 @@ import pytest
 import torchvision.datasets
 
 from tasks.config import DataConfig, SplitConfig
-from tasks.data_format import read_raw, split_indices
+from tasks.data_format import open_raw, read_raw, split_indices
 from tasks.download import download
 from tasks.errors import ExpectedFailure
 from tasks.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
@@ -113,7 +113,7 @@ def test_cifar_sources_ingest_rgb_with_exact_stats(
     # RGB stats of the ingested data against a float64 numpy reference over the whole split
     split = SplitConfig(train=0.6, val=0.2, test=0.2)
     stats = compute_stats(tmp_path / "data", split, seed=3, chunk_size=7)
-    train = raw.images[split_indices(raw.labels, split, 3, raw.published_splits)["train"]].astype(np.float64) / 255.0
+    train = raw.images[split_indices(open_raw(tmp_path / "data"), split, 3)["train"]].astype(np.float64) / 255.0
     assert np.allclose(stats.mean, train.mean(axis=(0, 1, 2)), rtol=0, atol=1e-6)
     assert np.allclose(stats.std, train.std(axis=(0, 1, 2)), rtol=0, atol=1e-6)
 

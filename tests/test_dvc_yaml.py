@@ -37,6 +37,7 @@ def test_outputs_never_overlap_the_dvc_tracked_data_dir() -> None:
 # change what it computes.
 STAGE_MODULES = {name: (f"tasks.{name}", "tasks.determinism") for name in STAGES}
 STAGE_MODULES["train"] += ("tasks.ddp",)
+STAGE_MODULES["download"] += ("tasks.checks",)  # the new snapshot's profile (an output) and its data checks
 
 
 def _code_deps(deps: list[str]) -> set[str]:

@@ -22,7 +22,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -36,11 +36,12 @@ from PIL import Image
 from tasks.pipeline_lock import pipeline_lock
 from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env
 from tests.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
+from tests.webhook import WebhookReceiver
 
 pytestmark = pytest.mark.slow
 
 DEPLOYMENT = "lockstep-pipeline/nightly"
-FIRST_IMAGES = 1200  # of digits' 1797; the rest arrive later as "new data"
+FIRST_IMAGES = 1634  # of digits' 1797; the other 163 (10%) arrive later as "new data"
 SCREENSHOT = ROOT / "test-artifacts" / "mlflow-run-page.png"
 SCHEDULER_WAIT_S = 90  # Prefect's scheduler service loops every 60 s (its recent-deployments loop, 5 s)
 
@@ -53,10 +54,11 @@ class Stack:
     mlflow: str  # MLflow tracking server
     serve: subprocess.Popen[bytes]
     prefect: PrefectAPI  # the API with serve's auth string, as a client uses it
+    hook: WebhookReceiver  # the on-call webhook serve's runs notify (LOCKSTEP_NOTIFY_URL)
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def write_digits(folder: Path, indices: range) -> None:
+def write_digits(folder: Path, indices: Iterable[int]) -> None:
     """sklearn's digits as an image folder: <folder>/<label>/<index>.png, 8x8 greyscale."""
     from sklearn.datasets import load_digits
 
@@ -77,6 +79,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         {
             "data": {"source": "imagefolder", "path": str(images), "channels": 1},
             "compress": {"variants": ["static_int8"]},
+            "orchestration": {"notify": {"format": "generic"}},
         },
     )
     mlflow_port, prefect_port = free_port(), free_port()
@@ -104,10 +107,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     ):
         # what `make serve` runs: it starts its own Prefect server, then serves the deployment
         serve = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(prefect_port)]
-        with service(serve, repo, f"{api}/health", base / "serve.log", MLFLOW_TRACKING_URI=mlflow) as serve_proc:
+        with (
+            WebhookReceiver() as hook,
+            service(
+                serve,
+                repo,
+                f"{api}/health",
+                base / "serve.log",
+                MLFLOW_TRACKING_URI=mlflow,
+                LOCKSTEP_NOTIFY_URL=hook.url("/hooks/oncall"),
+            ) as serve_proc,
+        ):
             # the auth string as a user finds it: in the project's .prefect/api-auth
             auth = wait_for_deployment(api, repo / ".prefect" / "api-auth", DEPLOYMENT, serve_proc, 180)
-            yield Stack(repo, images, api, mlflow, serve_proc, PrefectAPI(api, auth))
+            yield Stack(repo, images, api, mlflow, serve_proc, PrefectAPI(api, auth), hook)
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,20 @@ def flow_run_logs(stack: Stack, flow_run_id: str) -> list[dict[str, Any]]:
     )
 
 
+def notifications(stack: Stack, flow_run_id: str, expected: int) -> list[dict[str, Any]]:
+    """The on-call messages about one flow run, once `expected` arrived (and a moment for a duplicate)."""
+
+    def mine() -> list[dict[str, Any]]:
+        return [m for m in stack.hook.messages if m.get("flow_run_id") == flow_run_id]
+
+    deadline = time.monotonic() + 30
+    while len(mine()) < expected:
+        assert time.monotonic() < deadline, (expected, stack.hook.messages)
+        time.sleep(0.2)
+    time.sleep(1)
+    return mine()
+
+
 def mlflow_client(stack: Stack) -> Any:
     from mlflow import MlflowClient
 
@@ -189,6 +216,10 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(stack: Stack, fi
     export = children["export"]
     assert mlflow_client(stack).get_model_version("lockstep-classifier", "1").run_id == export.info.run_id
     assert export.data.tags["registry.decision"] == "promoted to champion"
+    # the people on call are told: one message, the decision's line
+    (message,) = notifications(stack, first_run.flow_run_id, 1)
+    assert (message["event"], message["state"]) == ("promotion", "Completed")
+    assert message["promotion"] == export.data.tags["registry.verdict"] and "no champion yet" in message["promotion"]
     # the stages' own log lines reach Prefect's run log
     messages = [entry["message"] for entry in flow_run_logs(stack, first_run.flow_run_id)]
     assert any(m.startswith("train: {") for m in messages), messages
@@ -204,27 +235,80 @@ def test_unchanged_source_retrains_nothing_and_says_so(stack: Stack, first_run: 
     assert "nothing retrained" in parent.data.tags["lockstep.summary"]
     messages = [entry["message"] for entry in flow_run_logs(stack, flow_run_id)]
     assert any("data unchanged" in m and "nothing retrained" in m for m in messages), messages
+    time.sleep(2)  # nothing to tell: no failure, no promotion decision
+    assert not [m for m in stack.hook.messages if m.get("flow_run_id") == flow_run_id]
     # the same entries (compared as data: DVC may write a null differently after a params.yaml
     # that the flow itself rewrote, as an earlier test's override does)
     assert yaml.safe_load((stack.repo / "dvc.lock").read_text()) == yaml.safe_load(lock_before)
 
 
-def test_new_data_retrains_and_goes_through_the_promotion_gate(stack: Stack, first_run: FirstRun) -> None:
+def _split_contents(repo: Path) -> dict[str, set[bytes]]:
+    """Each split's images, by content (the preprocessed arrays: what was trained and tested on)."""
+    from tasks.preprocess import load_split
+
+    pre = repo / "artifacts/preprocessed"
+    return {name: {image.tobytes() for image in load_split(pre, name).images} for name in ("train", "val", "test")}
+
+
+def test_new_data_retrains_with_stable_splits_and_a_paired_promotion(stack: Stack, first_run: FirstRun) -> None:
     client = mlflow_client(stack)
     latest_before = max(int(v.version) for v in client.search_model_versions("name = 'lockstep-classifier'"))
     champion_before = client.get_model_version_by_alias("lockstep-classifier", "champion").version
-    write_digits(stack.images, range(FIRST_IMAGES, 1797))
-    deployment_run(stack)
+    splits_before = _split_contents(stack.repo)
+    write_digits(stack.images, range(FIRST_IMAGES, 1797))  # 10% more images
+    flow_run_id, _ = deployment_run(stack)
     parent, children = executions(stack)[-1]
     assert set(children) == {"download", "stats", "preprocess", "train", "evaluate", "compress", "export"}
     assert parent.data.tags["lockstep.retrained"] == "true" and "new data" in parent.data.tags["lockstep.summary"]
     assert children["train"].data.tags["data.md5"] != executions(stack)[0][1]["train"].data.tags["data.md5"]
-    export = children["export"].data.tags
+    # split by content hash: every image stays where it was, the new ones join, none is in two splits
+    after = _split_contents(stack.repo)
+    assert all(splits_before[name] <= after[name] for name in after)
+    assert not (after["test"] & (after["train"] | after["val"])) and not after["train"] & after["val"]
+    assert sum(map(len, after.values())) > sum(map(len, splits_before.values()))
+    # the data checks passed, against the data the champion was trained on
+    assert children["download"].data.tags["checks.verdict"] == "passed"
+    export, metrics = children["export"].data.tags, children["export"].data.metrics
     version = str(latest_before + 1)
     assert export["registry.version"] == version and export["registry.champion_version_before"] == champion_before
     assert client.get_model_version_by_alias("lockstep-classifier", "challenger").version == version
     champion = client.get_model_version_by_alias("lockstep-classifier", "champion").version
     assert export["registry.decision"] == ("promoted to champion" if champion == version else "kept current champion")
+    # decided on the same images: the champion's ONNX model scored on the new test split
+    test_images = len(after["test"])
+    assert f"vs champion v{champion_before}" in export["registry.verdict"]
+    assert f"on the same {test_images} test images" in export["registry.verdict"], export["registry.verdict"]
+    assert {"registry.champion_accuracy", "registry.margin", "registry.mcnemar_p"} <= set(metrics)
+    recorded = client.get_model_version("lockstep-classifier", version).tags["promotion.verdict"]
+    assert recorded == export["registry.verdict"]
+    assert [m["promotion"] for m in notifications(stack, flow_run_id, 1)] == [export["registry.verdict"]]
+
+
+def test_a_shrunken_source_is_refused_and_changes_nothing(stack: Stack, first_run: FirstRun) -> None:
+    client = mlflow_client(stack)
+    before = {name: (stack.repo / name).read_text() for name in ("data.dvc", "dvc.lock")}
+    champion = client.get_model_version_by_alias("lockstep-classifier", "champion").version
+    versions = len(client.search_model_versions("name = 'lockstep-classifier'"))
+    gone = sorted(stack.images.glob("*/*.png"))[::4]  # a quarter of the images vanish from the source
+    for path in gone:
+        path.unlink()
+    try:
+        flow_run_id, done = deployment_run(stack, check=False)
+    finally:  # the same files back, byte for byte: later tests see the data the pipeline has
+        write_digits(stack.images, [int(path.stem) for path in gone])
+    assert done.returncode != 0 and "Failed" in done.stdout, done.stdout
+    messages = [entry["message"] for entry in flow_run_logs(stack, flow_run_id)]
+    refused = [m for m in messages if "data check(s) refused the new snapshot" in m]
+    assert refused and "image_drop:" in refused[0] and "25.0% fewer, allowed 10.0%" in refused[0], messages
+    assert {name: (stack.repo / name).read_text() for name in before} == before
+    assert client.get_model_version_by_alias("lockstep-classifier", "champion").version == champion
+    assert len(client.search_model_versions("name = 'lockstep-classifier'")) == versions
+    parent, children = executions(stack)[-1]
+    assert set(children) == {"download"} and children["download"].info.status == "FAILED"
+    assert children["download"].data.tags["checks.verdict"] == "refused"
+    (message,) = notifications(stack, flow_run_id, 1)
+    assert (message["event"], message["state"], message["stage"]) == ("refused", "Failed", "download")
+    assert message["error"] in refused[0] and "image_drop:" in message["error"]
 
 
 def test_a_failed_stage_is_visible_in_prefect_with_its_log(stack: Stack, first_run: FirstRun) -> None:
@@ -243,6 +327,9 @@ def test_a_failed_stage_is_visible_in_prefect_with_its_log(stack: Stack, first_r
     messages = [entry["message"] for entry in flow_run_logs(stack, flow_run_id)]
     assert any("export parity gate(s) failed" in m and "allowed 1e-12" in m for m in messages), messages
     assert executions(stack)[-1][1]["export"].info.status == "FAILED"
+    (message,) = notifications(stack, flow_run_id, 1)
+    assert (message["event"], message["state"], message["stage"]) == ("failed", "Failed", "export")
+    assert "export parity gate(s) failed" in message["error"] and "allowed 1e-12" in message["error"]
 
 
 def test_a_changed_parameter_reruns_from_the_stage_that_reads_it(stack: Stack, first_run: FirstRun) -> None:

@@ -1,9 +1,13 @@
-"""Official splits: a source's published test set is the test split, image for image.
+"""Splits: a source's published test set is the test split, image for image; cut splits stay put.
 
-Each test runs the real download (against a loopback HTTP server serving tests/fakedata.py's files
-in the published formats, or a local folder/archive), stats and preprocess functions, then compares
-what preprocess wrote with the fake published files by content hash. Every fake image is distinct
-(checked), so an image found in two splits can only mean a split that leaks.
+The published-split tests run the real download (against a loopback HTTP server serving
+tests/fakedata.py's files in the published formats, or a local folder/archive), stats and preprocess
+functions, then compare what preprocess wrote with the fake published files by content hash. Every
+fake image is distinct (checked), so an image found in two splits can only mean a split that leaks.
+
+The `split.assign` tests grow, shrink and duplicate snapshots of the real digits and follow each
+image by its content digest: with `hash` no image ever changes split; `random` must give exactly the
+indices it gave before `hash` existed.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +25,17 @@ import torchvision.datasets
 from PIL import Image
 
 from tasks.config import DataConfig, SplitConfig
-from tasks.data_format import SPLITS, RawDataset, open_raw, read_raw, split_indices, write_raw
+from tasks.data_format import (
+    SPLITS,
+    PublishedSplits,
+    RawDataset,
+    RawSnapshot,
+    content_digests,
+    open_raw,
+    read_raw,
+    split_indices,
+    write_raw,
+)
 from tasks.download import download
 from tasks.errors import ExpectedFailure
 from tasks.fetch import Retry
@@ -30,7 +45,8 @@ from tests.fakedata import cifar_archive, imagefolder_tree, mnist_files, pack
 from tests.httpserver import FileServer
 
 FAST = Retry(attempts=2, backoff_s=0.05, timeout_s=2.0)
-SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # published: true, the default
+SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # published: true, assign: hash, the defaults
+RANDOM = SplitConfig(train=0.7, val=0.15, test=0.15, assign="random")
 SEED = 42
 TORCHVISION = {
     "mnist": torchvision.datasets.MNIST,
@@ -95,9 +111,10 @@ def server() -> Iterator[FileServer]:
         yield srv
 
 
+@pytest.mark.parametrize("assign", ["hash", "random"])
 @pytest.mark.parametrize("source", ["mnist", "fashion_mnist", "cifar10", "cifar100"])
 def test_test_split_is_exactly_the_published_test_set(
-    source: str, tmp_path: Path, server: FileServer, monkeypatch: pytest.MonkeyPatch
+    source: str, assign: str, tmp_path: Path, server: FileServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     train_images, train_labels, test_images, test_labels = _published(source, tmp_path, server, monkeypatch)
     published_train, published_test = _hashes(train_images), _hashes(test_images)
@@ -108,7 +125,8 @@ def test_test_split_is_exactly_the_published_test_set(
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     n_train = len(train_images)
     assert meta["published_splits"] == {"train": [0, n_train], "test": [n_train, n_train + len(test_images)]}
-    splits = _run_stages(tmp_path, SPLIT)
+    split = SplitConfig(train=0.7, val=0.15, test=0.15, assign=assign)
+    splits = _run_stages(tmp_path, split)
 
     test_hashes, got_test_labels = splits["test"]
     assert len(test_hashes) == len(test_images)
@@ -116,35 +134,44 @@ def test_test_split_is_exactly_the_published_test_set(
     label_of = dict(zip(published_test, np.asarray(test_labels).tolist(), strict=True))
     assert [label_of[h] for h in test_hashes] == got_test_labels.tolist()
     _assert_disjoint(splits, len(train_images) + len(test_images))
-    # val: a seeded, stratified val / (train + val) of every class of the published train set
+    # val: a seeded val / (train + val) of the published train set: exact in every class when random,
+    # about that share when by hash (which this fake data's size makes loose: 0.18 of 100 images)
     val_hashes, val_labels = splits["val"]
     assert set(val_hashes) <= set(published_train)
-    share = SPLIT.val / (SPLIT.train + SPLIT.val)
-    per_class = Counter(np.asarray(train_labels).tolist())
-    assert Counter(val_labels.tolist()) == {c: round(n * share) for c, n in per_class.items() if round(n * share)}
+    share = split.val / (split.train + split.val)
+    if assign == "random":
+        per_class = Counter(np.asarray(train_labels).tolist())
+        assert Counter(val_labels.tolist()) == {c: round(n * share) for c, n in per_class.items() if round(n * share)}
+    else:
+        assert abs(len(val_hashes) / n_train - share) < 0.1
+    other = split_indices(open_raw(tmp_path / "data"), split, SEED + 1)  # seeded: another seed, another val
     raw = read_raw(tmp_path / "data")
-    other = split_indices(raw.labels, SPLIT, SEED + 1, raw.published_splits)  # seeded: another seed, another val
     assert _hashes(np.asarray(raw.images[other["test"]])) == test_hashes
     assert _hashes(np.asarray(raw.images[other["val"]])) != val_hashes
+    assert json.loads((tmp_path / "pre" / "meta.json").read_text())["split_assign"] == assign
 
 
+@pytest.mark.parametrize("assign", ["hash", "random"])
 def test_published_false_gives_the_seeded_split_of_all_images(
-    tmp_path: Path, server: FileServer, monkeypatch: pytest.MonkeyPatch
+    assign: str, tmp_path: Path, server: FileServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     train_images, _, test_images, _ = _published("mnist", tmp_path, server, monkeypatch)
     download(DataConfig(source="mnist"), tmp_path / "data", tmp_path / "cache", FAST)
-    seeded = SplitConfig(published=False, train=0.7, val=0.15, test=0.15)
+    seeded = SplitConfig(published=False, train=0.7, val=0.15, test=0.15, assign=assign)
 
     splits = _run_stages(tmp_path, seeded)
 
     raw = read_raw(tmp_path / "data")
-    expected = split_indices(raw.labels, seeded, SEED)  # no published splits passed: the plain seeded cut
+    # the snapshot keeps its published ranges; published: false must ignore them
+    expected = split_indices(replace(open_raw(tmp_path / "data"), published_splits=None), seeded, SEED)
     for name in SPLITS:
         assert splits[name][0] == _hashes(np.asarray(raw.images[expected[name]]))
-    assert len(splits["test"][0]) == 10 * round(13 * 0.15)  # 13 images of each class over both parts
+    if assign == "random":
+        assert len(splits["test"][0]) == 10 * round(13 * 0.15)  # 13 images of each class over both parts
     assert set(splits["test"][0]) & set(_hashes(train_images)), "the seeded test split drew only published test"
     _assert_disjoint(splits, len(train_images) + len(test_images))
-    assert json.loads((tmp_path / "pre" / "meta.json").read_text())["published"] == []
+    meta = json.loads((tmp_path / "pre" / "meta.json").read_text())
+    assert meta["published"] == [] and meta["split_assign"] == assign
 
 
 def _old_split_indices(labels: np.ndarray, split: SplitConfig, seed: int) -> dict[str, np.ndarray]:
@@ -164,12 +191,12 @@ def _old_split_indices(labels: np.ndarray, split: SplitConfig, seed: int) -> dic
 @pytest.mark.parametrize("published", [True, False])
 def test_sources_without_published_splits_keep_the_seeded_split_and_bytes(published: bool, tmp_path: Path) -> None:
     labels = np.random.default_rng(0).integers(0, 7, size=500)
-    split = SplitConfig(published=published, train=0.6, val=0.25, test=0.15)
+    split = SplitConfig(published=published, train=0.6, val=0.25, test=0.15, assign="random")
     write_raw(RawDataset(np.zeros((500, 2, 2, 1), np.uint8), labels, [str(c) for c in range(7)], "x"), tmp_path)
 
     raw = open_raw(tmp_path)
     assert raw.published_splits is None and "published_splits" not in (tmp_path / "meta.json").read_text()
-    got, old = split_indices(raw.labels, split, 5, raw.published_splits), _old_split_indices(labels, split, 5)
+    got, old = split_indices(raw, split, 5), _old_split_indices(labels, split, 5)
     assert list(got) == list(SPLITS) and all(np.array_equal(got[name], old[name]) for name in SPLITS)
 
 
@@ -183,8 +210,9 @@ def _decoded(tree: dict[str, list[Path]]) -> list[str]:
     return hashes
 
 
+@pytest.mark.parametrize("assign", ["hash", "random"])
 @pytest.mark.parametrize("with_val", [True, False])
-def test_imagefolder_train_val_test_folders_are_kept(with_val: bool, tmp_path: Path) -> None:
+def test_imagefolder_train_val_test_folders_are_kept(with_val: bool, assign: str, tmp_path: Path) -> None:
     folders = ("train", "val", "test") if with_val else ("train", "test")
     trees = {
         name: imagefolder_tree(tmp_path / "tree" / name, per_class=8 if name == "train" else 3, seed=seed)
@@ -194,19 +222,17 @@ def test_imagefolder_train_val_test_folders_are_kept(with_val: bool, tmp_path: P
     cfg = DataConfig(source="imagefolder", path=str(tmp_path / "pets.tar.gz"), sha256=sha)
     download(cfg, tmp_path / "data", tmp_path / "cache")
 
-    splits = _run_stages(tmp_path, SPLIT)
+    splits = _run_stages(tmp_path, SplitConfig(train=0.7, val=0.15, test=0.15, assign=assign))
 
     for name in folders:
         if name != "train" or with_val:
             assert sorted(splits[name][0]) == sorted(_decoded(trees[name])), f"{name}/ was not kept"
     _assert_disjoint(splits, sum(len(_decoded(trees[name])) for name in folders))
     assert Counter(splits["test"][1].tolist()) == {0: 3, 1: 3, 2: 3}
-    if not with_val:  # 8 per class: round(8 * 0.15 / 0.85) = 1 of each class to val
-        assert set(splits["val"][0]) <= set(_decoded(trees["train"])) and Counter(splits["val"][1].tolist()) == {
-            0: 1,
-            1: 1,
-            2: 1,
-        }
+    if not with_val:
+        assert set(splits["val"][0]) <= set(_decoded(trees["train"]))
+    if not with_val and assign == "random":  # 8 per class: round(8 * 0.15 / 0.85) = 1 of each class to val
+        assert Counter(splits["val"][1].tolist()) == {0: 1, 1: 1, 2: 1}
     published = json.loads((tmp_path / "pre" / "meta.json").read_text())["published"]
     assert published == (["train", "val", "test"] if with_val else ["test"])
 
@@ -255,14 +281,173 @@ def test_bad_published_ranges_in_meta_are_refused(ranges: object, tmp_path: Path
     assert repr(ranges) in str(failure.value)
 
 
-def test_published_val_is_kept_and_published_false_ignores_it() -> None:
+@pytest.mark.parametrize("assign", ["hash", "random"])
+def test_published_val_is_kept_and_published_false_ignores_it(assign: str, tmp_path: Path) -> None:
     labels = np.arange(20) % 2
     published = {"train": (0, 10), "val": (10, 14), "test": (14, 20)}
+    snapshot = _snapshot(tmp_path / "data", np.arange(20, dtype=np.uint8).reshape(20, 1, 1, 1), labels, published)
 
-    kept = split_indices(labels, SPLIT, 1, published)
-    seeded = split_indices(labels, SplitConfig(published=False), 1, published)
+    kept = split_indices(snapshot, SplitConfig(assign=assign), 1)
+    seeded = split_indices(snapshot, SplitConfig(published=False, assign=assign), 1)
 
     assert [kept[name].tolist() for name in SPLITS] == [list(range(10)), list(range(10, 14)), list(range(14, 20))]
-    assert [seeded[name].tolist() for name in SPLITS] == [
-        v.tolist() for v in _old_split_indices(labels, SplitConfig(published=False), 1).values()
-    ]
+    assert sorted(np.concatenate(list(seeded.values())).tolist()) == list(range(20))
+    if assign == "random":
+        assert [seeded[name].tolist() for name in SPLITS] == [
+            v.tolist() for v in _old_split_indices(labels, SplitConfig(published=False), 1).values()
+        ]
+    else:
+        assert [seeded[name].tolist() for name in SPLITS] != [kept[name].tolist() for name in SPLITS]
+
+
+# --- split.assign: hash (stable as the data changes) and random (as before hash existed) ---------------------
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, np.ndarray]:
+    """The default dataset as the download stage ingests it: (1797, 8, 8, 1) uint8 images, labels."""
+    out = tmp_path_factory.mktemp("digits")
+    download(DataConfig(source="digits"), out / "data", out / "cache")
+    raw = read_raw(out / "data")
+    images = np.array(raw.images)
+    assert len(np.unique(images.reshape(len(images), -1), axis=0)) == len(images)  # all distinct: a sound baseline
+    return images, raw.labels
+
+
+def _snapshot(
+    folder: Path, images: np.ndarray, labels: np.ndarray, published: PublishedSplits | None = None
+) -> RawSnapshot:
+    write_raw(RawDataset(images, labels, [str(c) for c in range(10)], "test", published), folder)
+    return open_raw(folder)
+
+
+def _split_by_content(snapshot: RawSnapshot, split: SplitConfig, seed: int = SEED) -> dict[bytes, str]:
+    """Each image content (its digest) -> the split holding it; fails if a content is in two splits."""
+    digests = content_digests(snapshot.rows, chunk_size=100)
+    where: dict[bytes, str] = {}
+    parts = split_indices(snapshot, split, seed)
+    assert sorted(np.concatenate(list(parts.values())).tolist()) == list(range(len(digests)))  # each row once
+    for name, rows in parts.items():
+        for digest in digests[rows]:
+            assert where.setdefault(digest.tobytes(), name) == name, (
+                f"one image content in {where[digest.tobytes()]} and {name}"
+            )
+    return where
+
+
+def test_hash_split_keeps_every_image_in_its_split_as_images_are_added_or_removed(
+    digits: tuple[np.ndarray, np.ndarray], tmp_path: Path
+) -> None:
+    images, labels = digits
+    rng = np.random.default_rng(0)
+    base = rng.permutation(len(labels))[:1630]
+    added = np.setdiff1d(np.arange(len(labels)), base)  # 167 images (10% more), none of them in base
+    before = _split_by_content(_snapshot(tmp_path / "a", images[base], labels[base]), SPLIT)
+
+    grown = rng.permutation(np.concatenate([base, added]))  # new images land anywhere in the row order
+    after = _split_by_content(_snapshot(tmp_path / "b", images[grown], labels[grown]), SPLIT)
+    assert len(after) == len(grown) and {digest: after[digest] for digest in before} == before
+    assert set(Counter(after[d] for d in set(after) - set(before))) == set(SPLITS)  # the new ones go everywhere
+
+    kept = base[rng.permutation(len(base))[:1467]]  # 10% removed
+    shrunk = _split_by_content(_snapshot(tmp_path / "c", images[kept], labels[kept]), SPLIT)
+    assert len(shrunk) == len(kept) and shrunk == {digest: before[digest] for digest in shrunk}
+
+    # the contrast: a seeded shuffle reshuffles everything when images are added
+    before, after = (
+        _split_by_content(_snapshot(tmp_path / name, images[rows], labels[rows]), RANDOM)
+        for name, rows in (("d", base), ("e", grown))
+    )
+    assert sum(after[digest] != where for digest, where in before.items()) > len(base) // 10
+
+
+def test_copies_of_an_image_share_a_split_whatever_their_labels(
+    digits: tuple[np.ndarray, np.ndarray], tmp_path: Path
+) -> None:
+    images, labels = digits
+    rng = np.random.default_rng(1)
+    copied = rng.choice(len(labels), 300, replace=False)
+    relabelled = (labels[copied] + rng.integers(1, 10, len(copied))) % 10  # same bytes, another label
+    order = rng.permutation(len(labels) + len(copied))
+    all_images, all_labels = (
+        np.concatenate([images, images[copied]])[order],
+        np.concatenate([labels, relabelled])[order],
+    )
+
+    where = _split_by_content(_snapshot(tmp_path / "a", all_images, all_labels), SPLIT)  # fails on a split copy
+
+    assert len(where) == len(labels)
+    with pytest.raises(AssertionError, match="one image content in"):  # a shuffle does separate copies
+        _split_by_content(_snapshot(tmp_path / "b", all_images, all_labels), RANDOM)
+
+
+def test_hash_split_is_seeded_deterministic_and_near_the_fractions(
+    digits: tuple[np.ndarray, np.ndarray], tmp_path: Path
+) -> None:
+    images, labels = digits
+    snapshot = _snapshot(tmp_path / "a", images, labels)
+
+    first, again, other = (split_indices(snapshot, SPLIT, seed) for seed in (7, 7, 8))
+
+    assert all(np.array_equal(first[name], again[name]) for name in SPLITS)
+    assert not np.array_equal(first["test"], other["test"])
+    assert all(np.all(np.diff(first[name]) > 0) for name in SPLITS)  # sorted: chunked reads stay sequential
+    digests = content_digests(snapshot.rows)
+    assert all(np.array_equal(split_indices(snapshot, SPLIT, 7, digests)[name], first[name]) for name in SPLITS)
+    per_class = np.bincount(labels, minlength=10)
+    for name, fraction in (("train", 0.7), ("val", 0.15), ("test", 0.15)):
+        # binomial: about 0.15 +- 0.008 of all 1797 images, +- 0.027 of each class's ~180
+        assert abs(len(first[name]) / len(labels) - fraction) < 0.03, name
+        shares = np.bincount(labels[first[name]], minlength=10) / per_class
+        assert np.all(np.abs(shares - fraction) < 0.1), (name, shares)
+
+
+@pytest.mark.parametrize("assign", ["hash", "random"])
+def test_carved_val_by_hash_stays_put_as_the_published_train_set_grows(
+    assign: str, digits: tuple[np.ndarray, np.ndarray], tmp_path: Path
+) -> None:
+    images, labels = digits
+    split = SplitConfig(train=0.7, val=0.15, test=0.15, assign=assign)
+    train, added, test = np.arange(1200), np.arange(1200, 1320), np.arange(1320, len(labels))
+
+    def published_snapshot(folder: str, train_rows: np.ndarray) -> tuple[RawSnapshot, np.ndarray]:
+        rows = np.concatenate([train_rows, test])
+        ranges = {"train": (0, len(train_rows)), "test": (len(train_rows), len(rows))}
+        return _snapshot(tmp_path / folder, images[rows], labels[rows], ranges), rows
+
+    (small, small_rows), (grown, grown_rows) = (
+        published_snapshot("a", train),
+        published_snapshot("b", np.random.default_rng(2).permutation(np.concatenate([train, added]))),
+    )
+    parts_before, parts_after = split_indices(small, split, SEED), split_indices(grown, split, SEED)
+
+    for parts, rows in ((parts_before, small_rows), (parts_after, grown_rows)):
+        assert np.array_equal(rows[parts["test"]], test)  # exactly the published test set, in its order
+    before = {name: set(small_rows[parts_before[name]].tolist()) for name in ("train", "val")}
+    after = {name: set(grown_rows[parts_after[name]].tolist()) for name in ("train", "val")}
+    stable = all(before[name] <= after[name] for name in ("train", "val"))
+    assert stable == (assign == "hash")  # by hash every carved image stays put; a reshuffle moves some
+
+
+def _indices_sha256(parts: dict[str, np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for name in SPLITS:
+        digest.update(name.encode() + np.asarray(parts[name], dtype="<i8").tobytes())
+    return digest.hexdigest()
+
+
+def test_random_assign_gives_the_indices_it_gave_before_hash_existed(
+    digits: tuple[np.ndarray, np.ndarray], tmp_path: Path
+) -> None:
+    """Recorded with split_indices as it was before `split.assign` (its seeded stratified cut)."""
+    images, labels = digits
+    whole = split_indices(_snapshot(tmp_path / "a", images, labels), RANDOM, SEED)
+    assert _indices_sha256(whole) == "a73ddf867575c9fab77c2093be3672c741051816759cf2cd2d0be6e9c04f2f7a"
+
+    carve_labels = np.arange(300) % 7
+    carve = _snapshot(
+        tmp_path / "b", np.zeros((300, 1, 1, 1), np.uint8), carve_labels, {"train": (0, 200), "test": (200, 300)}
+    )
+    assert _indices_sha256(split_indices(carve, RANDOM, 3)) == (
+        "50fbd4d1efb176577e753c7e290973b9ce47b6edd2d138cc7099651bebd31988"
+    )

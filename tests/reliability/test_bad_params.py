@@ -251,7 +251,9 @@ def test_in_range_values_of_the_right_type_are_accepted(key: str, data: st.DataO
         assume(0 < value < 1)
         other = "test" if key != "split.test" else "val"
         doc = _set(doc, f"split.{other}", 0.0)
-        rest = 1 - value - sum(v for k, v in doc["split"].items() if k not in (key.split(".")[1], other))
+        # the fractions alone: split also holds `published` (a bool, which sum() would count as 1) and `assign`
+        third = next(k for k in ("train", "val", "test") if k not in (key.split(".")[1], other))
+        rest = 1 - value - doc["split"][third]
         assume(0 < rest < 1)
         doc = _set(doc, f"split.{other}", rest)
     path = tmp_path / "params.yaml"
