@@ -33,7 +33,7 @@ from flows import notify
 from tasks.errors import DataRefused, ExpectedFailure
 from tasks.pipeline_lock import pipeline_lock
 from tasks.redact import redact
-from tests.conftest import clone_project, free_port, run, service
+from tests.conftest import client_for, clone_project, free_port, run, service
 from tests.prefect_client import PrefectAPI, wait_for_deployment
 from tests.webhook import WebhookReceiver
 
@@ -392,6 +392,18 @@ def test_a_served_run_killed_with_sigkill_is_reported_crashed_once(served: Serve
     flow_run_id, messages, state = _kill_in_download(served, signal.SIGKILL)
     _assert_one_crash_message(served, flow_run_id, messages, state)
     assert "SIGKILL" in messages[0]["text"]
+    # Its MLflow runs (the pipeline's parent, and the download stage's if it had opened one) died
+    # RUNNING with it; the next deployment run marks them KILLED, saying why (tasks/orphans.py).
+    client = client_for(served.repo)
+    experiment = client.get_experiment_by_name("lockstep").experiment_id
+    orphans = client.search_runs([experiment], "attributes.status = 'RUNNING'")
+    assert "parent" in {r.data.tags.get("lockstep.stage", "parent") for r in orphans}, orphans
+    run(["prefect", "deployment", "run", DEPLOYMENT, "--watch"], served.repo, **served.prefect.client_env)
+    for orphan in orphans:
+        after = client.get_run(orphan.info.run_id)
+        assert after.info.status == "KILLED", after.info
+        reason = after.data.tags["lockstep.killed_reason"]
+        assert f"process {orphan.data.tags['lockstep.owner.pid']} on host" in reason and "is gone" in reason, reason
 
 
 @pytest.mark.slow
