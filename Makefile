@@ -14,7 +14,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-all lint bench gpu-check repro serve ui mlflow-server reproduce mark-orphans env clean
+.PHONY: run test test-all lint bench gpu-check sweep repro serve ui mlflow-server reproduce mark-orphans env clean
 
 # Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
 # MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
@@ -49,6 +49,10 @@ bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/
 ARGS ?=
 gpu-check: $(STAMP)  ## determinism, strict mode, cost of pinning, compress/export on the GPU: table + artifacts/gpu-check.json (no GPU: ARGS="--device cpu")
 	$(VENV)/bin/python -m tasks.gpu_check $(ARGS)
+
+# e.g. `make sweep ARGS=--apply` (the best trial's params into params.yaml), `ARGS="--address tcp://host:8786"`
+sweep: $(STAMP)  ## hyperparameter search: params.yaml's sweep section, Optuna trials as Prefect tasks on Dask (README "Sweeps")
+	$(VENV)/bin/python -m flows.sweep $(ARGS)
 
 repro: $(STAMP)  ## the same pipeline through DVC (fetches data/ first on a fresh clone)
 	test -d data || $(VENV)/bin/dvc repro download

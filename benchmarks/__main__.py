@@ -27,7 +27,7 @@ from tasks.config import load_params
 
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
-    from benchmarks import compression, cpu_mode, pipeline_overhead, scaling, stats_loop, train_epoch
+    from benchmarks import compression, cpu_mode, pipeline_overhead, scaling, stats_loop, sweeps, train_epoch
 
     if smoke:  # one round, no warm-up, one epoch: that everything runs, not how fast
         return {
@@ -39,6 +39,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
             "B6": lambda work: compression.b6(work, rounds=1, runs=20, smoke=True),
             "B7": lambda work: scaling.b7(work, smoke=True),
             "B9": lambda work: cpu_mode.b9(work, rounds=1, epochs=1),
+            "B10": lambda work: sweeps.b10(work, smoke=True),
         }
     return {
         "B1": lambda work: train_epoch.b1_b8(work, rounds=5),  # B8 too: the same set-up
@@ -49,6 +50,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B6": lambda work: compression.b6(work, rounds=5, runs=50),
         "B7": lambda work: scaling.b7(work),
         "B9": lambda work: cpu_mode.b9(work, rounds=3),
+        "B10": lambda work: sweeps.b10(work),
     }
 
 

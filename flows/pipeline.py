@@ -20,12 +20,9 @@ As a service: flows/deployments.py (`make serve`, and work pools).
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import sys
-import threading
-from contextlib import nullcontext
 from typing import Any
 
 from flows import notify, prefect_env
@@ -214,24 +211,7 @@ def _warm_imports() -> None:
 
 
 def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """The flow, against PREFECT_API_URL if set, else against a server of its own.
-
-    Prefect's ephemeral mode would start that server too, but only once the flow is called, after
-    importing Prefect's server code into this process (~2.5 s) and then waiting ~3 s for it. Started
-    here instead, it comes up while this process imports DVC and MLflow: a no-op run is mostly
-    start-up (B3 in benchmarks/: 11.6 -> 7.7 s on 2 cores).
-    """
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
-    server = None
-    if not os.environ.get("PREFECT_API_URL"):
-        server = prefect_env.LocalServer(ephemeral=True, quiet=True, die_with_parent=True)
-        # Stopped at exit, as Prefect stops its ephemeral server: exit handlers run last-in first-out,
-        # so Prefect's log and event workers (registered later) have sent what they hold by then.
-        atexit.register(server.stop)
-    threading.Thread(target=_warm_imports, daemon=True).start()
-    settings = {PREFECT_API_URL: server.wait(), PREFECT_API_AUTH_STRING: server.auth_string} if server else None
-    with temporary_settings(settings) if settings else nullcontext():
+    with prefect_env.local_api(while_starting=_warm_imports):
         return pipeline(
             params_file=args.params, force=args.force, reingest=args.reingest, overrides=dict(args.overrides) or None
         )

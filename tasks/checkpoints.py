@@ -35,8 +35,9 @@ class CheckpointError(ExpectedFailure):
 
 
 def result_config(cfg: TrainConfig) -> dict[str, Any]:
-    """The train config that shapes the weights (everything but LAUNCH_KEYS)."""
-    return cfg.model_dump(exclude=set(LAUNCH_KEYS))
+    """The train config that shapes the weights (everything but LAUNCH_KEYS). Its `seed` is left out
+    too: the checkpoints record the seed actually used (train.seed or the top-level one) beside it."""
+    return cfg.model_dump(exclude={*LAUNCH_KEYS, "seed"})
 
 
 def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -127,9 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.determinism import pin_everything
     from tasks.train import train
 
-    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu)
+    pin_everything(params.train_seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu)
     try:
-        train(params.train, params.seed, layout.PREPROCESSED_DIR, layout.TRAIN_DIR, resume_dir=layout.TRAIN_RESUME_DIR)
+        train(
+            params.train,
+            params.train_seed,
+            layout.PREPROCESSED_DIR,
+            layout.TRAIN_DIR,
+            resume_dir=layout.TRAIN_RESUME_DIR,
+        )
     except ExpectedFailure as exc:  # the launching stage reports it (one line); torchrun stops the other ranks
         logging.getLogger("tasks.ddp").error("%s", exc)
         if os.environ.get(ERRORS_ENV):

@@ -81,6 +81,7 @@ _PROBE = """
 import json
 from tasks.config import load_params
 params = load_params()
+seed = getattr(params, "train_seed", params.seed)  # train.seed (a sweep trial's): code from before it had none
 cpu = getattr(params.determinism, "cpu", None)  # None: code from before determinism.cpu (native)
 if cpu is not None:  # before torch and numpy load
     from tasks.cpu_mode import pin_env
@@ -88,11 +89,11 @@ if cpu is not None:  # before torch and numpy load
 from tasks.determinism import pin_everything
 from tasks.tracking import lineage_tags
 if cpu is None:
-    settings = pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+    settings = pin_everything(seed, params.determinism.num_threads, params.determinism.strict)
     machine = {}
 else:
     from tasks.fingerprint import fingerprint
-    settings = pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict, cpu)
+    settings = pin_everything(seed, params.determinism.num_threads, params.determinism.strict, cpu)
     machine = fingerprint()
 tags = {k: v for k, v in lineage_tags().items() if k.startswith("version.")}
 print(json.dumps({**tags, **{f"determinism.{k}": str(v) for k, v in settings.items()}, **machine}))

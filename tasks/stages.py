@@ -21,13 +21,14 @@ from tasks.atomic import write_text
 from tasks.config import Params
 from tasks.determinism import pin_everything
 from tasks.fingerprint import fingerprint
-from tasks.hashing import data_md5
+from tasks.hashing import data_md5, file_digest
 from tasks.tracking import StageRun, lineage_tags, stage_run
 
 if TYPE_CHECKING:
     from tasks.checks import Report
     from tasks.export import ExportResult
     from tasks.registry import Promotion
+    from tasks.train import TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +110,19 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
 
         result = train(
             params.train,
-            params.seed,
+            params.train_seed,
             layout.PREPROCESSED_DIR,
             layout.TRAIN_DIR,
             resume_dir=layout.TRAIN_RESUME_DIR,
             on_epoch=lambda row: run.log_history([row]),
         )
+    _record_training(params, run, result, layout.TRAIN_DIR)
+    _keep_trained_profile()
+    return {"best_epoch": result.best_epoch, "best_val_accuracy": result.best_val_accuracy}
+
+
+def _record_training(params: Params, run: StageRun, result: TrainResult, out_dir: Path) -> None:
+    """The train run's tags, checkpoints and what `python -m tasks.reproduce` rebuilds it from."""
     run.set_tags(
         {
             "device": result.device,
@@ -125,9 +133,8 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
             **(result.pretrained or {}),  # pretrained.sha256 / .source (redacted) / .reinitialised
         }
     )
-    _keep_trained_profile()
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
-        run.log_artifact(layout.TRAIN_DIR / name, "checkpoints" if name.endswith(".safetensors") else None)
+        run.log_artifact(out_dir / name, "checkpoints" if name.endswith(".safetensors") else None)
     # What `python -m tasks.reproduce <run id>` rebuilds this run from: the resolved params, the data
     # version and the upstream stages' output hashes. This run must carry them itself: DVC may have
     # skipped preprocess, whose run (with the split params) then belongs to an earlier execution.
@@ -139,7 +146,43 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
             for path in (resolved, layout.DATA_DVC, Path("dvc.lock")):  # dvc.lock: absent before the first run
                 if path.exists():
                     run.log_artifact(path, "reproduce")
-    return {"best_epoch": result.best_epoch, "best_val_accuracy": result.best_val_accuracy}
+
+
+def train_trial(
+    params: Params, out_dir: Path, on_epoch: Callable[[dict[str, float]], None], tags: dict[str, Any]
+) -> tuple[TrainResult | None, str | None]:
+    """One sweep trial: the train stage with the trial's params (train.seed its own), writing to
+    `out_dir` rather than artifacts/train, as a train run nested in the sweep's MLflow run (tracking's
+    PARENT_ENV). (result, run id); result None when `on_epoch` pruned it (raised tasks.sweep.Pruned).
+
+    Its run carries what reproduce needs, as the train stage's does: `make reproduce RUN=<its id>`.
+    A failure raises, its run marked FAILED.
+    """
+    from tasks.sweep import Pruned
+    from tasks.train import train
+
+    determinism = pin_everything(
+        params.train_seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu
+    )
+    with stage_run("train", params.tracking, {"seed": params.seed, **params.sections("train")}) as run:
+        run.set_tags({**{f"determinism.{k}": v for k, v in determinism.items()}, **fingerprint(), **tags})
+
+        def epoch_done(row: dict[str, float]) -> None:
+            run.log_history([row])
+            on_epoch(row)
+
+        try:
+            result = train(params.train, params.train_seed, layout.PREPROCESSED_DIR, out_dir, out_dir, epoch_done)
+        except Pruned:
+            from tasks.resume import RESUME_FILE
+
+            (out_dir / RESUME_FILE).unlink(missing_ok=True)  # a pruned trial is never continued
+            run.set_tags({"sweep.state": "pruned"})
+            return None, run.run_id
+        _record_training(params, run, result, out_dir)
+        run.set_tags({"sweep.state": "complete", "weights.best_sha256": file_digest(out_dir / "best.safetensors")})
+        run.log_metrics({"best_epoch": result.best_epoch, "best_val_accuracy": result.best_val_accuracy})
+        return result, run.run_id
 
 
 def _keep_trained_profile() -> None:
@@ -308,8 +351,9 @@ _WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, Any]]] = {
 def run_stage(name: str, params: Params) -> dict[str, Any]:
     """Pin determinism, open the stage's MLflow run, do the stage; return its summary metrics (and, for
     export, the promotion verdict under "promotion")."""
+    seed = params.train_seed if name == "train" else params.seed  # train.seed: a sweep trial's, applied
     determinism = pin_everything(
-        params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu
+        seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu
     )
     logged = {"seed": params.seed, **params.sections(name)}
     with stage_run(name, params.tracking, logged) as run:

@@ -1,0 +1,64 @@
+"""B10: a sweep's speed-up from 1 to 2 Dask workers (flows/sweep.py), on an 8-trial study.
+
+The same study (same params: the results are identical, tests/test_sweep_dask.py) runs on a local
+cluster of 1 worker and of 2, one trial per worker at a time with `determinism.num_threads: 1`, so
+two workers use the machine's two cores. The figure is the trial phase (the study's batches, from the
+first trial asked to the last result told: `seconds` in the sweep's sweep.json), which is what more
+workers shorten; the command's start-up (Prefect server, Dask cluster, data stages skipped by DVC) is
+in the details. Trials are digits trainings long enough to dominate their batch's Prefect and Dask
+overhead; pruning is off and the batch is 4, so both workers have whole trials to run throughout
+(with pruning, a batch waits for its slowest trial: that cost is the design's, README "Sweeps").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.harness import Figure, run_timed
+from benchmarks.pipeline_overhead import project_copy
+from tasks.config import set_params
+
+TARGET = 1.8  # speed-up of 2 workers over 1
+
+
+def b10(work: Path, smoke: bool = False) -> list[Figure]:
+    project, env = project_copy(work, smoke)
+    settings = {
+        "sweep.trials": 2 if smoke else 8,
+        "sweep.batch": 2 if smoke else 4,
+        "sweep.pruner": "none",
+        "train.epochs": 1 if smoke else 8,
+        "determinism.num_threads": 1,
+    }
+    set_params(project / "params.yaml", settings)
+    seconds, wall, busy = {}, {}, {}
+    for workers in (1, 2):
+        name = f"bench-{workers}w-{time.monotonic_ns()}"  # a new study each time: nothing resumed
+        overrides = ["--set", f"sweep.name={name}", "--set", f"sweep.workers={workers}"]
+        wall[workers] = run_timed([sys.executable, "-m", "flows.sweep", *overrides], project, env, expect="trial")
+        summary = json.loads((project / "artifacts" / "sweep" / name / "study" / "sweep.json").read_text())
+        seconds[workers] = summary["seconds"]
+        # how much of the workers' time went into trials: the rest waited on a batch's slowest trial,
+        # on the coordinator or on Prefect and Dask
+        busy[workers] = round(sum(row["seconds"] or 0 for row in summary["trials"]) / (workers * seconds[workers]), 3)
+    speedup = seconds[1] / seconds[2]
+    return [
+        Figure(
+            id="B10",
+            measure=f"sweep of {settings['sweep.trials']} trials: trial phase, 2 Dask workers vs 1",
+            lockstep=seconds[2],
+            baseline=seconds[1],
+            target=f"<= {1 / TARGET:.3f}x (>= {TARGET}x speed-up)",
+            met=None if smoke else speedup >= TARGET,
+            details={
+                "speedup": round(speedup, 3),
+                "runs": {"1 worker": [seconds[1]], "2 workers": [seconds[2]]},
+                "command_wall_s": wall,
+                "worker_busy_fraction": busy,
+                "settings": settings,
+            },
+        )
+    ]

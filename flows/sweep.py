@@ -1,0 +1,247 @@
+"""`make sweep` / `python -m flows.sweep`: the `sweep` section of params.yaml as a Prefect flow.
+
+The flow brings the data up to date (download, stats, preprocess, skipped by DVC when current),
+then runs an Optuna study in batches (tasks/sweep.py: results depend on the params and the data,
+never on timing). Each trial is a Prefect task on a Dask cluster: `sweep.address` (or env
+LOCKSTEP_DASK_ADDRESS) names its scheduler; without one, a local cluster of `sweep.workers`
+processes. Each trial trains as the train stage does, logged as an MLflow train run nested in the
+sweep's run; the sweep's run records the study (best trial, a table of every trial, plots).
+
+    python -m flows.sweep                     # run (or resume) the study sweep.name
+    python -m flows.sweep --apply             # ... then write the best trial's params into params.yaml
+    python -m flows.sweep --address tcp://10.0.0.5:8786 --set sweep.trials=32
+    python -m flows.sweep scheduler --port 8786         # a Dask scheduler for trials (any `dask scheduler` option)
+    python -m flows.sweep worker tcp://10.0.0.5:8786   # a Dask worker for trials, on each machine
+
+Workers need the project at the same path with the same preprocessed data: a shared filesystem, or a
+clone at the same commit after `dvc pull preprocess` (a trial refuses other data: it checks its digest).
+The study survives the coordinator (a journal file in artifacts/sweep/<name>/, or `sweep.storage`):
+run the same command again and it resumes, without repeating a finished trial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flows import prefect_env
+from tasks.layout import ROOT
+
+prefect_env.configure()  # before Prefect is imported
+
+from prefect import flow, get_run_logger  # noqa: E402
+
+from flows.trials import SweepContext, run_batch  # noqa: E402
+from tasks import cpu_mode, layout  # noqa: E402
+from tasks.cli import exit_code  # noqa: E402
+from tasks.config import PARAMS_FILE, ConfigError, Params, load_params, set_params, with_overrides  # noqa: E402
+
+FLOW_NAME = "lockstep-sweep"
+ADDRESS_ENV = "LOCKSTEP_DASK_ADDRESS"
+STORAGE_ENV = "LOCKSTEP_SWEEP_STORAGE"  # an Optuna RDB URL with credentials: never in params.yaml
+SWEEP_DIR = layout.ARTIFACTS / "sweep"
+
+
+@flow(name=FLOW_NAME, log_prints=True)
+def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]:
+    """Run (or resume) the Optuna study `sweep.name` over `sweep.space`; with `apply`, write the best
+    trial's params into params.yaml.
+
+    Args:
+        params_file: the params file, relative to the project root.
+        apply: write the best trial's values, its seed and `sweep.applied` into params.yaml.
+    """
+    from flows.pipeline import STAGE_TASKS
+    from tasks import sweep as search
+    from tasks.pipeline_lock import pipeline_lock
+    from tasks.tracking import pipeline_run, tracking_uri
+
+    os.chdir(ROOT)
+    logger = get_run_logger()
+    params = load_params(params_file)
+    cpu_mode.pin_env(params.determinism.cpu)
+    cfg = params.sweep
+    if not cfg.space:
+        raise ConfigError(f"{params_file}: sweep.space is empty: name the train keys to search (README, Sweeps)")
+    # Held for the whole sweep: a pipeline run must not swap the data under the trials.
+    with pipeline_lock(f"sweep {cfg.name}", params.orchestration.lock_wait_s, logger=logger):
+        with pipeline_run(params.tracking, entry_point="sweep") as parent_id:
+            for name in ("download", "stats", "preprocess"):
+                STAGE_TASKS[name](name, params, False)
+            digest = search.data_digest(layout.PREPROCESSED_DIR)
+            study_dir = SWEEP_DIR / cfg.name
+            print_fp = search.fingerprint(params, digest)
+            study = search.open_study(cfg, os.environ.get(STORAGE_ENV) or cfg.storage, study_dir, print_fp)
+            context = SweepContext(str(ROOT), params, parent_id, tracking_uri(), digest, str(ROOT / study_dir))
+            started = time.monotonic()
+            search.run_study(study, cfg, print_fp, lambda specs: run_batch(specs, context, cfg.retries))
+            summary = _summary(study, cfg, round(time.monotonic() - started, 2))
+            _record(study, summary, study_dir, parent_id, params)
+    logger.info("sweep %s: %s", cfg.name, summary["line"])
+    if apply:
+        _apply(params_file, summary, cfg.name)
+    return summary
+
+
+def _summary(study: Any, cfg: Any, seconds: float) -> dict[str, Any]:
+    from tasks.sweep import best_trial, table
+
+    rows = table(study)
+    states = {state: sum(row["state"] == state for row in rows) for state in ("complete", "pruned", "fail")}
+    best = best_trial(study)
+    summary: dict[str, Any] = {
+        "study": cfg.name,
+        "trials": rows,
+        "states": states,
+        "seconds": seconds,
+        "best": None,
+    }
+    if best is None:
+        summary["line"] = f"{len(rows)} trials, none complete ({states})"
+        return summary
+    summary["best"] = {
+        "trial": best.number,
+        "value": best.value,
+        "params": dict(best.params),
+        "seed": best.user_attrs["seed"],
+        "run_id": best.user_attrs.get("run_id"),
+        "best_sha256": best.user_attrs.get("best_sha256"),
+    }
+    values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items())
+    summary["line"] = (
+        f"best trial {best.number}: {cfg.metric} {best.value:.4f} ({values}); "
+        f"{states['complete']} complete, {states['pruned']} pruned, {states['fail']} failed"
+    )
+    return summary
+
+
+def _record(study: Any, summary: dict[str, Any], study_dir: Path, parent_id: str | None, params: Params) -> None:
+    """The study on disk (artifacts/sweep/<name>/study/) and on the sweep's MLflow run."""
+    from tasks.atomic import write_text
+    from tasks.sweep import plots
+
+    out = study_dir / "study"
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "sweep.json", json.dumps(summary, indent=2, sort_keys=True, default=str))
+    with open(out / "trials.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=sorted({k for row in summary["trials"] for k in row}))
+        writer.writeheader()
+        writer.writerows(summary["trials"])
+    drawn = plots(study, out)
+    if parent_id is not None:
+        _record_in_mlflow(parent_id, summary, out, drawn, params)
+
+
+def _record_in_mlflow(run_id: str, summary: dict[str, Any], out: Path, drawn: dict[str, str], params: Params) -> None:
+    from mlflow import MlflowClient
+
+    from tasks.orphans import sweep as mark_orphans
+    from tasks.redact import redact_mapping
+    from tasks.tracking import tracking_uri
+
+    client = MlflowClient(tracking_uri())
+    # A trial whose worker died was run again elsewhere; the dead attempt's run is marked KILLED now.
+    mark_orphans(client, [client.get_run(run_id).info.experiment_id], f"sweep {summary['study']}")
+    flat = {f"sweep.{k}": v for k, v in params.sweep.model_dump(exclude={"space", "applied"}).items()}
+    flat["sweep.space"] = json.dumps(params.sweep.model_dump(mode="json")["space"], sort_keys=True)[:6000]
+    for key, value in redact_mapping(flat).items():
+        client.log_param(run_id, key, value)
+    tags = {"lockstep.summary": summary["line"], "sweep.study": summary["study"]}
+    best = summary["best"]
+    if best is not None:
+        tags.update({"sweep.best_trial": best["trial"], "sweep.best_run_id": best["run_id"] or ""})
+        client.log_metric(run_id, f"best_{params.sweep.metric}", best["value"])
+    for key, value in tags.items():
+        client.set_tag(run_id, key, str(value))
+    for state, count in summary["states"].items():
+        client.log_metric(run_id, f"trials_{state}", count)
+    client.log_metric(run_id, "sweep_seconds", summary["seconds"])
+    for name in ("sweep.json", "trials.csv", *(f"{n}.png" for n, p in drawn.items() if p.endswith(".png"))):
+        client.log_artifact(run_id, str(out / name), "sweep")
+
+
+def _apply(params_file: str, summary: dict[str, Any], study: str) -> None:
+    """The best trial's values and seed into params.yaml, with `sweep.applied` naming the trial: the
+    pipeline's next train run then rebuilds that trial's weights, and DVC records where they came from."""
+    best = summary["best"]
+    if best is None:
+        raise ConfigError(f"sweep {study}: no complete trial to apply")
+    overrides: dict[str, Any] = dict(best["params"])
+    overrides["train.seed"] = best["seed"]
+    overrides["sweep.applied"] = {"study": study, "trial": best["trial"], "run_id": best["run_id"]}
+    set_params(params_file, overrides)
+    print(f"params.yaml: {', '.join(f'{k}={v}' for k, v in overrides.items() if k != 'sweep.applied')}")
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _task_runner(params: Params, address: str | None) -> Any:
+    from prefect_dask import DaskTaskRunner
+
+    if address:
+        return DaskTaskRunner(address=address)
+    # worker processes, one trial (one thread) each; no dashboard port to collide with another sweep's
+    cluster = {"n_workers": params.sweep.workers, "threads_per_worker": 1, "processes": True}
+    return DaskTaskRunner(cluster_kwargs={**cluster, "dashboard_address": ":0"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["worker"], ["scheduler"]):
+        return exit_code(lambda: _dask(argv[0], argv[1:]))
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
+    parser.add_argument("--apply", action="store_true", help="write the best trial's params into params.yaml")
+    parser.add_argument("--address", help=f"Dask scheduler (default: sweep.address, env {ADDRESS_ENV})")
+    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[])
+    args = parser.parse_args(argv)
+    return exit_code(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flows.pipeline import _override
+    from tasks.tracking import check_store
+
+    overrides = dict(_override(text) for text in args.overrides)
+    _, params = with_overrides(ROOT / args.params, overrides)  # fail fast, before a server starts
+    cpu_mode.pin_env(params.determinism.cpu)  # before numpy loads; the local cluster's workers inherit it
+    check_store(params.tracking)
+    if overrides:
+        params = set_params(ROOT / args.params, overrides)
+    address = args.address or params.sweep.address or os.environ.get(ADDRESS_ENV)
+    with prefect_env.local_api():
+        summary = sweep.with_options(task_runner=_task_runner(params, address))(args.params, args.apply)
+    print(summary["line"])
+    return 0
+
+
+def _dask(role: str, argv: list[str]) -> int:
+    """`dask scheduler` / `dask worker` for trials, able to import this project (the scheduler unpickles
+    the trial tasks too). A worker runs in the project directory, one trial (thread) at a time per
+    process, with params.yaml's CPU mode pinned before anything loads torch; other arguments go to dask."""
+    parser = argparse.ArgumentParser(prog=f"python -m flows.sweep {role}")
+    if role == "worker":
+        parser.add_argument("scheduler", help="the Dask scheduler's address, tcp://host:port")
+        parser.add_argument("--params", default=PARAMS_FILE)
+    args, rest = parser.parse_known_args(argv)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    command = [str(Path(sys.executable).with_name("dask")), role, *rest]
+    if role == "worker":
+        cpu_mode.pin_env(load_params(ROOT / args.params).determinism.cpu)
+        os.chdir(ROOT)
+        command[2:2] = [args.scheduler, "--nthreads", "1"]
+    os.execv(command[0], command)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Sweeps (tasks/sweep.py, flows/sweep.py): a study's trials, pruning and winner depend on the sweep
+params and the data only — not on the order trials finish in, the number of workers, a restarted
+coordinator or a killed worker.
+
+The fast tests drive the real Optuna study with a synthetic objective (a made-up learning curve per
+trial): they check the coordinator's logic in a second. The slow ones run real sweeps of real trainings
+on a real Dask scheduler and real worker processes on 127.0.0.1 (tests/test_sweep_dask.py).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks import sweep as search
+from tasks.cli import one_line
+from tasks.config import ConfigError, Params, load_params
+from tests.conftest import write_params
+
+SPACE = {
+    "train.lr": {"type": "float", "low": 0.001, "high": 1.0, "log": True},
+    "train.weight_decay": {"type": "float", "low": 0.0, "high": 0.01, "log": False},
+    "train.batch_size": {"type": "categorical", "choices": [32, 64, 128]},
+    "train.epochs": {"type": "int", "low": 2, "high": 6},
+}
+
+
+def _params(tmp_path: Path, **sweep: Any) -> Params:
+    settings = {"trials": 12, "batch": 3, "space": SPACE, "startup_trials": 4, "warmup_epochs": 1, **sweep}
+    return load_params(write_params(tmp_path / "params.yaml", {"sweep": settings}))
+
+
+def _curve(spec: search.TrialSpec) -> list[dict[str, float]]:
+    """A made-up validation curve: best near lr 0.1, rising with the epochs."""
+    lr = spec.values["train.lr"]
+    ceiling = 0.95 - 0.2 * abs(math.log10(lr) + 1) - 10 * spec.values["train.weight_decay"]
+    epochs = spec.values["train.epochs"]
+    return [{"epoch": e, "val_accuracy": ceiling * (1 - 0.5**e)} for e in range(1, epochs + 1)]
+
+
+class Trainer:
+    """Runs a batch's synthetic trials like the Dask workers do: pruned against `spec.earlier`, and
+    handing results back in the order `order` puts them in (as the fastest worker would)."""
+
+    def __init__(self, cfg: Any, order: str = "as-asked", fail_at_call: int | None = None) -> None:
+        self.cfg, self.order, self.fail_at_call = cfg, order, fail_at_call
+        self.ran: list[int] = []  # trial numbers, one per training
+
+    def __call__(self, specs: list[search.TrialSpec]) -> list[search.TrialOutcome]:
+        if self.fail_at_call is not None and len(self.ran) >= self.fail_at_call:
+            raise KeyboardInterrupt("the coordinator dies")
+        outcomes = [self._train(spec) for spec in specs]
+        if self.order == "reversed":
+            outcomes.reverse()
+        elif self.order == "shuffled":
+            random.Random(len(self.ran)).shuffle(outcomes)
+        return outcomes
+
+    def _train(self, spec: search.TrialSpec) -> search.TrialOutcome:
+        self.ran.append(spec.number)
+        pruning, history = search.Pruning(self.cfg, spec.earlier), []
+        for row in _curve(spec):
+            history.append(row)
+            if pruning.should_stop(spec.number, row):
+                return search.TrialOutcome(spec.number, "pruned", row["val_accuracy"], history)
+        value = search.best_value(history, self.cfg.metric, self.cfg.direction)
+        return search.TrialOutcome(spec.number, "complete", value, history, fingerprint=spec.fingerprint)
+
+
+def _run(params: Params, study_dir: Path, trainer: Trainer) -> list[dict[str, Any]]:
+    study = search.open_study(params.sweep, None, study_dir, "fp")
+    search.run_study(study, params.sweep, "fp", trainer)
+    return search.table(study)
+
+
+def test_results_do_not_depend_on_the_order_trials_finish_in(tmp_path: Path) -> None:
+    params = _params(tmp_path)
+    tables = {
+        order: _run(params, tmp_path / order, Trainer(params.sweep, order))
+        for order in ("as-asked", "reversed", "shuffled")
+    }
+    assert tables["as-asked"] == tables["reversed"] == tables["shuffled"]
+    rows = tables["as-asked"]
+    assert [row["trial"] for row in rows] == list(range(12))
+    # pruning compares with earlier batches only: nothing in the first batch is pruned, something later is
+    assert all(row["state"] == "complete" for row in rows[:3])
+    assert any(row["state"] == "pruned" for row in rows[3:])
+    # each trial's seed is its own, from the sweep seed and its number
+    assert len({row["seed"] for row in rows}) == 12
+    assert rows[0]["seed"] == search.derived_seed(0, 0, "train")
+
+
+def test_another_sweep_seed_gives_other_trials(tmp_path: Path) -> None:
+    one = _run(_params(tmp_path), tmp_path / "a", Trainer(_params(tmp_path).sweep))
+    other_params = _params(tmp_path, seed=1)
+    other = _run(other_params, tmp_path / "b", Trainer(other_params.sweep))
+    assert [r["train.lr"] for r in one] != [r["train.lr"] for r in other]
+
+
+def test_a_restarted_coordinator_resumes_without_repeating_a_finished_trial(tmp_path: Path) -> None:
+    params = _params(tmp_path)
+    whole = _run(params, tmp_path / "whole", Trainer(params.sweep))
+
+    first = Trainer(params.sweep, fail_at_call=6)  # dies when the third batch starts
+    with pytest.raises(KeyboardInterrupt):
+        _run(params, tmp_path / "resumed", first)
+    second = Trainer(params.sweep, order="reversed")
+    resumed = _run(params, tmp_path / "resumed", second)  # a new process: the study from its journal
+
+    assert resumed == whole
+    assert first.ran == list(range(6)) and second.ran == list(range(6, 12))
+
+
+def test_a_study_is_not_resumed_with_other_settings(tmp_path: Path) -> None:
+    params = _params(tmp_path)
+    _run(params, tmp_path / "study", Trainer(params.sweep))
+    other = _params(tmp_path, pruner="none")
+    with pytest.raises(search.SweepError, match="other sweep settings"):
+        search.open_study(other.sweep, None, tmp_path / "study", "other fingerprint")
+
+
+def test_more_trials_continue_a_finished_study(tmp_path: Path) -> None:
+    params = _params(tmp_path)
+    _run(params, tmp_path / "study", Trainer(params.sweep))
+    more = _params(tmp_path, trials=15)
+    trainer = Trainer(more.sweep)
+    rows = _run(more, tmp_path / "study", trainer)
+    assert trainer.ran == [12, 13, 14] and len(rows) == 15
+
+
+def test_a_failed_trial_is_a_result(tmp_path: Path) -> None:
+    params = _params(tmp_path, trials=3)
+
+    def crashing(specs: list[search.TrialSpec]) -> list[search.TrialOutcome]:
+        return [search.TrialOutcome(spec.number, "failed", error="RuntimeError: boom", attempts=2) for spec in specs]
+
+    study = search.open_study(params.sweep, None, tmp_path / "study", "fp")
+    search.run_study(study, params.sweep, "fp", crashing)
+    rows = search.table(study)
+    assert [row["state"] for row in rows] == ["fail"] * 3
+    assert rows[0]["error"] == "RuntimeError: boom"
+    assert search.best_trial(study) is None
+
+
+def test_the_best_trial_breaks_ties_by_number(tmp_path: Path) -> None:
+    params = _params(tmp_path, trials=4, batch=4, pruner="none")
+
+    def flat(specs: list[search.TrialSpec]) -> list[search.TrialOutcome]:
+        return [search.TrialOutcome(s.number, "complete", 0.9, [{"epoch": 1, "val_accuracy": 0.9}]) for s in specs]
+
+    study = search.open_study(params.sweep, None, tmp_path / "study", "fp")
+    search.run_study(study, params.sweep, "fp", flat)
+    assert search.best_trial(study).number == 0
+
+
+def test_trial_params_put_the_values_and_the_seed_in_train(tmp_path: Path) -> None:
+    params = _params(tmp_path)
+    spec = search.TrialSpec(3, {"train.lr": 0.02, "train.epochs": 4}, seed=1234)
+    trial = search.trial_params(params, spec)
+    assert (trial.train.lr, trial.train.epochs, trial.train.seed, trial.train_seed) == (0.02, 4, 1234, 1234)
+    assert trial.seed == params.seed  # the split is the project's
+    assert trial.train.strategy == "single"
+
+
+def test_derived_seeds_are_pinned() -> None:
+    # numpy's SeedSequence is documented stable; a change here changes every recorded sweep
+    assert search.derived_seed(0, 0, "train") != search.derived_seed(0, 1, "train")
+    assert search.derived_seed(0, 0, "train") != search.derived_seed(0, 0, "sampler")
+    assert [search.derived_seed(0, n, "train") for n in range(3)] == PINNED_SEEDS
+
+
+PINNED_SEEDS = [4147804363, 2919965486, 4152727838]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "message"),
+    [
+        (
+            {"space": {"train.momentum": {"type": "float", "low": 0.5, "high": 1.0}}},
+            "sweep.space.train.momentum: 1.0 is not a valid",
+        ),
+        ({"space": {"train.strategy": {"type": "categorical", "choices": ["ddp"]}}}, "a sweep searches train keys"),
+        ({"space": {"train.seed": {"type": "int", "low": 0, "high": 9}}}, "a sweep searches train keys"),
+        ({"space": {"evaluate.batch_size": {"type": "int", "low": 1, "high": 9}}}, "a sweep searches train keys"),
+        ({"space": {"train.lr": {"type": "categorical", "low": 0.1, "choices": [0.1]}}}, "give choices"),
+        ({"space": {"train.epochs": {"type": "int", "low": 1, "high": 2.5}}}, "whole numbers"),
+        ({"space": {"train.momentum": {"type": "float", "low": 0.5, "high": 0.1}}}, "must be below high"),
+        ({"metric": "val_loss", "direction": "maximize"}, "val_loss is optimised by minimize"),
+        ({"address": "http://10.0.0.5:8786"}, "sweep.address"),
+    ],
+)
+def test_bad_sweep_params_are_refused_naming_the_key(tmp_path: Path, sweep: dict, message: str) -> None:
+    path = write_params(tmp_path / "params.yaml", {"sweep": sweep})
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_params(path)
+
+
+def test_a_storage_url_with_a_password_is_refused_without_showing_it(tmp_path: Path) -> None:
+    path = write_params(tmp_path / "params.yaml", {"sweep": {"storage": "postgresql://me:s3cret@db:5432/optuna"}})
+    with pytest.raises(ConfigError, match="LOCKSTEP_SWEEP_STORAGE") as raised:
+        load_params(path)
+    shown = one_line(str(raised.value))  # the error line every entry point prints (and logs)
+    assert "s3cret" not in shown and "postgresql://***@db:5432/optuna" in shown

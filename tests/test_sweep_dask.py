@@ -1,0 +1,237 @@
+"""Real sweeps on a real Dask cluster: a scheduler and worker processes on 127.0.0.1, started and
+killed here by PID (`python -m flows.sweep scheduler|worker`, as a user starts them on each machine).
+
+The same sweep run with one worker and with two gives the same trial parameters, the same pruned set
+and byte-identical checkpoints; a worker SIGKILLed mid-trial changes nothing either; every trial is
+an MLflow run that `tasks.reproduce` rebuilds byte for byte; `--apply` hands the winner to the
+pipeline, whose train stage then rebuilds the winner's weights, with `sweep.applied` in dvc.lock.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import client_for, copy_project, free_port, run, sha256, stop_group, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+SWEEP = {
+    "trials": 4,
+    "batch": 2,  # two batches: the second one's trials can be pruned against the first's
+    "seed": 0,
+    "warmup_epochs": 1,
+    "space": {"train.lr": {"type": "float", "low": 0.005, "high": 0.5, "log": True}},
+}
+TRAIN = {"epochs": 4}
+
+
+class Cluster:
+    """A Dask scheduler and its workers, each in its own process group."""
+
+    def __init__(self, project: Path) -> None:
+        self.project, self.port = project, free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.workers: list[subprocess.Popen[Any]] = []
+        self.scheduler = self._start("scheduler", "--host", "127.0.0.1", "--port", str(self.port), "--no-dashboard")
+
+    def _start(self, role: str, *args: str) -> subprocess.Popen[Any]:
+        log = open(self.project / f"dask-{role}-{time.monotonic_ns()}.log", "w")  # noqa: SIM115 - kept with the process
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.sweep", role, *args],
+            cwd=self.project,
+            env=subprocess_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def add_worker(self) -> subprocess.Popen[Any]:
+        worker = self._start("worker", self.address, "--no-dashboard", "--death-timeout", "60")
+        self.workers.append(worker)
+        self.wait_for(len(self.alive()))
+        return worker
+
+    def alive(self) -> list[subprocess.Popen[Any]]:
+        return [w for w in self.workers if w.poll() is None]
+
+    def wait_for(self, count: int, timeout_s: float = 120) -> None:
+        from distributed import Client
+
+        deadline = time.monotonic() + timeout_s
+        with Client(self.address, timeout=60) as client:
+            while len(client.scheduler_info(n_workers=-1)["workers"]) != count:
+                assert time.monotonic() < deadline, f"{count} Dask workers did not connect in {timeout_s} s"
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        for proc in [*self.workers, self.scheduler]:
+            stop_group(proc)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    project = copy_project(tmp_path_factory.mktemp("sweep"), {"sweep": SWEEP, "train": TRAIN})
+    cluster = Cluster(project)
+    try:
+        cluster.add_worker()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _sweep(cluster: Cluster, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return run(
+        [sys.executable, "-m", "flows.sweep", "--address", cluster.address, "--set", f"sweep.name={name}", *extra],
+        cluster.project,
+    )
+
+
+def _trials(project: Path, name: str) -> list[dict[str, str]]:
+    with open(project / "artifacts" / "sweep" / name / "study" / "trials.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def _results(rows: list[dict[str, str]]) -> list[tuple[str, ...]]:
+    """What must not depend on the workers: each trial's params, seed, state, value and weights."""
+    return [(r["trial"], r["train.lr"], r["seed"], r["state"], r["value"], r["epochs"], r["best_sha256"]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def one_worker(cluster: Cluster) -> list[dict[str, str]]:
+    """The reference: the sweep on one worker (before any test adds a second)."""
+    assert len(cluster.alive()) == 1
+    _sweep(cluster, "one")
+    return _trials(cluster.project, "one")
+
+
+def test_one_and_two_workers_give_the_same_study(cluster: Cluster, one_worker: list[dict[str, str]]) -> None:
+    while len(cluster.alive()) < 2:
+        cluster.add_worker()
+    done = _sweep(cluster, "two")
+    two = _trials(cluster.project, "two")
+
+    assert _results(two) == _results(one_worker)
+    states = [row["state"] for row in two]
+    assert states[:2] == ["complete", "complete"] and "pruned" in states[2:], states
+    best = json.loads((cluster.project / "artifacts/sweep/two/study/sweep.json").read_text())["best"]
+    ref = json.loads((cluster.project / "artifacts/sweep/one/study/sweep.json").read_text())["best"]
+    assert best["trial"] == ref["trial"] and best["params"] == ref["params"]
+    best_file = f"artifacts/sweep/{{}}/trial-{best['trial']:04d}/best.safetensors"
+    assert sha256(cluster.project / best_file.format("two")) == sha256(cluster.project / best_file.format("one"))
+    assert f"best trial {best['trial']}" in done.stdout
+    _check_recorded(cluster.project, "two", two)
+
+
+def _check_recorded(project: Path, name: str, rows: list[dict[str, str]]) -> None:
+    """One sweep run in MLflow with the study; one finished train run per trial, nested in it."""
+    client = client_for(project)
+    experiment = client.get_experiment_by_name("lockstep").experiment_id
+    parents = client.search_runs(
+        [experiment], f"tags.`lockstep.entry_point` = 'sweep' and tags.`sweep.study` = '{name}'"
+    )
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    complete = [r for r in rows if r["state"] == "complete"]
+    assert (
+        parent.data.tags["sweep.best_trial"]
+        == min(complete, key=lambda r: (-float(r["value"]), int(r["trial"])))["trial"]
+    )
+    listed = {a.path for a in client.list_artifacts(parent.info.run_id, "sweep")}
+    assert {f"sweep/{n}" for n in ("trials.csv", "sweep.json", "optimization_history.png")} <= listed
+    assert "sweep/param_importances.png" in listed
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    trials = [c for c in children if c.data.tags.get("sweep.trial") is not None]
+    assert sorted(int(c.data.tags["sweep.trial"]) for c in trials) == list(range(len(rows)))
+    for child, row in zip(sorted(trials, key=lambda c: int(c.data.tags["sweep.trial"])), rows, strict=True):
+        assert child.info.status == "FINISHED" and child.data.tags["sweep.state"] == row["state"]
+        assert child.data.tags["lockstep.stage"] == "train"
+        assert float(child.data.params["train.lr"]) == float(row["train.lr"])
+        assert child.data.params["train.seed"] == row["seed"]
+        history = client.get_metric_history(child.info.run_id, "val_accuracy")
+        assert len(history) == int(row["epochs"])
+        if row["state"] == "complete":
+            assert child.data.tags["weights.best_sha256"] == row["best_sha256"]
+
+
+def test_a_worker_killed_mid_trial_changes_nothing(cluster: Cluster, one_worker: list[dict[str, str]]) -> None:
+    while len(cluster.alive()) < 2:
+        cluster.add_worker()
+    client = client_for(cluster.project)
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "flows.sweep", "--address", cluster.address, "--set", "sweep.name=killed"],
+        cwd=cluster.project,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        victim, trial = _kill_a_worker_mid_trial(cluster, client)
+        output, _ = sweep.communicate(timeout=600)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, output
+    assert victim.poll() is not None
+
+    assert _results(_trials(cluster.project, "killed")) == _results(one_worker)
+    runs = client.search_runs(
+        [client.get_experiment_by_name("lockstep").experiment_id],
+        "tags.`sweep.study` = 'killed' and tags.`lockstep.stage` = 'train'",
+    )
+    finished = sorted(int(r.data.tags["sweep.trial"]) for r in runs if r.info.status == "FINISHED")
+    assert finished == list(range(SWEEP["trials"]))  # every trial done once
+    killed = [r for r in runs if r.info.status == "KILLED"]
+    assert [r.data.tags["sweep.trial"] for r in killed] == [trial]
+    assert "is gone" in killed[0].data.tags["lockstep.killed_reason"]
+
+
+def _kill_a_worker_mid_trial(cluster: Cluster, client: Any) -> tuple[subprocess.Popen[Any], str]:
+    """SIGKILL the worker (its whole process group) running a trial that has trained an epoch."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        running = client.search_runs(
+            [client.get_experiment_by_name("lockstep").experiment_id],
+            "tags.`sweep.study` = 'killed' and attributes.status = 'RUNNING' and tags.`lockstep.stage` = 'train'",
+        )
+        for run_ in running:
+            if "val_accuracy" in run_.data.metrics:
+                group = os.getpgid(int(run_.data.tags["lockstep.owner.pid"]))
+                victim = next(w for w in cluster.alive() if w.pid == group)
+                os.killpg(group, signal.SIGKILL)
+                victim.wait(timeout=30)
+                return victim, run_.data.tags["sweep.trial"]
+        time.sleep(0.3)
+    raise AssertionError("no trial trained an epoch within 300 s")
+
+
+def test_a_trial_reproduces_and_apply_hands_the_winner_to_the_pipeline(
+    cluster: Cluster, one_worker: list[dict[str, str]]
+) -> None:
+    project = cluster.project
+    best = json.loads((project / "artifacts/sweep/one/study/sweep.json").read_text())["best"]
+    rebuilt = run([sys.executable, "-m", "tasks.reproduce", best["run_id"]], project)  # exit 0: identical
+    assert f"reproduce {best['run_id']}: best.safetensors byte-identical" in rebuilt.stdout + rebuilt.stderr
+
+    _sweep(cluster, "one", "--apply")  # finished: nothing runs again; the winner goes into params.yaml
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    assert params["train"]["lr"] == best["params"]["train.lr"] and params["train"]["seed"] == best["seed"]
+    assert params["sweep"]["applied"] == {"study": "one", "trial": best["trial"], "run_id": best["run_id"]}
+
+    run(["dvc", "repro", "train"], project)
+    trial_weights = project / f"artifacts/sweep/one/trial-{best['trial']:04d}/best.safetensors"
+    assert sha256(project / "artifacts/train/best.safetensors") == sha256(trial_weights)
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert lock["stages"]["train"]["params"]["params.yaml"]["sweep.applied"]["run_id"] == best["run_id"]
