@@ -45,6 +45,22 @@ class SweepContext:
 # --------------------------------------------------------------------------- one trial, on a worker
 
 
+def dask_setup(worker: object) -> None:
+    """Dask's hook for a preloaded module (`--preload flows.trials`): load what a trial needs while the
+    worker waits for its first one. The first trial in a fresh process otherwise spends ~10 s of
+    its time importing torch (and torch._dynamo, which the optimisers pull in), MLflow and the stages.
+    In a thread: the worker must go on answering its scheduler meanwhile."""
+    threading.Thread(target=_warm_up, name="lockstep-warm-up", daemon=True).start()
+
+
+def _warm_up() -> None:
+    import mlflow  # noqa: F401
+    import torch._dynamo  # noqa: F401
+
+    import tasks.stages  # noqa: F401
+    import tasks.train  # noqa: F401
+
+
 @task(name="trial", cache_policy=NO_CACHE, task_run_name="trial {spec.number}")
 def trial_task(spec: TrialSpec, context: SweepContext) -> TrialOutcome:
     """Train one trial; its outcome, also kept in its folder (a resumed sweep does not run it again)."""

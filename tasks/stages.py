@@ -179,6 +179,9 @@ def train_trial(
             (out_dir / RESUME_FILE).unlink(missing_ok=True)  # a pruned trial is never continued
             run.set_tags({"sweep.state": "pruned"})
             return None, run.run_id
+        except BaseException:
+            run.set_tags({"sweep.state": "failed"})  # the run is FAILED; the sweep retries or records it
+            raise
         _record_training(params, run, result, out_dir)
         run.set_tags({"sweep.state": "complete", "weights.best_sha256": file_digest(out_dir / "best.safetensors")})
         run.log_metrics({"best_epoch": result.best_epoch, "best_val_accuracy": result.best_val_accuracy})

@@ -71,8 +71,8 @@ class Trainer:
         return search.TrialOutcome(spec.number, "complete", value, history, fingerprint=spec.fingerprint)
 
 
-def _run(params: Params, study_dir: Path, trainer: Trainer) -> list[dict[str, Any]]:
-    study = search.open_study(params.sweep, None, study_dir, "fp")
+def _run(params: Params, study_dir: Path, trainer: Trainer, storage: str | None = None) -> list[dict[str, Any]]:
+    study = search.open_study(params.sweep, storage, study_dir, "fp")
     search.run_study(study, params.sweep, "fp", trainer)
     return search.table(study)
 
@@ -101,15 +101,17 @@ def test_another_sweep_seed_gives_other_trials(tmp_path: Path) -> None:
     assert [r["train.lr"] for r in one] != [r["train.lr"] for r in other]
 
 
-def test_a_restarted_coordinator_resumes_without_repeating_a_finished_trial(tmp_path: Path) -> None:
+@pytest.mark.parametrize("storage", ["journal", "rdb"])
+def test_a_restarted_coordinator_resumes_without_repeating_a_finished_trial(tmp_path: Path, storage: str) -> None:
     params = _params(tmp_path)
     whole = _run(params, tmp_path / "whole", Trainer(params.sweep))
 
+    url = f"sqlite:///{tmp_path / 'optuna.db'}" if storage == "rdb" else None  # as a PostgreSQL URL would be
     first = Trainer(params.sweep, fail_at_call=6)  # dies when the third batch starts
     with pytest.raises(KeyboardInterrupt):
-        _run(params, tmp_path / "resumed", first)
+        _run(params, tmp_path / "resumed", first, url)
     second = Trainer(params.sweep, order="reversed")
-    resumed = _run(params, tmp_path / "resumed", second)  # a new process: the study from its journal
+    resumed = _run(params, tmp_path / "resumed", second, url)  # a new coordinator: the study from storage
 
     assert resumed == whole
     assert first.ran == list(range(6)) and second.ran == list(range(6, 12))

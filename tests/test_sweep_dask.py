@@ -23,7 +23,15 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import client_for, copy_project, free_port, run, sha256, stop_group, subprocess_env
+from tests.conftest import (
+    client_for,
+    copy_project,
+    free_port,
+    run,
+    sha256,
+    stop_group,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -235,3 +243,23 @@ def test_a_trial_reproduces_and_apply_hands_the_winner_to_the_pipeline(
     assert sha256(project / "artifacts/train/best.safetensors") == sha256(trial_weights)
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert lock["stages"]["train"]["params"]["params.yaml"]["sweep.applied"]["run_id"] == best["run_id"]
+
+
+def test_a_crashing_trial_is_retried_once_then_recorded_failed_on_a_local_cluster(cluster: Cluster) -> None:
+    """No address: the flow starts its own Dask cluster. A trial that diverges is a result of the sweep."""
+    project = cluster.project
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["sweep"].update(name="crash", trials=1, space={"train.lr": {"type": "categorical", "choices": [1.0e10]}})
+    (project / "crash-params.yaml").write_text(yaml.safe_dump(params))
+    done = run([sys.executable, "-m", "flows.sweep", "--params", "crash-params.yaml"], project)
+    assert "1 trials, none complete" in done.stdout
+
+    (row,) = _trials(project, "crash")
+    assert row["state"] == "fail" and "training diverged" in row["error"], row
+    client = client_for(project)
+    runs = client.search_runs(
+        [client.get_experiment_by_name("lockstep").experiment_id],
+        "tags.`sweep.study` = 'crash' and tags.`lockstep.stage` = 'train'",
+    )
+    attempts = sorted((r.data.tags["sweep.attempt"], r.info.status, r.data.tags["sweep.state"]) for r in runs)
+    assert attempts == [("1", "FAILED", "failed"), ("2", "FAILED", "failed")]
