@@ -37,7 +37,7 @@ prefect_env.configure()  # before Prefect is imported
 
 from prefect import flow, get_run_logger  # noqa: E402
 
-from flows.trials import SweepContext, run_batch  # noqa: E402
+from flows.trials import SweepContext, run_batch, warm_up  # noqa: E402
 from tasks import cpu_mode, layout  # noqa: E402
 from tasks.cli import exit_code  # noqa: E402
 from tasks.config import PARAMS_FILE, ConfigError, Params, load_params, set_params, with_overrides  # noqa: E402
@@ -71,6 +71,7 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
     if not cfg.space:
         raise ConfigError(f"{params_file}: sweep.space is empty: name the train keys to search (README, Sweeps)")
     # Held for the whole sweep: a pipeline run must not swap the data under the trials.
+    client = _dask_client()
     with pipeline_lock(f"sweep {cfg.name}", params.orchestration.lock_wait_s, logger=logger):
         with pipeline_run(params.tracking, entry_point="sweep") as parent_id:
             for name in ("download", "stats", "preprocess"):
@@ -80,6 +81,7 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
             print_fp = search.fingerprint(params, digest)
             study = search.open_study(cfg, os.environ.get(STORAGE_ENV) or cfg.storage, study_dir, print_fp)
             context = SweepContext(str(ROOT), params, parent_id, tracking_uri(), digest, str(ROOT / study_dir))
+            client.run(warm_up)  # every worker has what a trial needs: the clock starts with the trials
             started = time.monotonic()
             search.run_study(study, cfg, print_fp, lambda specs: run_batch(specs, context, cfg.retries))
             summary = _summary(study, cfg, round(time.monotonic() - started, 2))
@@ -88,6 +90,16 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
     if apply:
         _apply(params_file, summary, cfg.name)
     return summary
+
+
+def _dask_client() -> Any:
+    """The task runner's Dask client, which starts (or connects to) the cluster on first use: called
+    before the data stages, so that new workers load torch meanwhile (`flows.trials.dask_setup`)."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    assert context is not None, "called outside the flow"
+    return context.task_runner.client
 
 
 def _summary(study: Any, cfg: Any, seconds: float) -> dict[str, Any]:

@@ -50,10 +50,10 @@ def dask_setup(worker: object) -> None:
     worker waits for its first one. The first trial in a fresh process otherwise spends ~10 s of
     its time importing torch (and torch._dynamo, which the optimisers pull in), MLflow and the stages.
     In a thread: the worker must go on answering its scheduler meanwhile."""
-    threading.Thread(target=_warm_up, name="lockstep-warm-up", daemon=True).start()
+    threading.Thread(target=warm_up, name="lockstep-warm-up", daemon=True).start()
 
 
-def _warm_up() -> None:
+def warm_up() -> None:
     import mlflow  # noqa: F401
     import torch._dynamo  # noqa: F401
 

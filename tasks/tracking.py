@@ -64,8 +64,36 @@ def _mlflow():
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri())
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    _open_sqlite_store(mlflow, uri)
     return mlflow
+
+
+_opened_stores: set[str] = set()  # sqlite URIs this process has opened (MLflow caches the store per URI)
+
+
+def _open_sqlite_store(mlflow: Any, uri: str) -> None:
+    """Open (and, the first time, create) an sqlite store while holding a lock on it.
+
+    MLflow creates an empty store's tables and runs its ~70 schema migrations from whichever process
+    opens it first, with no lock between processes. Two stages that start together (`dvc queue start
+    -j 2` on a fresh clone) both did, and one failed with "table latest_metrics already exists"
+    (tests/test_dvc_queue.py). Under the lock the second waits, then finds the tables made. The lock file
+    lives in the temporary directory, keyed by the database's path, like the lock MLflow takes for this
+    in its job and workspace stores (not in the tracking store): no file appears in the project.
+    """
+    if urllib.parse.urlparse(uri).scheme != "sqlite" or uri in _opened_stores:
+        return
+    import hashlib
+
+    from filelock import FileLock
+
+    database = Path(urllib.parse.urlparse(uri).path[1:]).resolve()  # sqlite:///<path>, absolute or not
+    key = hashlib.sha256(str(database).encode()).hexdigest()[:16]
+    with FileLock(Path(tempfile.gettempdir()) / f"lockstep-mlflow-store-{key}.lock"):
+        mlflow.MlflowClient(uri)  # builds the store: creates the tables if there are none
+    _opened_stores.add(uri)
 
 
 class TrackingUnavailable(ExpectedFailure):
@@ -294,7 +322,15 @@ def _experiment_id(mlflow: Any, name: str) -> str:
     # (Not "is MLFLOW_TRACKING_URI unset": mlflow.set_tracking_uri sets it, for subprocesses.)
     if tracking_uri() == _default_uri():
         location = (project_root() / "mlartifacts").as_uri()
-    return mlflow.create_experiment(name, artifact_location=location)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow.create_experiment(name, artifact_location=location)
+    except MlflowException as exc:
+        # Another process (a parallel DVC experiment, a sweep trial) created it since we looked.
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return mlflow.get_experiment_by_name(name).experiment_id
 
 
 def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point: str) -> str:

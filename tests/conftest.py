@@ -97,11 +97,18 @@ def copy_project(dest: Path, override: dict[str, Any] | None = None) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, target)
     write_params(dest / "params.yaml", merge(TINY, override or {}))
-    git = ["git", "-c", "user.name=lockstep-tests", "-c", "user.email=tests@lockstep.invalid"]
     run(["git", "init", "-q"], dest)
-    run([*git, "add", "-A"], dest)
-    run([*git, "commit", "-q", "-m", "test copy"], dest)
+    commit_all(dest, "test copy")
     return dest
+
+
+GIT = ["git", "-c", "user.name=lockstep-tests", "-c", "user.email=tests@lockstep.invalid"]
+
+
+def commit_all(repo: Path, message: str) -> None:
+    """Commit everything git does not ignore: what `dvc exp run` takes as its baseline."""
+    run([*GIT, "add", "-A"], repo)
+    run([*GIT, "commit", "-q", "-m", message], repo)
 
 
 def free_port() -> int:

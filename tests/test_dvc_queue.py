@@ -1,0 +1,216 @@
+"""DVC's experiment queue, as its users run it: `dvc exp run --queue` three times, then
+`dvc queue start -j 2`. Every experiment finishes (a weak one too: its int8 copy fails the export
+gates and fp32 ships instead), shows its metrics in `dvc exp show`, and lands in the project's MLflow
+store, which two experiments create and write at the same time without "database is locked".
+
+The store's part alone, without DVC, is the fast test: two processes opening a new store at once."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, client_for, clone_project, commit_all, run, subprocess_env, write_params
+
+WEAK = "weak"
+# name -> train.lr; the weak one barely moves from its initialisation (test accuracy ~0.1). None is
+# the baseline's 0.05: DVC would skip that one's train and evaluate as unchanged.
+EXPERIMENTS = {WEAK: 1e-5, "normal-a": 0.1, "normal-b": 0.02}
+QUEUE_TIMEOUT_S = 600  # the three took ~2.5 min on 2 cores (another job running beside them)
+POLL_S = 5
+# The queued runs' own config on top of TINY:
+# - confidence 0: the agreement gate counts every test image. With the default 0.5 a model that never
+#   trained has no confident image at all, so its int8 copy passes vacuously and nothing falls back;
+#   over all images the weak model's int8 copy agreed with fp32 on ~0.974 of them, the baseline's ~0.996.
+# - one compressed variant: the export candidates need static_int8 alone (saves ~4 s per experiment).
+QUEUED_CONFIG = {
+    "export": {"confidence": 0.0, "min_top1_agreement": 0.99, "candidates": ["static_int8", "fp32"]},
+    "compress": {"variants": ["static_int8"]},
+}
+UNFINISHED = ("Queued", "Running")
+
+
+@pytest.fixture
+def project(dvc_repo: dict[str, Any], tmp_path: Path) -> Iterator[Path]:
+    """The session's reproduced project, committed as the experiments' baseline, without an MLflow store.
+
+    No store: like a fresh clone that pulled its outputs from a DVC remote, so the first two experiments
+    create it at the same time. Queue workers are killed at the end, whatever happened.
+    """
+    repo = clone_project(dvc_repo["repo"], tmp_path / "repo")
+    write_params(repo / "params.yaml", QUEUED_CONFIG, base=repo / "params.yaml")
+    (repo / "mlflow.db").unlink()
+    shutil.rmtree(repo / "mlartifacts")
+    commit_all(repo, "baseline: dvc.lock of the reproduced pipeline")
+    try:
+        yield repo
+    finally:
+        run(["dvc", "queue", "stop", "--kill"], repo, check=False)
+
+
+def queue_states(repo: Path) -> dict[str, str]:
+    """Experiment name -> its task's status, from `dvc queue status`'s table."""
+    table = run(["dvc", "queue", "status"], repo).stdout
+    states = {}
+    for line in table.splitlines():
+        words = line.split()
+        if len(words) >= 3 and words[1] in EXPERIMENTS:
+            states[words[1]] = words[-1]
+    return states
+
+
+def wait_for_queue(repo: Path) -> dict[str, str]:
+    deadline = time.monotonic() + QUEUE_TIMEOUT_S
+    while True:
+        states = queue_states(repo)
+        if set(states) == set(EXPERIMENTS) and not any(state in UNFINISHED for state in states.values()):
+            return states
+        assert time.monotonic() < deadline, f"queue not done after {QUEUE_TIMEOUT_S} s: {states}"
+        time.sleep(POLL_S)
+
+
+def declared_metrics(repo: Path) -> set[str]:
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
+    return {path for stage in stages.values() for path in stage.get("metrics", [])}
+
+
+def shown_experiments(repo: Path) -> dict[str, dict[str, Any]]:
+    """Experiment name -> its `dvc exp show --json` entry (rev, params, metrics)."""
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], repo).stdout)
+    found = {}
+    for baseline in shown:
+        for experiment in baseline.get("experiments") or []:
+            for rev in experiment["revs"]:
+                if rev.get("name") in EXPERIMENTS:
+                    found[rev["name"]] = rev
+    return found
+
+
+def check_exp_show(repo: Path) -> dict[str, str]:
+    """Each experiment with its lr and every metrics file dvc.yaml declares; returns name -> commit."""
+    shown = shown_experiments(repo)
+    assert set(shown) == set(EXPERIMENTS), sorted(shown)
+    metrics_files = declared_metrics(repo)
+    assert {"artifacts/evaluate/metrics.json", "artifacts/export/gates.json"} <= metrics_files
+    for name, entry in shown.items():
+        data = entry["data"]
+        assert data["params"]["params.yaml"]["data"]["train"]["lr"] == pytest.approx(EXPERIMENTS[name])
+        for path in metrics_files:
+            assert data["metrics"].get(path, {}).get("data"), (name, path, data["metrics"].get(path))
+        accuracy = data["metrics"]["artifacts/evaluate/metrics.json"]["data"]["accuracy"]
+        assert (accuracy < 0.3) == (name == WEAK), (name, accuracy)  # the weak one is weak, the others learnt
+    return {name: entry["rev"] for name, entry in shown.items()}
+
+
+def check_weak_fell_back(repo: Path, rev: str) -> None:
+    """What the weak experiment's export stage wrote (read from its commit): fp32 shipped, and why."""
+    import dvc.api
+
+    gates = json.loads(dvc.api.read("artifacts/export/gates.json", repo=str(repo), rev=rev))
+    assert gates["requested_variant"] == "static_int8" and gates["variant"] == "fp32", gates
+    assert gates["fallback_reason"].startswith("static_int8 failed its gates"), gates["fallback_reason"]
+    assert gates["fallback_reason"].endswith("fp32 shipped instead"), gates["fallback_reason"]
+    card = dvc.api.read("artifacts/export/model_card.md", repo=str(repo), rev=rev)
+    assert "**Fallback:** static_int8 failed its gates" in card
+
+
+def check_mlflow(repo: Path) -> None:
+    """The project's store (not one in DVC's temporary workspaces) holds every experiment's stage runs."""
+    client = client_for(repo)
+    experiment = client.get_experiment_by_name("lockstep")
+    assert experiment is not None, "no lockstep experiment in the project's MLflow store"
+    runs = client.search_runs([experiment.experiment_id])
+    assert all(r.info.status == "FINISHED" for r in runs), [(r.info.run_name, r.info.status) for r in runs]
+    trains = [r for r in runs if r.data.tags.get("lockstep.stage") == "train"]
+    assert sorted(float(r.data.params["train.lr"]) for r in trains) == sorted(EXPERIMENTS.values())
+    artifacts = (repo / "mlartifacts").as_uri()
+    assert all(r.info.artifact_uri.startswith(artifacts) for r in runs), [r.info.artifact_uri for r in runs]
+    # one parent run per experiment (its `dvc exp exec-run` process), each with its four stages
+    parents = {r.data.tags["mlflow.parentRunId"] for r in trains}
+    assert len(parents) == len(EXPERIMENTS)
+    for parent in parents:
+        stages = sorted(r.data.tags["lockstep.stage"] for r in runs if r.data.tags.get("mlflow.parentRunId") == parent)
+        assert stages == ["compress", "evaluate", "export", "train"], stages
+    exports = {r.data.tags["mlflow.parentRunId"]: r for r in runs if r.data.tags.get("lockstep.stage") == "export"}
+    weak = next(r for r in trains if float(r.data.params["train.lr"]) == EXPERIMENTS[WEAK])
+    assert exports[weak.data.tags["mlflow.parentRunId"]].data.tags["export.shipped_variant"] == "fp32"
+
+
+@pytest.mark.slow
+def test_queued_experiments_run_two_at_a_time_and_all_land(project: Path) -> None:
+    repo = project
+    for name, lr in EXPERIMENTS.items():
+        run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"train.lr={lr}"], repo)
+    assert queue_states(repo) == dict.fromkeys(EXPERIMENTS, "Queued")
+    run(["dvc", "queue", "start", "-j", "2"], repo)
+
+    states = wait_for_queue(repo)
+    logs = {name: run(["dvc", "queue", "logs", name], repo).stdout for name in EXPERIMENTS}
+    assert states == dict.fromkeys(EXPERIMENTS, "Success"), {n: logs[n][-3000:] for n in states}
+    for name, log in logs.items():
+        ran = re.findall(r"Running stage '(\w+)'", log)
+        assert ran == ["train", "evaluate", "compress", "export"], (name, ran)
+        for bad in ("database is locked", "Traceback"):
+            assert bad not in log, f"{name}: {bad!r} in its log:\n{log[-3000:]}"
+
+    revs = check_exp_show(repo)
+    check_weak_fell_back(repo, revs[WEAK])
+    check_mlflow(repo)
+
+
+# A stage process up to its first MLflow call, held at a barrier so that two of them make the
+# store and the experiment at the same moment. Before tasks/tracking.py locked the store's creation,
+# one of the two failed in each of 12 tries (a duplicate table or column, or alembic finding the
+# other's migration already done); with the store made beforehand, the experiment alone still
+# collided in 6 of 6 (UNIQUE constraint) before its get-or-create caught that.
+RACER = """
+import os, sys, time
+from pathlib import Path
+import mlflow  # imported before the barrier (~2 s): both then open the store within milliseconds
+from tasks import tracking
+barrier = Path(sys.argv[1])
+(barrier / f"ready-{os.getpid()}").touch()
+while not (barrier / "go").exists():
+    time.sleep(0.002)
+print(tracking._experiment_id(tracking._mlflow(), "lockstep"))
+"""
+
+
+def test_two_processes_create_the_store_and_the_experiment_at_once(tmp_path: Path) -> None:
+    env = subprocess_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", PYTHONPATH=str(ROOT))
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(tmp_path)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("ready-*"))) < 2 and all(r.poll() is None for r in racers):
+            assert time.monotonic() < deadline, "the racers never got ready"
+            time.sleep(0.01)
+        (tmp_path / "go").touch()
+        outputs = [racer.communicate(timeout=120) for racer in racers]
+    finally:
+        for racer in racers:
+            racer.kill()
+    errors = [err for _, err in outputs]
+    assert [r.returncode for r in racers] == [0, 0], [err[-3000:] for err in errors]
+    assert not any("database is locked" in err or "Traceback" in err for err in errors), errors
+    ids = {out.strip() for out, _ in outputs}
+    assert len(ids) == 1 and ids != {""}, ids  # one experiment, found by both
