@@ -14,7 +14,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-all lint bench gpu-check sweep repro serve ui mlflow-server reproduce mark-orphans env clean
+.PHONY: run test test-all lint bench gpu-check sweep repro serve ui mlflow-server stack stack-down stack-join reproduce mark-orphans env clean
 
 # Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
 # MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
@@ -86,6 +86,19 @@ mlflow-server: $(STAMP)  ## MLflow tracking server (database + artifact store) o
 		--backend-store-uri $(MLFLOW_BACKEND) --artifacts-destination $(MLFLOW_ARTIFACTS) \
 		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT) \
 		$(if $(MLFLOW_AUTH_CONFIG),--app-name basic-auth) $(if $(MLFLOW_ALLOWED_HOSTS),--allowed-hosts $(MLFLOW_ALLOWED_HOSTS))
+
+# The team's servers on this machine (stack/): PostgreSQL, SeaweedFS's S3, an MLflow server on both and a
+# Prefect server on PostgreSQL, state in .stack/ (README "Running it for a team"). Then `source .stack/env`.
+# STACK_HOST=0.0.0.0 on first use lets other machines in (behind a firewall: the servers check credentials).
+STACK_HOST ?=
+stack: $(STAMP)  ## start the team stack (made on first use), print the environment to source; its DVC remote becomes the default
+	$(VENV)/bin/python -m stack up $(if $(STACK_HOST),--host $(STACK_HOST))
+
+stack-down: $(STAMP)  ## stop the team stack (its data stays in .stack/)
+	$(VENV)/bin/python -m stack down
+
+stack-join: $(STAMP)  ## in another clone of the project: use the running stack's DVC remote (LOCKSTEP_STACK_DIR)
+	$(VENV)/bin/python -m stack join
 
 reproduce: $(STAMP)  ## re-run a past run's training and compare weights: make reproduce RUN=<mlflow run id>
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<mlflow run id>" >&2; exit 2; }

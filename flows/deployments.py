@@ -140,6 +140,8 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_params(ROOT / args.params).orchestration
     # inherited by the flow runs this process starts, and passed to a pool's workers (deploy)
     os.environ[prefect_env.ALLOW_OVERRIDES_ENV] = ",".join(args.allow_override)
+    if os.environ.get("PREFECT_API_URL"):  # a server of the user's: refuse in one line if it will not have us
+        prefect_env.check_api()
     if args.command == "deploy":
         print(f"deployed {deploy(cfg, args.pool, args.name)}; start a worker: prefect worker start --pool {args.pool}")
         return 0

@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tasks.tracking import check_store
+    from tasks.redact import redact
+    from tasks.tracking import check_store, tracking_uri
 
     _, params = with_overrides(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
     cpu_mode.pin_env(params.determinism.cpu)  # before MLflow (check_store) imports numpy
@@ -264,7 +265,9 @@ def _run(args: argparse.Namespace) -> int:
             f"shipped: artifacts/export/model.onnx, test accuracy {results['export']['test_accuracy']:.4f} "
             "(model card: artifacts/export/model_card.md)"
         )
-    print("browse the runs: make ui   (MLflow UI on http://127.0.0.1:5000)")
+    uri = tracking_uri()
+    where = redact(uri) if uri.startswith(("http://", "https://")) else "make ui   (MLflow UI on http://127.0.0.1:5000)"
+    print(f"browse the runs: {where}")
     return 0
 
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -29,7 +30,9 @@ from typing import Any
 
 from filelock import FileLock
 
+from tasks.errors import ExpectedFailure
 from tasks.layout import ROOT
+from tasks.redact import redact
 
 # a cold `prefect server start` (database migrations) takes ~20 s on 2 cores; a warm one ~3 s
 SERVER_START_TIMEOUT_S = 180
@@ -78,7 +81,9 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[None
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     server = None
-    if not os.environ.get("PREFECT_API_URL"):
+    if os.environ.get("PREFECT_API_URL"):
+        check_api()
+    else:
         server = LocalServer(ephemeral=True, quiet=True, die_with_parent=True)
         # Stopped at exit, as Prefect stops its ephemeral server: exit handlers run last-in first-out,
         # so Prefect's log and event workers (registered later) have sent what they hold by then.
@@ -88,6 +93,45 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[None
     settings = {PREFECT_API_URL: server.wait(), PREFECT_API_AUTH_STRING: server.auth_string} if server else None
     with temporary_settings(settings) if settings else nullcontext():
         yield
+
+
+class PrefectUnavailable(ExpectedFailure):
+    """The Prefect server in PREFECT_API_URL does not answer, or refuses our credentials."""
+
+
+def check_api(timeout_s: float = 10) -> None:
+    """Fail in seconds, in one line, when the server in PREFECT_API_URL is unreachable or refuses the
+    auth string: Prefect's client would raise a traceback from deep inside the flow's start."""
+    import base64
+
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY, PREFECT_API_URL
+
+    url, auth, key = (_plain(s.value()) for s in (PREFECT_API_URL, PREFECT_API_AUTH_STRING, PREFECT_API_KEY))
+    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+    if key:  # Prefect Cloud's API key
+        headers = {"Authorization": f"Bearer {key}"}
+    request = urllib.request.Request(f"{url.rstrip('/')}/admin/version", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            raise PrefectUnavailable(
+                f"Prefect server {redact(url)} (PREFECT_API_URL) refused the credentials (HTTP {exc.code}): "
+                "check PREFECT_API_AUTH_STRING (or PREFECT_API_KEY)"
+            ) from None
+        if exc.code >= 500:
+            raise PrefectUnavailable(
+                f"Prefect server {redact(url)} (PREFECT_API_URL) answered HTTP {exc.code}"
+            ) from None
+    except OSError as exc:
+        reason = getattr(exc, "reason", exc)
+        raise PrefectUnavailable(f"Prefect server {redact(url)} (PREFECT_API_URL) is unreachable: {reason}") from None
+
+
+def _plain(value: Any) -> str:
+    """A setting's value, whether Prefect hands it over plain or as a pydantic SecretStr."""
+    return str(value.get_secret_value() if hasattr(value, "get_secret_value") else value or "")
 
 
 def prefect_home() -> Path:

@@ -232,12 +232,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from flows.pipeline import _override
+    from tasks.sweep import check_storage
     from tasks.tracking import check_store
 
     overrides = dict(_override(text) for text in args.overrides)
     _, params = with_overrides(ROOT / args.params, overrides)  # fail fast, before a server starts
     cpu_mode.pin_env(params.determinism.cpu)  # before numpy loads; the local cluster's workers inherit it
     check_store(params.tracking)
+    check_storage(os.environ.get(STORAGE_ENV) or params.sweep.storage)
     if overrides:
         params = set_params(ROOT / args.params, overrides)
     address = args.address or params.sweep.address or os.environ.get(ADDRESS_ENV)

@@ -43,6 +43,8 @@ import tarfile
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -482,14 +484,47 @@ def _bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> s
         )
         if remote is None:
             raise ReproduceError(refusal)
-        try:
-            repo.pull(targets=target)
-        except CheckoutError:  # the remote does not have it either (DVC has logged which objects)
-            raise ReproduceError(refusal) from None
-        except DvcException as exc:  # e.g. unreachable remote, credentials: say so
-            cause = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # DVC colours its messages
-            raise ReproduceError(f"{refusal} (dvc: {redact(cause)})") from None
+        with _dvc_errors() as logged:
+            try:
+                repo.pull(targets=target)
+            except CheckoutError:  # the remote does not have it either (DVC has logged which objects)
+                raise ReproduceError(refusal) from None
+            except DvcException as exc:  # e.g. unreachable remote, credentials: say so, in DVC's words
+                cause = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", logged[0] if logged else str(exc)).split())
+                raise ReproduceError(f"{refusal} (dvc: {redact(cause)[:400]})") from None
     return f"DVC remote {remote!r}"
+
+
+@contextmanager
+def _dvc_errors() -> Iterator[list[str]]:
+    """DVC's error messages during the block, collected instead of printed: DVC (and its dvc_data)
+    logs a failed fetch with its whole traceback, and only the first line ("failed to connect to s3
+    ... Forbidden") says what is wrong. Its other messages go to its own handlers as before."""
+    messages: list[str] = []
+    loggers = [logging.getLogger(name) for name in ("dvc", "dvc_data", "dvc_objects")]
+    saved = {logger.name: list(logger.handlers) for logger in loggers}
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                exc = record.exc_info[1] if record.exc_info else None
+                cause = (exc.__cause__ or exc) if exc else None  # botocore's "(403) ... Forbidden" under s3fs's
+                messages.append(record.getMessage() + (f": {cause}" if cause else ""))
+                return
+            for handler in saved[self.name]:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+
+    propagate = {logger.name: logger.propagate for logger in loggers}
+    for logger in loggers:
+        collect = Collect()
+        collect.name = logger.name
+        logger.handlers, logger.propagate = [collect], False  # nor to the root logger's handler
+    try:
+        yield messages
+    finally:
+        for logger in loggers:
+            logger.handlers, logger.propagate = saved[logger.name], propagate[logger.name]
 
 
 # --------------------------------------------------------------------------- the rebuild

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import Params, SearchSpace, SweepConfig
+from tasks.errors import ExpectedFailure
+from tasks.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,10 @@ RESUMABLE_KEYS = frozenset({"trials", "address", "workers", "storage", "retries"
 
 class SweepError(ValueError):
     """A sweep that cannot start or resume as asked (exit 2 at the entry point)."""
+
+
+class SweepStorageUnavailable(ExpectedFailure):
+    """The study's database does not answer or refuses the credentials (exit 1)."""
 
 
 class Pruned(Exception):
@@ -152,7 +158,14 @@ def open_study(cfg: SweepConfig, storage: str | None, study_dir: Path, print_fin
         storage_obj: Any = JournalStorage(JournalFileBackend(str(study_dir / JOURNAL)))
     else:
         storage_obj = storage
-    study = optuna.create_study(study_name=cfg.name, storage=storage_obj, direction=cfg.direction, load_if_exists=True)
+    try:
+        study = optuna.create_study(
+            study_name=cfg.name, storage=storage_obj, direction=cfg.direction, load_if_exists=True
+        )
+    except Exception as exc:  # SQLAlchemy's errors for a database that is down or refuses us (and a
+        if storage is None:  # driver's own); the journal file's are ours to show as they are
+            raise
+        raise SweepStorageUnavailable(f"sweep storage {redact(storage)}: {_first_cause(exc)}") from exc
     recorded = study.user_attrs.get(FINGERPRINT_ATTR)
     if recorded is None and not study.trials:
         study.set_user_attr(FINGERPRINT_ATTR, print_fingerprint)
@@ -163,6 +176,29 @@ def open_study(cfg: SweepConfig, storage: str | None, study_dir: Path, print_fin
             f"{study_dir} to start again"
         )
     return study
+
+
+def check_storage(storage: str | None) -> None:
+    """Fail in seconds, in one line, when the study's database does not answer or refuses the
+    credentials: before a cluster starts and the data stages run (and before Prefect logs a traceback)."""
+    if storage is None:
+        return
+    import sqlalchemy
+
+    try:
+        engine = sqlalchemy.create_engine(storage)
+        with engine.connect():
+            pass
+        engine.dispose()
+    except Exception as exc:  # a bad URL, a missing driver, a database down or refusing us: all one line
+        raise SweepStorageUnavailable(f"sweep storage {redact(storage)}: {_first_cause(exc)}") from exc
+
+
+def _first_cause(exc: BaseException) -> str:
+    """The driver's own words (`password authentication failed for user ...`), without SQLAlchemy's
+    wrapping and background link."""
+    cause = getattr(exc, "orig", None) or exc
+    return " ".join(str(cause).split())[:300]
 
 
 def _sampler(cfg: SweepConfig, number: int) -> Any:

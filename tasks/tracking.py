@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -134,12 +135,17 @@ def check_store(cfg: TrackingConfig) -> None:
                 if "timed out" in text or "timeout" in text
                 else "connection refused"
                 if "refused" in text
-                else type(exc).__name__
+                else f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
             )
             raise TrackingUnavailable(
                 f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) is unreachable: {reason}; {fix}"
             ) from None
-        if response.status_code >= 500 or response.status_code in (401, 403):
+        if response.status_code in (401, 403):
+            raise TrackingUnavailable(
+                f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) refused the credentials "
+                f"(HTTP {response.status_code}): check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+            ) from None
+        if response.status_code >= 500:
             raise TrackingUnavailable(
                 f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) answered HTTP {response.status_code}; {fix}"
             ) from None
@@ -387,6 +393,33 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str) -> Iterator[str | None]:
             os.environ[PARENT_ENV] = previous
 
 
+def _store_failed(exc: BaseException) -> bool:
+    """Whether MLflow's client gave up on a request to a tracking server (after its own retries)."""
+    from mlflow.exceptions import MlflowException, RestException
+    from requests.exceptions import RequestException
+
+    if isinstance(exc, RestException | RequestException):
+        return True
+    return isinstance(exc, MlflowException) and "API request to" in str(exc)
+
+
+def _records_lost(stage: str, exc: BaseException) -> str:
+    """One line for a store that failed mid-stage (its database or artifact store down, say): which
+    store, what it answered, and that the stage's outputs stay (DVC has not recorded the stage: the
+    next run does it again)."""
+    text = " ".join(str(exc).split())
+    status = re.search(r"too many (\d{3}) error responses|error code (\d{3})", text)
+    if status:
+        code = status.group(1) or status.group(2)
+        reason = f"it answered HTTP {code} (its log says why: its database or artifact store down?)"
+    else:
+        reason = "connection refused" if "refused" in text.lower() else text[:300]
+    return (
+        f"MLflow tracking store {redact(tracking_uri())} failed the {stage} stage's records: {reason}; "
+        "the stage's outputs stay on disk, and the next run does the stage again"
+    )
+
+
 def tag_run(run_id: str, tags: dict[str, str]) -> None:
     """Add tags to a run that is not this process's active one (the flow's parent run)."""
     client = _mlflow().MlflowClient()
@@ -433,6 +466,10 @@ def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterat
             run.log_params(params)
             try:
                 yield run
+            except Exception as exc:
+                if _store_failed(exc):
+                    raise TrackingUnavailable(_records_lost(stage, exc)) from exc
+                raise
             finally:  # a failed stage's curve up to the failure is what its user needs to see
                 run.flush()
         status = "FINISHED"

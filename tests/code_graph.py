@@ -8,7 +8,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tasks", "flows", "benchmarks")
+PACKAGES = ("tasks", "flows", "stack", "benchmarks")
 
 
 def module_path(module: str) -> Path:

@@ -14,9 +14,7 @@ written as PNGs), so that a test can change the data the way a real source chang
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import socket
 import stat
 import subprocess
@@ -34,6 +32,7 @@ import yaml
 from PIL import Image
 
 from tasks.pipeline_lock import pipeline_lock
+from tests.chromium import dom_and_screenshot
 from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env
 from tests.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
 from tests.webhook import WebhookReceiver
@@ -491,34 +490,11 @@ def test_the_schedule_created_upcoming_runs(stack: Stack) -> None:
 
 
 def test_the_mlflow_ui_shows_the_run_in_headless_chromium(stack: Stack, first_run: FirstRun, tmp_path: Path) -> None:
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed: .ci/run installs Debian's chromium package")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
     parent, children = executions(stack)[0]
     evaluate = children["evaluate"]
     url = f"{stack.mlflow}/#/experiments/{evaluate.info.experiment_id}/runs/{evaluate.info.run_id}"
-    flags = [
-        chromium,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tmp_path / 'profile'}",
-        "--virtual-time-budget=20000",
-        "--window-size=1400,1800",
-    ]
-    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    dom = dom_and_screenshot(url, tmp_path / "profile", SCREENSHOT)  # kept: test-artifacts/mlflow-run-page.png
     assert evaluate.info.run_id in dom and "evaluate" in dom  # the run's page, not the landing page
     assert "test_accuracy" in dom
     shown = f"{evaluate.data.metrics['test_accuracy']:.4g}"[:5]
     assert shown in dom, shown
-    SCREENSHOT.parent.mkdir(exist_ok=True)
-    SCREENSHOT.unlink(missing_ok=True)
-    subprocess.run([*flags, f"--screenshot={SCREENSHOT}", url], capture_output=True, timeout=120, check=True)
-    assert SCREENSHOT.stat().st_size > 10_000  # kept for a human: test-artifacts/mlflow-run-page.png

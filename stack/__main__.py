@@ -1,0 +1,109 @@
+"""python -m stack up | down | status | env | join | restart NAME  (see stack/__init__.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from stack import servers
+from stack.state import DVC_BUCKET, DVC_REMOTE, REGION, Stack, open_stack, stack_dir
+from tasks.cli import exit_code
+from tasks.layout import ROOT
+
+
+def up(stack: Stack) -> list[str]:
+    """Start every server that is not running, in dependency order; the names started."""
+    started = []
+    for server in (kind(stack) for kind in servers.SERVERS):
+        if not server.running():
+            server.start()
+            started.append(server.name)
+    _write_env_file(stack)
+    return started
+
+
+def down(stack: Stack) -> None:
+    for server in (kind(stack) for kind in reversed(servers.SERVERS)):
+        server.stop()
+
+
+def join(stack: Stack, project: Path) -> None:
+    """Make the stack's bucket `project`'s default DVC remote, in .dvc/config.local (not committed):
+    its address and the path of the credentials file, no key."""
+    from dvc.config import Config
+
+    config = Config(dvc_dir=str(project / ".dvc"), validate=False)
+    with config.edit("local") as conf:
+        conf.setdefault("remote", {})[DVC_REMOTE] = {
+            "url": f"s3://{DVC_BUCKET}",
+            "endpointurl": stack.url("s3"),
+            "credentialpath": str(stack.secrets / "aws-credentials"),
+            "region": REGION,
+        }
+        conf.setdefault("core", {})["remote"] = DVC_REMOTE
+
+
+def _write_env_file(stack: Stack) -> None:
+    from stack.state import write_secret
+
+    write_secret(stack.env_file, stack.env_file_text())
+
+
+def _status(stack: Stack) -> str:
+    rows = []
+    for server in (kind(stack) for kind in servers.SERVERS):
+        where = f"port {stack.ports[server.name]}"
+        rows.append(f"{server.name:9} {'running' if server.running() else 'stopped':8} {where}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stack", description=__doc__)
+    parser.add_argument("--dir", type=Path, help="the stack's folder (default: $LOCKSTEP_STACK_DIR or .stack)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    start = commands.add_parser("up", help="start the servers (made on first use) and print the client environment")
+    start.add_argument("--host", help="address the servers bind to (default 127.0.0.1; set on first use)")
+    commands.add_parser("down", help="stop the servers; their data stays")
+    commands.add_parser("status", help="which servers run, on which ports")
+    commands.add_parser("env", help="print the environment file's path and contents")
+    joining = commands.add_parser("join", help="make the stack the DVC remote of a project (.dvc/config.local)")
+    joining.add_argument("project", nargs="?", type=Path, default=Path.cwd())
+    restart = commands.add_parser("restart", help="stop and start one server")
+    restart.add_argument("name", choices=[kind.name for kind in servers.SERVERS])
+    args = parser.parse_args(argv)
+    return exit_code(lambda: _run(args), context="stack: ")
+
+
+def _run(args: argparse.Namespace) -> int:
+    root = (args.dir or stack_dir()).resolve()
+    if args.command != "up" and not (root / "state.json").exists():
+        print(f"no stack in {root} (start one with `make stack`)", file=sys.stderr)
+        return 1
+    stack = open_stack(root, getattr(args, "host", None))
+    if args.command == "up":
+        started = up(stack)
+        join(stack, ROOT)
+        print(_status(stack))
+        print(f"started: {', '.join(started) or 'none (all were running)'}")
+        print(f"DVC remote '{DVC_REMOTE}' (default) set in {ROOT / '.dvc' / 'config.local'}")
+        print(f"\n{stack.env_file_text()}\nsource {stack.env_file}")
+    elif args.command == "down":
+        down(stack)
+        print(_status(stack))
+    elif args.command == "status":
+        print(_status(stack))
+    elif args.command == "env":
+        print(f"# {stack.env_file}\n{stack.env_file_text()}", end="")
+    elif args.command == "join":
+        join(stack, args.project.resolve())
+        print(f"{args.project}: DVC remote '{DVC_REMOTE}' = s3://{DVC_BUCKET} at {stack.url('s3')} (default)")
+    else:
+        kind = next(kind for kind in servers.SERVERS if kind.name == args.name)
+        kind(stack).stop()
+        kind(stack).start()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The stack's folder: its ports, its generated credentials, and what a client needs to reach it.
+
+Ports and credentials are chosen once, on the first `make stack`, and kept (`state.json`,
+`secrets/`): a restarted stack answers where it did, with the same keys, so the environment file
+that users sourced stays right.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.atomic import atomic_file, write_text
+from tasks.errors import ExpectedFailure
+from tasks.layout import ROOT
+
+STACK_DIR_ENV = "LOCKSTEP_STACK_DIR"
+USER = "lockstep"  # PostgreSQL role and S3 identity
+DATABASES = ("mlflow", "mlflow_auth", "prefect", "optuna")  # mlflow_auth: the basic-auth app's users
+MLFLOW_ADMIN = "admin"
+MLFLOW_BUCKET, DVC_BUCKET = "lockstep-mlflow", "lockstep-dvc"
+DVC_REMOTE = "stack"
+REGION = "us-east-1"  # SeaweedFS ignores it; AWS clients want one to sign requests
+# SeaweedFS's `weed mini` listens on an HTTP and a gRPC port per component: each is set, so that two
+# stacks (a user's and a test's) never meet on a default port.
+PORTS = (
+    "postgres",
+    "mlflow",
+    "prefect",
+    "s3",
+    "s3_grpc",
+    "master",
+    "master_grpc",
+    "volume",
+    "volume_grpc",
+    "filer",
+    "filer_grpc",
+    "admin",
+    "admin_grpc",
+)
+
+
+class StackError(ExpectedFailure):
+    """A server of the stack would not start or stop: one line naming it and its log."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    root: Path
+    host: str  # what the servers bind to
+    ports: dict[str, int]
+
+    # ------------------------------------------------------------------ files
+    @property
+    def secrets(self) -> Path:
+        return self.root / "secrets"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def pids(self) -> Path:
+        return self.root / "pids"
+
+    @property
+    def env_file(self) -> Path:
+        return self.root / "env"
+
+    # ------------------------------------------------------------------ where clients connect
+    @property
+    def client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+
+    def url(self, port: str) -> str:
+        return f"http://{self.client_host}:{self.ports[port]}"
+
+    def database_url(self, database: str, driver: str = "psycopg") -> str:
+        """A SQLAlchemy URL without the password: libpq and asyncpg read it from PGPASSFILE."""
+        return f"postgresql+{driver}://{USER}@{self.client_host}:{self.ports['postgres']}/{database}"
+
+    def secret(self, name: str) -> str:
+        return (self.secrets / name).read_text().strip()
+
+    def client_env(self) -> dict[str, str]:
+        """What a process needs to use the stack (the Prefect auth string's value included)."""
+        return {
+            "MLFLOW_TRACKING_URI": self.url("mlflow"),
+            "MLFLOW_TRACKING_USERNAME": MLFLOW_ADMIN,
+            "MLFLOW_TRACKING_PASSWORD": self.secret("mlflow-password"),
+            "PREFECT_API_URL": f"{self.url('prefect')}/api",
+            "PREFECT_API_AUTH_STRING": self.secret("prefect-auth"),
+            "PGPASSFILE": str(self.secrets / "pgpass"),
+            "LOCKSTEP_SWEEP_STORAGE": self.database_url("optuna"),
+            STACK_DIR_ENV: str(self.root),
+        }
+
+    def env_file_text(self) -> str:
+        """The client environment as a file to `source`: it names the secret files, holds no secret."""
+        lines = [
+            "# lockstep team stack: `source` this file (written by `python -m stack up`).",
+            f"# DVC remote '{DVC_REMOTE}': s3://{DVC_BUCKET} at {self.url('s3')} (in .dvc/config.local;",
+            "# another clone of the project: `make stack-join` there; the S3 keys are in its credentialpath).",
+        ]
+        from_files = {"PREFECT_API_AUTH_STRING": "prefect-auth", "MLFLOW_TRACKING_PASSWORD": "mlflow-password"}
+        for key, value in self.client_env().items():
+            if key in from_files:
+                value = f"$(cat {self.secrets / from_files[key]})"
+            lines.append(f'export {key}="{value}"')
+        return "\n".join(lines) + "\n"
+
+
+def stack_dir() -> Path:
+    return Path(os.environ.get(STACK_DIR_ENV) or ROOT / ".stack").resolve()
+
+
+def open_stack(root: Path, host: str | None = None) -> Stack:
+    """The stack in `root`, made (ports picked, credentials generated) if it is not there yet."""
+    state = root / "state.json"
+    if state.exists():
+        saved = json.loads(state.read_text())
+        if host is not None and host != saved["host"]:
+            raise StackError(
+                f"{root} was made for host {saved['host']}, not {host}: stop it and remove the folder, "
+                f"or use another {STACK_DIR_ENV}"
+            )
+        return Stack(root, saved["host"], {name: int(saved["ports"][name]) for name in PORTS})
+    stack = Stack(root, host or "127.0.0.1", _free_ports(host or "127.0.0.1", len(PORTS)))
+    _make_secrets(stack)
+    root.mkdir(parents=True, exist_ok=True)
+    write_text(state, json.dumps({"host": stack.host, "ports": stack.ports}, indent=2) + "\n")
+    return stack
+
+
+def _free_ports(host: str, count: int) -> dict[str, int]:
+    """`count` distinct ports nobody listens on now (all held open together, so none is picked twice)."""
+    with ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return dict(zip(PORTS, (int(sock.getsockname()[1]) for sock in sockets), strict=True))
+
+
+def _make_secrets(stack: Stack) -> None:
+    password, access, key, auth, admin, flask = (secrets.token_urlsafe(n) for n in (24, 12, 30, 24, 24, 32))
+    access = "LS" + access.replace("-", "A").replace("_", "B").upper()  # S3 access keys are [A-Z0-9]
+    files = {
+        "pg-password": password,
+        # libpq's password file: host:port:database:user:password (our passwords hold no ':' or '\')
+        "pgpass": f"*:*:*:{USER}:{password}",
+        "aws-credentials": f"[default]\naws_access_key_id = {access}\naws_secret_access_key = {key}",
+        "s3.json": json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": USER,
+                        "credentials": [{"accessKey": access, "secretKey": key}],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        ),
+        "prefect-auth": f"{USER}:{auth}",
+        "mlflow-password": admin,
+        "mlflow-flask-secret": flask,
+        "mlflow-auth.ini": _mlflow_auth_ini(stack, admin),
+    }
+    stack.secrets.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(stack.secrets, 0o700)
+    for name, text in files.items():
+        write_secret(stack.secrets / name, text + "\n")
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Atomically, readable by this user only from the first byte."""
+    with atomic_file(path) as tmp:
+        os.chmod(tmp, 0o600)
+        tmp.write_text(text)
+
+
+def _mlflow_auth_ini(stack: Stack, admin_password: str) -> str:
+    """MLflow's basic-auth app settings (as in mlflow/server/auth/basic_auth.ini): its users live in
+    PostgreSQL; the admin is created with this password on the server's first start."""
+    return "\n".join(
+        [
+            "[mlflow]",
+            "default_permission = READ",
+            f"database_uri = {stack.database_url('mlflow_auth')}",
+            f"admin_username = {MLFLOW_ADMIN}",
+            f"admin_password = {admin_password}",
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
+        ]
+    )

@@ -1,0 +1,378 @@
+"""The team stack (stack/, `make stack`), real and on 127.0.0.1: PostgreSQL 15, SeaweedFS's S3
+server, an MLflow tracking server on both (with its basic-auth app) and a Prefect server on
+PostgreSQL, started once for the module in a folder of its own and stopped by PID at the end.
+
+A team's use of it, then the faults a team meets:
+
+- the pipeline as a Prefect deployment (`serve` + `prefect deployment run`): runs, registry and flow
+  runs land in PostgreSQL, artifacts and the DVC remote in S3, no credential anywhere else;
+- a fresh clone `dvc pull`s from S3 and reproduces the train run byte for byte;
+- the MLflow UI shows the run (headless Chromium, screenshot kept);
+- a sweep keeps its Optuna study in PostgreSQL and resumes from it;
+- PostgreSQL restarted during a run; the object store down during `dvc push` and during an artifact
+  upload; wrong credentials for each service.
+
+The data is an image folder (sklearn's digits as PNG files): a source whose files DVC pushes one by one.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from stack.__main__ import down, join, up
+from stack.servers import ObjectStore, Postgres, s3_client
+from stack.state import DVC_BUCKET, MLFLOW_BUCKET, Stack, open_stack
+from tests.chromium import basic_auth_proxy, dom_and_screenshot
+from tests.conftest import ROOT, commit_all, copy_project, run, service, sha256, subprocess_env
+from tests.prefect_client import PrefectAPI, wait_for_deployment
+from tests.test_service import write_digits
+
+pytestmark = pytest.mark.slow
+
+DEPLOYMENT = "lockstep-pipeline/nightly"
+SCREENSHOT = ROOT / "test-artifacts" / "team-stack-train-run.png"
+
+
+@dataclass
+class Team:
+    stack: Stack
+    repo: Path  # the project; its default DVC remote is the stack's bucket
+    env: dict[str, str]  # what `source .stack/env` gives a shell
+
+    def secrets(self) -> list[str]:
+        """Every generated credential's value."""
+        names = ("pg-password", "prefect-auth", "mlflow-password", "mlflow-flask-secret")
+        keys = (self.stack.secrets / "aws-credentials").read_text()
+        return [self.stack.secret(name) for name in names] + re.findall(r"= (\S+)", keys)
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
+    base = tmp_path_factory.mktemp("team")
+    images = base / "digits-folder"
+    write_digits(images, range(1797))
+    repo = copy_project(
+        base / "repo",
+        {
+            "data": {"source": "imagefolder", "path": str(images), "channels": 1},
+            "compress": {"variants": ["static_int8"]},
+        },
+    )
+    # As root, PostgreSQL runs as the `postgres` user, who must be able to enter the stack's folder:
+    # pytest's own temporary folders are private to root.
+    shared = Path(tempfile.mkdtemp(prefix="lockstep-team-stack-"))
+    shared.chmod(0o711)
+    stack = open_stack(shared / "stack")
+    try:
+        up(stack)
+        join(stack, repo)  # what `make stack` does for the project it runs in
+        env = stack.client_env()
+        with pytest.MonkeyPatch.context() as patch:  # this process's MLflow client reads its login from there
+            for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+                patch.setenv(key, env[key])
+            yield Team(stack, repo, env)
+    finally:
+        try:
+            down(stack)
+        finally:
+            shutil.rmtree(shared, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class FirstRun:
+    flow_run_id: str
+    train_run: Any  # the train stage's MLflow run
+    best_sha256: str  # its best checkpoint
+
+
+@pytest.fixture(scope="module")
+def first_run(team: Team) -> FirstRun:
+    """`make serve` on the stack's Prefect server, one `prefect deployment run`; then, as a team member
+    does after a run worth keeping, `dvc push` and a commit of dvc.lock."""
+    api = team.env["PREFECT_API_URL"]
+    serve = [sys.executable, "-m", "flows.deployments", "serve"]
+    log = team.repo.parent / "serve.log"
+    with service(serve, team.repo, f"{api}/health", log, **team.env) as proc:
+        wait_for_deployment(api, team.stack.secrets / "prefect-auth", DEPLOYMENT, proc, 180)
+        done = run(
+            ["prefect", "deployment", "run", DEPLOYMENT, "--watch", "--watch-timeout", "600"], team.repo, **team.env
+        )
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", done.stdout).group(1)
+    run(["dvc", "push"], team.repo, **team.env)
+    commit_all(team.repo, "the nightly run's data and pipeline state")
+    best = sha256(team.repo / "artifacts" / "train" / "best.safetensors")
+    return FirstRun(flow_run_id, _stage_runs(team, "train")[-1], best)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _mlflow(team: Team) -> Any:
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=team.env["MLFLOW_TRACKING_URI"])
+
+
+def _stage_runs(team: Team, stage: str) -> list[Any]:
+    """The stage's MLflow runs on the stack's server, oldest first."""
+    client = _mlflow(team)
+    experiment = client.get_experiment_by_name("lockstep")
+    return client.search_runs(
+        [experiment.experiment_id], f"tags.`lockstep.stage` = '{stage}'", order_by=["attributes.start_time ASC"]
+    )
+
+
+def _sql(team: Team, database: str, query: str, *args: Any) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    where = {"host": "127.0.0.1", "port": team.stack.ports["postgres"], "user": "lockstep"}
+    with psycopg.connect(dbname=database, passfile=team.env["PGPASSFILE"], **where) as conn:
+        return conn.execute(query, args).fetchall()
+
+
+def _objects(team: Team, bucket: str) -> list[str]:
+    pages = s3_client(team.stack).get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+
+def _pipeline(team: Team, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, "-m", "flows.pipeline", *args], team.repo, check=False, **{**team.env, **env})
+
+
+def _error_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and lines, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
+    assert lines[-1].startswith("error: "), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    return lines[-1]
+
+
+# --------------------------------------------------------------------------- a team's use
+
+
+def test_a_deployment_run_keeps_runs_and_flow_runs_in_postgresql_and_files_in_s3(
+    team: Team, first_run: FirstRun
+) -> None:
+    flow_run = PrefectAPI(team.env["PREFECT_API_URL"], team.env["PREFECT_API_AUTH_STRING"])(
+        f"/flow_runs/{first_run.flow_run_id}"
+    )
+    assert flow_run["state"]["type"] == "COMPLETED"
+    # each server keeps its records in its PostgreSQL database, not in a file of its own
+    assert _sql(team, "prefect", "SELECT state_type FROM flow_run WHERE id = %s", first_run.flow_run_id) == [
+        ("COMPLETED",)
+    ]
+    stages = {row[0] for row in _sql(team, "mlflow", "SELECT value FROM tags WHERE key = 'lockstep.stage'")}
+    assert {"download", "stats", "preprocess", "train", "evaluate", "compress", "export"} <= stages
+    assert ("champion",) in _sql(team, "mlflow", "SELECT alias FROM registered_model_aliases")
+    assert (1, "promoted") in _sql(  # the first run's version, decided (later tests may register more)
+        team, "mlflow", "SELECT version, value FROM model_version_tags WHERE key = 'promotion'"
+    )
+    # artifacts (through the server) and the data (DVC) are objects in S3
+    assert any(key.endswith("/model.onnx") for key in _objects(team, MLFLOW_BUCKET))
+    data_md5 = yaml.safe_load((team.repo / "data.dvc").read_text())["outs"][0]["md5"]
+    assert f"files/md5/{data_md5[:2]}/{data_md5[2:]}" in _objects(team, DVC_BUCKET)  # the snapshot's listing
+    assert "Cache and remote 'stack' are in sync" in run(["dvc", "status", "-c"], team.repo, **team.env).stdout
+    # no credential in the project, its git history, or any MLflow record
+    client = _mlflow(team)
+    runs = client.search_runs([client.get_experiment_by_name("lockstep").experiment_id])
+    records = [str(r.data.params) + str(r.data.tags) for r in runs]
+    history = run(["git", "log", "-p", "--all"], team.repo).stdout
+    files = [
+        p.read_bytes().decode(errors="replace") for p in team.repo.rglob("*") if p.is_file() and ".git/" not in str(p)
+    ]
+    for secret in team.secrets():
+        assert not any(secret in text for text in [*records, history, *files]), "a credential was written"
+
+
+def test_a_fresh_clone_pulls_from_s3_and_reproduces_the_train_run_byte_for_byte(
+    team: Team, first_run: FirstRun, tmp_path: Path
+) -> None:
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(team.repo), str(clone)], tmp_path)
+    run([sys.executable, "-m", "stack", "join"], clone, **team.env)  # `make stack-join`
+    pulled = run(["dvc", "pull"], clone, **team.env)
+    assert "fetched" in pulled.stdout or "added" in pulled.stdout, pulled.stdout
+    assert "up to date" in run(["dvc", "status", "data.dvc"], clone, **team.env).stdout  # data/ as recorded
+    done = run([sys.executable, "-m", "tasks.reproduce", first_run.train_run.info.run_id], clone, **team.env)
+    assert "best.safetensors byte-identical" in done.stdout, done.stdout
+    assert first_run.best_sha256 in done.stdout
+
+
+def test_the_mlflow_ui_shows_the_train_run_from_the_team_server(
+    team: Team, first_run: FirstRun, tmp_path: Path
+) -> None:
+    train = first_run.train_run
+    server, user, password = (
+        team.env[k] for k in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    )
+    with basic_auth_proxy(server, user, password) as url:
+        page = f"{url}/#/experiments/{train.info.experiment_id}/runs/{train.info.run_id}"
+        dom = dom_and_screenshot(page, tmp_path / "profile", SCREENSHOT)  # kept: test-artifacts/
+    assert train.info.run_id in dom and "best_val_accuracy" in dom, dom[-2000:]
+    assert f"{train.data.metrics['best_val_accuracy']:.4g}"[:5] in dom
+
+
+def test_a_sweep_keeps_its_study_in_postgresql_and_resumes_from_it(
+    team: Team, first_run: FirstRun, tmp_path: Path
+) -> None:
+    import optuna
+
+    repo = shutil.copytree(team.repo, tmp_path / "repo", symlinks=True)  # --set writes params.yaml
+
+    settings = ["sweep.name=team", "sweep.trials=2", "sweep.batch=2", "sweep.workers=1", "train.epochs=2"]
+    command = [sys.executable, "-m", "flows.sweep", *(arg for s in settings for arg in ("--set", s))]
+    run(command, repo, **team.env)
+    storage = optuna.storages.RDBStorage(
+        team.env["LOCKSTEP_SWEEP_STORAGE"], engine_kwargs={"connect_args": {"passfile": team.env["PGPASSFILE"]}}
+    )
+    trials = optuna.load_study(study_name="team", storage=storage).trials
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    again = run(command, repo, **team.env)  # a finished study: nothing runs again
+    assert len(optuna.load_study(study_name="team", storage=storage).trials) == 2, again.stdout[-2000:]
+    assert not (repo / "artifacts" / "sweep" / "team" / "journal.log").exists()  # not the local journal
+    # the sweep's run and its trials' runs are on the team's tracking server
+    client = _mlflow(team)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    studies = client.search_runs(experiments, "tags.`sweep.study` = 'team'", order_by=["attributes.start_time ASC"])
+    first, resumed = [r for r in studies if "sweep.best_trial" in r.data.tags]  # the two sweeps' own runs
+    assert first.data.tags["sweep.best_trial"] == resumed.data.tags["sweep.best_trial"]
+    trial_runs = client.search_runs(experiments, f"tags.`mlflow.parentRunId` = '{first.info.run_id}'")
+    assert sorted(r.data.tags.get("sweep.state") for r in trial_runs) == ["complete", "complete"]
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_postgresql_restarted_during_a_run_leaves_nothing_half_registered(team: Team, first_run: FirstRun) -> None:
+    log = team.repo.parent / "restart-run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.pipeline", "--force"],
+            cwd=team.repo,
+            env=subprocess_env(**team.env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 300
+        while "epoch" not in log.read_text():  # training: the stage logs a metric per epoch
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        restarted = time.time()
+        Postgres(team.stack).stop()
+        Postgres(team.stack).start()
+        proc.wait(timeout=600)
+    output = log.read_text()
+    train = _stage_runs(team, "train")[-1]
+    assert train.info.start_time / 1000 < restarted < train.info.end_time / 1000  # it did hit the training
+    if proc.returncode != 0:  # the stage gave up: one line, naming the store
+        assert re.search(r"^error: .*(MLflow|Prefect)", output, re.M), output[-3000:]
+    # every registered version got its decision; a failed run registered nothing
+    for version in _mlflow(team).search_model_versions("name = 'lockstep-classifier'"):
+        assert version.tags.get("promotion") in ("promoted", "kept"), version
+    done = _pipeline(team)  # the next run is clean
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = _mlflow(team)
+    running = client.search_runs(
+        [client.get_experiment_by_name("lockstep").experiment_id], "attributes.status = 'RUNNING'"
+    )
+    assert not running, [r.info.run_id for r in running]
+
+
+def test_the_object_store_down_during_dvc_push_loses_nothing_and_the_retry_pushes(
+    team: Team, first_run: FirstRun
+) -> None:
+    extra = team.repo / "extra"
+    extra.mkdir(exist_ok=True)
+    (extra / "notes.bin").write_bytes(sha256(team.repo / "dvc.lock").encode() * 1000)
+    run(["dvc", "add", "extra"], team.repo, **team.env)
+    store = ObjectStore(team.stack)
+    store.stop()
+    try:
+        failed = run(["dvc", "push", "extra.dvc"], team.repo, check=False, **team.env)
+        assert failed.returncode != 0
+        assert "Could not connect to the endpoint URL" in failed.stderr + failed.stdout, failed.stderr
+        md5 = yaml.safe_load((team.repo / "extra.dvc").read_text())["outs"][0]["md5"]
+        assert (team.repo / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]).is_file()  # kept locally
+    finally:
+        store.start()
+    run(["dvc", "push", "extra.dvc"], team.repo, **team.env)
+    status = run(["dvc", "status", "-c", "extra.dvc"], team.repo, check=False, **team.env)
+    assert "in sync" in status.stdout, (status.stderr, store.log.read_text()[-3000:])
+
+
+def test_the_object_store_down_during_an_artifact_upload_fails_in_one_line_and_the_retry_logs_it(
+    team: Team, first_run: FirstRun
+) -> None:
+    before = {p: sha256(p) for p in (team.repo / "artifacts" / "evaluate").rglob("*") if p.is_file()}
+    store = ObjectStore(team.stack)
+    store.stop()
+    try:
+        # MLflow's client retries a failing request 7 times over minutes by default: not here
+        failed = run(
+            [sys.executable, "-m", "tasks", "evaluate"],
+            team.repo,
+            check=False,
+            **team.env,
+            MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+            MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1",
+        )
+        line = _error_line(failed)
+        assert "MLflow tracking store" in line and "evaluate stage's records" in line and "HTTP 500" in line, line
+    finally:
+        store.start()
+    after = {p: sha256(p) for p in (team.repo / "artifacts" / "evaluate").rglob("*") if p.is_file()}
+    assert after == before  # the stage's outputs: all there, unchanged
+    run([sys.executable, "-m", "tasks", "evaluate"], team.repo, **team.env)
+    evaluate = _stage_runs(team, "evaluate")[-1]
+    assert evaluate.info.status == "FINISHED"
+    assert _mlflow(team).list_artifacts(evaluate.info.run_id), "the retry's artifacts"
+
+
+@pytest.mark.parametrize("service_name", ["mlflow", "prefect", "postgres", "s3"])
+def test_wrong_credentials_are_one_line_naming_the_service_and_no_secret(
+    team: Team, first_run: FirstRun, service_name: str, tmp_path: Path
+) -> None:
+    wrong = "wrong-credential-0123456789"
+    if service_name == "mlflow":
+        done = _pipeline(team, MLFLOW_TRACKING_PASSWORD=wrong)
+        expected = "MLflow tracking server"
+    elif service_name == "prefect":
+        done = _pipeline(team, PREFECT_API_AUTH_STRING=f"lockstep:{wrong}")
+        expected = "Prefect server"
+    elif service_name == "postgres":
+        passfile = tmp_path / "pgpass"
+        passfile.write_text(f"*:*:*:lockstep:{wrong}\n")
+        passfile.chmod(0o600)
+        done = run(
+            [sys.executable, "-m", "flows.sweep"], team.repo, check=False, **{**team.env, "PGPASSFILE": str(passfile)}
+        )
+        expected = "sweep storage postgresql"
+    else:  # a fresh clone whose S3 keys are wrong: reproduce cannot fetch the data
+        clone = tmp_path / "clone"
+        run(["git", "clone", "-q", str(team.repo), str(clone)], tmp_path)
+        keys = tmp_path / "aws-credentials"
+        keys.write_text(f"[default]\naws_access_key_id = LSWRONG\naws_secret_access_key = {wrong}\n")
+        run(["dvc", "remote", "add", "--local", "-d", "stack", f"s3://{DVC_BUCKET}"], clone)
+        for key, value in {"endpointurl": team.stack.url("s3"), "credentialpath": str(keys)}.items():
+            run(["dvc", "remote", "modify", "--local", "stack", key, value], clone)
+        done = run(
+            [sys.executable, "-m", "tasks.reproduce", first_run.train_run.info.run_id], clone, check=False, **team.env
+        )
+        expected = "remote 'stack'"
+    line = _error_line(done)
+    assert expected in line and ("401" in line or "403" in line or "authentication failed" in line), line
+    shown = done.stdout + done.stderr
+    assert wrong not in shown and not any(secret in shown for secret in team.secrets())
