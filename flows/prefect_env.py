@@ -164,11 +164,14 @@ def project_auth_string(home: Path) -> str:
 
 
 def secure_server_env(env: dict[str, str], host: str, port: int, auth_string: str) -> None:
-    """Auth, CSRF and CORS settings for a server we start, each unless the user set it."""
+    """Auth, CSRF, CORS and the UI's API URL for a server we start, each unless the user set it."""
     env.setdefault("PREFECT_SERVER_API_AUTH_STRING", auth_string)
     env.setdefault("PREFECT_SERVER_CSRF_PROTECTION_ENABLED", "true")
     origin_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # the UI calls its own origin
     env.setdefault("PREFECT_SERVER_CORS_ALLOWED_ORIGINS", f"http://{origin_host}:{port}")
+    # the API the UI's pages call: Prefect would otherwise tell them the default port (4200) whatever
+    # port the server runs on, and the UI says "Can't connect to Server API"
+    env.setdefault("PREFECT_SERVER_UI_API_URL", f"http://{origin_host}:{port}/api")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import tempfile
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,10 @@ import numpy as np
 from tasks.config import PromotionConfig
 from tasks.preprocess import Preprocessed
 
+log = logging.getLogger(__name__)
+
 CHALLENGER, CHAMPION = "challenger", "champion"
+MAX_ROUNDS = 3  # comparisons made again when other decisions keep moving the champion meanwhile
 ACCURACY_TAG = "test_accuracy"  # on the version's own test split
 CLASSES_TAG, INPUT_TAG, SPLIT_TAG = "classes.sha256", "input_shape", "test_split.sha256"
 
@@ -84,26 +89,56 @@ def split_sha256(test: Preprocessed) -> str:
 
 
 def decide_promotion(
-    client: Any, name: str, version: str, shipped: Path, test: Preprocessed, accuracy: float, cfg: PromotionConfig
+    client: Any,
+    name: str,
+    version: str,
+    shipped: Path,
+    test: Preprocessed,
+    accuracy: float,
+    cfg: PromotionConfig,
+    lock: AbstractContextManager[Any] | None = None,
 ) -> Promotion:
-    """Alias `version` as challenger; move `champion` to it if it wins the paired comparison."""
+    """Alias `version` as challenger; move `champion` to it if it wins the paired comparison.
+
+    Two exports may decide at once (`dvc queue start -j 2`, two machines on one tracking server), and
+    MLflow's aliases have no compare-and-set. `lock` (the caller's: a file lock beside a local store)
+    makes decisions take turns; without one, the champion is read again after scoring, and if another
+    decision moved it meanwhile, the comparison is made again against the new one. That leaves only the
+    moment between that read and the alias write, not the seconds of scoring.
+    """
     split = split_sha256(test)
     for key, value in {**identity(test), ACCURACY_TAG: repr(accuracy), SPLIT_TAG: split}.items():
         client.set_model_version_tag(name, version, key, value)
     client.set_registered_model_alias(name, CHALLENGER, version)
-    champion = client.get_registered_model(name).aliases.get(CHAMPION)
-    paired, problem = None, "no champion yet"
-    if champion is not None:
-        with tempfile.TemporaryDirectory(prefix="lockstep-champion-") as tmp:
-            champion_file, problem = _fetch_champion(client, name, str(champion), test, Path(tmp), cfg)
-            if champion_file is not None:
-                paired = score_pair(shipped, champion_file, test)
-    promoted, verdict = _judge(name, version, str(champion) if champion else None, paired, problem, cfg)
-    if promoted:
-        client.set_registered_model_alias(name, CHAMPION, version)
+    with lock or nullcontext():
+        for _ in range(MAX_ROUNDS):
+            champion = _champion_of(client, name)
+            paired, problem = _paired_with(client, name, champion, shipped, test, cfg)
+            if _champion_of(client, name) == champion:  # nobody moved it while we scored
+                break
+            log.info("registry: %s's champion moved while v%s was scored: comparing again", name, version)
+        promoted, verdict = _judge(name, version, champion, paired, problem, cfg)
+        if promoted:
+            client.set_registered_model_alias(name, CHAMPION, version)
     client.set_model_version_tag(name, version, "promotion", "promoted" if promoted else "kept")
     client.set_model_version_tag(name, version, "promotion.verdict", verdict)
-    return Promotion(name, version, accuracy, str(champion) if champion else None, paired, promoted, verdict, split)
+    return Promotion(name, version, accuracy, champion, paired, promoted, verdict, split)
+
+
+def _champion_of(client: Any, name: str) -> str | None:
+    champion = client.get_registered_model(name).aliases.get(CHAMPION)
+    return str(champion) if champion is not None else None
+
+
+def _paired_with(
+    client: Any, name: str, champion: str | None, shipped: Path, test: Preprocessed, cfg: PromotionConfig
+) -> tuple[Paired | None, str]:
+    """Both models scored on `test`, or (None, why not)."""
+    if champion is None:
+        return None, "no champion yet"
+    with tempfile.TemporaryDirectory(prefix="lockstep-champion-") as tmp:
+        champion_file, problem = _fetch_champion(client, name, champion, test, Path(tmp), cfg)
+        return (score_pair(shipped, champion_file, test), "") if champion_file is not None else (None, problem)
 
 
 def score_pair(challenger: Path, champion: Path, test: Preprocessed, threads: int = 1) -> Paired:

@@ -22,7 +22,7 @@ from tasks.config import Params
 from tasks.determinism import pin_everything
 from tasks.fingerprint import fingerprint
 from tasks.hashing import data_md5, file_digest
-from tasks.tracking import StageRun, lineage_tags, stage_run
+from tasks.tracking import StageRun, lineage_tags, stage_run, store_lock, tracking_uri
 
 if TYPE_CHECKING:
     from tasks.checks import Report
@@ -308,6 +308,7 @@ def _register(params: Params, run: StageRun, exported: ExportResult) -> str:
         test,
         exported.accuracy,
         params.promotion,
+        lock=store_lock(tracking_uri(), "promotion"),  # two exports at once take turns (dvc queue -j 2)
     )
     _record_promotion(run, promotion, params)
     return promotion.verdict

@@ -33,7 +33,7 @@ import tempfile
 import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -86,15 +86,24 @@ def _open_sqlite_store(mlflow: Any, uri: str) -> None:
     """
     if urllib.parse.urlparse(uri).scheme != "sqlite" or uri in _opened_stores:
         return
+    with store_lock(uri, "store"):
+        mlflow.MlflowClient(uri)  # builds the store: creates the tables if there are none
+    _opened_stores.add(uri)
+
+
+def store_lock(uri: str, purpose: str) -> AbstractContextManager[Any]:
+    """A lock that this machine's processes take on a local sqlite store for `purpose` (creating it,
+    a promotion decision), kept in the temporary directory and keyed by the database's path; for a
+    tracking server, no lock (the caller then re-checks what it read)."""
+    if urllib.parse.urlparse(uri).scheme != "sqlite":
+        return nullcontext()
     import hashlib
 
     from filelock import FileLock
 
     database = Path(urllib.parse.urlparse(uri).path[1:]).resolve()  # sqlite:///<path>, absolute or not
     key = hashlib.sha256(str(database).encode()).hexdigest()[:16]
-    with FileLock(Path(tempfile.gettempdir()) / f"lockstep-mlflow-store-{key}.lock"):
-        mlflow.MlflowClient(uri)  # builds the store: creates the tables if there are none
-    _opened_stores.add(uri)
+    return FileLock(Path(tempfile.gettempdir()) / f"lockstep-mlflow-{purpose}-{key}.lock")
 
 
 class TrackingUnavailable(ExpectedFailure):

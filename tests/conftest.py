@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -146,6 +147,19 @@ def stop_group(proc: subprocess.Popen[Any]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def listening(proc: subprocess.Popen | psutil.Process) -> set[str]:
+    """host:port of every listening TCP socket of `proc` and its descendants."""
+    root = psutil.Process(proc.pid)
+    found = set()
+    for member in (root, *root.children(recursive=True)):
+        try:
+            connections = member.net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        found |= {f"{c.laddr.ip}:{c.laddr.port}" for c in connections if c.status == psutil.CONN_LISTEN}
+    return found
 
 
 def client_for(repo: Path) -> Any:

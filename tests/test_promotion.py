@@ -148,3 +148,46 @@ def test_a_champion_with_external_data_is_refused_unread(setting: dict[str, Any]
     decision = _register(client, setting["models"]["good"], test)
     assert decision.paired is None and "uses external data" in decision.verdict, decision.verdict
     assert np.isfinite(decision.accuracy)
+
+
+class _AnotherExportMeanwhile:
+    """A real MlflowClient, except that while this decision scores the champion, another export
+    promotes `other` (two exports deciding at once on one tracking server): on the read after
+    scoring, the champion has moved."""
+
+    def __init__(self, client: Any, other: str) -> None:
+        self.client, self.other, self.reads = client, other, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    def get_registered_model(self, name: str) -> Any:
+        self.reads += 1
+        if self.reads == 2:
+            self.client.set_registered_model_alias(name, "champion", self.other)
+        return self.client.get_registered_model(name)
+
+
+def test_a_champion_moved_by_another_decision_meanwhile_is_compared_again(
+    setting: dict[str, Any], tmp_path: Path
+) -> None:
+    import mlflow
+
+    client, test, models = _client(tmp_path), setting["test"], setting["models"]
+    _register(client, models["bad"], test)  # v1, champion
+    with mlflow.start_run():  # v2, registered by the other export, which is about to promote it
+        mlflow.onnx.log_model(onnx.load(str(models["good"])), name="model", registered_model_name="m", **LOGGED)
+    for key, value in identity(test).items():
+        client.set_model_version_tag("m", "2", key, value)
+    with mlflow.start_run():
+        info = mlflow.onnx.log_model(
+            onnx.load(str(models["slightly"])), name="model", registered_model_name="m", **LOGGED
+        )
+    racing = _AnotherExportMeanwhile(client, "2")
+    decision = decide_promotion(
+        racing, "m", str(info.registered_model_version), models["slightly"], test, 0.5, PromotionConfig()
+    )
+    # it beats v1, but v2 became champion while it was scored: the decision is against v2, and it loses
+    assert racing.reads >= 3
+    assert decision.champion_version == "2" and not decision.promoted, decision.verdict
+    assert "champion stays v2" in decision.verdict and _champion(client) == "2"

@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -445,6 +446,13 @@ def test_the_server_refuses_strangers_and_other_origins(stack: Stack) -> None:
     serve_log = (stack.repo.parent / "serve.log").read_text()
     assert secret not in serve_log  # printed: where it is, not what
     assert "Starting temporary server" not in serve_log  # serve talks to its own server, the locked one
+
+
+def test_the_prefect_ui_calls_the_api_on_the_port_the_server_runs_on(stack: Stack) -> None:
+    """`make serve PREFECT_PORT=...`: the UI's pages must call that port, not Prefect's default 4200."""
+    with urllib.request.urlopen(stack.api.removesuffix("/api") + "/ui-settings", timeout=10) as response:
+        settings = json.loads(response.read())
+    assert settings["api_url"] == stack.api, settings
 
 
 def test_a_run_cannot_point_the_pipeline_at_another_machine(stack: Stack) -> None:

@@ -16,24 +16,11 @@ import psutil
 import pytest
 
 from flows.prefect_env import LocalServer, wait_until_healthy
-from tests.conftest import copy_project, free_port, stop_group, subprocess_env
+from tests.conftest import copy_project, free_port, listening, stop_group, subprocess_env
 from tests.prefect_client import basic_auth, status_of, wait_for_deployment
 from tests.reliability.conftest import with_environment
 
 pytestmark = pytest.mark.slow
-
-
-def _listening(proc: subprocess.Popen | psutil.Process) -> set[str]:
-    """host:port of every listening TCP socket of `proc` and its descendants."""
-    root = psutil.Process(proc.pid)
-    found = set()
-    for member in (root, *root.children(recursive=True)):
-        try:
-            connections = member.net_connections(kind="inet")
-        except psutil.NoSuchProcess:
-            continue
-        found |= {f"{c.laddr.ip}:{c.laddr.port}" for c in connections if c.status == psutil.CONN_LISTEN}
-    return found
 
 
 def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
@@ -77,21 +64,21 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
         # serve is up once its deployment is registered (with the auth string it wrote)
         api = f"http://127.0.0.1:{ports['prefect']}/api"
         wait_for_deployment(api, repo / ".prefect" / "api-auth", "lockstep-pipeline/nightly", procs["prefect"], 180)
-        listening = {name: _listening(proc) for name, proc in procs.items()}
+        bound = {name: listening(proc) for name, proc in procs.items()}
         serve_tree = psutil.Process(procs["prefect"].pid).children(recursive=True)
         assert [p for p in serve_tree if "server" in p.cmdline() and "start" in p.cmdline()], serve_tree
         _team_recipe_refuses_strangers(f"127.0.0.1:{ports['mlflow']}", password)
     finally:
         for proc in procs.values():
             stop_group(proc)  # SIGTERM to the group, by PID, as Ctrl-C reaches `make serve`
-    assert f"127.0.0.1:{ports['mlflow']}" in listening["mlflow"]
-    assert f"127.0.0.2:{ports['ui']}" in listening["ui"]
-    assert f"127.0.0.1:{ports['prefect']}" in listening["prefect"]
+    assert f"127.0.0.1:{ports['mlflow']}" in bound["mlflow"]
+    assert f"127.0.0.2:{ports['ui']}" in bound["ui"]
+    assert f"127.0.0.1:{ports['prefect']}" in bound["prefect"]
     expected = {"mlflow": "127.0.0.1", "ui": "127.0.0.2", "prefect": "127.0.0.1"}
-    for name, sockets in listening.items():
+    for name, sockets in bound.items():
         assert {address.rsplit(":", 1)[0] for address in sockets} == {expected[name]}, (name, sockets)
     # stopping a command stops its servers (make serve's Prefect server lives in a session of its own)
-    for address in set().union(*listening.values()):
+    for address in set().union(*bound.values()):
         assert _closes(address), f"{address}: still listening after its command was stopped"
     # every process of serve's tree goes, its Prefect server too (it is not in the group that got the signal)
     _, alive = psutil.wait_procs(serve_tree, timeout=30)
@@ -113,7 +100,7 @@ def test_the_prefect_server_of_make_run_binds_to_loopback() -> None:
     server = LocalServer(ephemeral=True, quiet=True)  # what `make run` (python -m flows.pipeline) starts
     try:
         server.wait()
-        sockets = _listening(server.proc)
+        sockets = listening(server.proc)
         # and answers no one without the auth string it was given (a new one per run)
         assert status_of(f"{server.api_url}/deployments/name/lockstep-pipeline/nightly")[0] == 401
     finally:
