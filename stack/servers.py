@@ -24,7 +24,17 @@ from typing import Any
 import psutil
 
 from flows import prefect_env
-from stack.state import DATABASES, DVC_BUCKET, MLFLOW_BUCKET, REGION, STACK_DIR_ENV, USER, Stack, StackError
+from stack.state import (
+    DATABASES,
+    DVC_BUCKET,
+    MLFLOW_BUCKET,
+    REGION,
+    STACK_DIR_ENV,
+    USER,
+    Stack,
+    StackError,
+    write_secret,
+)
 
 START_TIMEOUT_S = 180  # a first start: initdb, MLflow's and Prefect's migrations on 2 cores
 
@@ -66,7 +76,7 @@ class Postgres:
             )
         self.dir.mkdir(mode=0o700, exist_ok=True)
         password = self.dir / "initdb-password"  # initdb reads it as the server's user; removed at once
-        password.write_text(self.stack.secret("pg-password") + "\n")
+        write_secret(password, self.stack.secret("pg-password") + "\n")  # mode 0600 from its first byte
         try:
             for path in (self.dir, password):
                 os.chmod(path, 0o700 if path.is_dir() else 0o600)
