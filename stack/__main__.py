@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from stack import servers
-from stack.state import DVC_BUCKET, DVC_REMOTE, REGION, Stack, open_stack, stack_dir
+from stack.state import DVC_BUCKET, DVC_REMOTE, REGION, Stack, open_stack, stack_dir, write_secret
 from tasks.cli import exit_code
 from tasks.layout import ROOT
 
@@ -45,8 +45,6 @@ def join(stack: Stack, project: Path) -> None:
 
 
 def _write_env_file(stack: Stack) -> None:
-    from stack.state import write_secret
-
     write_secret(stack.env_file, stack.env_file_text())
 
 

@@ -165,7 +165,7 @@ def open_study(cfg: SweepConfig, storage: str | None, study_dir: Path, print_fin
     except Exception as exc:  # SQLAlchemy's errors for a database that is down or refuses us (and a
         if storage is None:  # driver's own); the journal file's are ours to show as they are
             raise
-        raise SweepStorageUnavailable(f"sweep storage {redact(storage)}: {_first_cause(exc)}") from exc
+        raise _unavailable(storage, exc) from exc
     recorded = study.user_attrs.get(FINGERPRINT_ATTR)
     if recorded is None and not study.trials:
         study.set_user_attr(FINGERPRINT_ATTR, print_fingerprint)
@@ -187,18 +187,22 @@ def check_storage(storage: str | None) -> None:
 
     try:
         engine = sqlalchemy.create_engine(storage)
+    except Exception as exc:  # a bad URL or a missing driver
+        raise _unavailable(storage, exc) from exc
+    try:
         with engine.connect():
             pass
+    except Exception as exc:  # a database down or refusing us
+        raise _unavailable(storage, exc) from exc
+    finally:
         engine.dispose()
-    except Exception as exc:  # a bad URL, a missing driver, a database down or refusing us: all one line
-        raise SweepStorageUnavailable(f"sweep storage {redact(storage)}: {_first_cause(exc)}") from exc
 
 
-def _first_cause(exc: BaseException) -> str:
-    """The driver's own words (`password authentication failed for user ...`), without SQLAlchemy's
-    wrapping and background link."""
+def _unavailable(storage: str, exc: BaseException) -> SweepStorageUnavailable:
+    """One line: the storage (password masked) and the driver's own words (`password authentication
+    failed for user ...`), without SQLAlchemy's wrapping and background link."""
     cause = getattr(exc, "orig", None) or exc
-    return " ".join(str(cause).split())[:300]
+    return SweepStorageUnavailable(f"sweep storage {redact(storage)}: {' '.join(str(cause).split())[:300]}")
 
 
 def _sampler(cfg: SweepConfig, number: int) -> Any:
