@@ -120,6 +120,8 @@ def check_api(timeout_s: float = 10) -> None:
                 f"Prefect server {redact(url)} (PREFECT_API_URL) refused the credentials (HTTP {exc.code}): "
                 "check PREFECT_API_AUTH_STRING (or PREFECT_API_KEY)"
             ) from None
+        # any other answer (404 from a server without this endpoint, e.g. Prefect Cloud's) is a server
+        # that answers and accepts us: the flow's own calls go on
         if exc.code >= 500:
             raise PrefectUnavailable(
                 f"Prefect server {redact(url)} (PREFECT_API_URL) answered HTTP {exc.code}"

@@ -487,12 +487,18 @@ def _bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> s
         with _dvc_errors() as logged:
             try:
                 repo.pull(targets=target)
-            except CheckoutError:  # the remote does not have it either (DVC has logged which objects)
-                raise ReproduceError(refusal) from None
+            except CheckoutError:  # the remote does not have it either: DVC's first error names what is missing
+                raise ReproduceError(refusal + (f" (dvc: {_dvc_line(logged[0])})" if logged else "")) from None
             except DvcException as exc:  # e.g. unreachable remote, credentials: say so, in DVC's words
-                cause = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", logged[0] if logged else str(exc)).split())
-                raise ReproduceError(f"{refusal} (dvc: {redact(cause)[:400]})") from None
+                raise ReproduceError(f"{refusal} (dvc: {_dvc_line(logged[0] if logged else str(exc))})") from None
+        for message in logged:  # errors DVC got past (a pull that succeeded anyway): still shown
+            log.warning("dvc: %s", one_line(message))
     return f"DVC remote {remote!r}"
+
+
+def _dvc_line(text: str) -> str:
+    """DVC's message on one line, without its colours, secrets masked, bounded."""
+    return redact(" ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split()))[:400]
 
 
 @contextmanager
