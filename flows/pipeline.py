@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from flows import notify, prefect_env
@@ -36,7 +37,7 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.tasks import exponential_backoff  # noqa: E402
 
 from tasks import cpu_mode  # noqa: E402
-from tasks.cli import exit_code  # noqa: E402
+from tasks.cli import dvc_logs_once, exit_code  # noqa: E402
 from tasks.config import (  # noqa: E402
     PARAMS_FILE,
     STAGES,
@@ -54,6 +55,7 @@ FLOW_NAME = "lockstep-pipeline"
 def _is_stale(stage: str) -> bool:
     from dvc.repo import Repo
 
+    dvc_logs_once()
     with Repo(str(ROOT)) as repo:
         return bool(repo.status(targets=[stage]))
 
@@ -61,6 +63,7 @@ def _is_stale(stage: str) -> bool:
 def _commit(stage: str) -> None:
     from dvc.repo import Repo
 
+    dvc_logs_once()
     with Repo(str(ROOT)) as repo:
         repo.commit(stage, force=True)
 
@@ -74,8 +77,16 @@ def _run_if_stale(stage: str, params: Params, force: bool) -> dict[str, Any]:
 
     metrics = run_stage(stage, params)
     _commit(stage)
-    logger.info("%s: %s", stage, metrics)
+    logger.info("%s: %s", stage, brief(metrics))
     return {"ran": True, **metrics}
+
+
+def brief(metrics: dict[str, Any], limit: int = 6) -> str:
+    """A stage's summary metrics for a person: numbers to 4 digits, the first few (all are in MLflow)."""
+    first = sorted(metrics, key=lambda key: "accuracy" not in key)  # the number a person looks for first
+    shown = [f"{k} {metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k} {metrics[k]}" for k in first]
+    more = f", … {len(shown) - limit} more in its MLflow run" if len(shown) > limit else ""
+    return ", ".join(shown[:limit]) + more
 
 
 def _source_was_unreachable(task: Any, task_run: Any, state: Any) -> bool:
@@ -172,7 +183,7 @@ def pipeline(
             logger.info("params.yaml updated: %s", json.dumps(overrides))
         before = data_md5()
         results: dict[str, dict[str, Any]] = {}
-        with pipeline_run(params.tracking, entry_point="prefect") as run_id:
+        with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
             for name in STAGES:
                 with notify.stage(name):  # a failure or crash inside names the stage
                     results[name] = STAGE_TASKS[name](name, params, force or (reingest and name == "download"))
@@ -247,28 +258,56 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tasks.redact import redact
-    from tasks.tracking import check_store, tracking_uri
+    from tasks.tracking import check_store
 
     _, params = with_overrides(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
     cpu_mode.pin_env(params.determinism.cpu)  # before MLflow (check_store) imports numpy
     # the user at this prompt may point the data anywhere: only API-started runs are restricted
     os.environ[ALLOW_OVERRIDES_ENV] = ",".join([*allowed_overrides(), *(key for key, _ in args.overrides)])
     check_store(params.tracking)  # a tracking server that is down fails the run now, not after training
+    started = time.monotonic()
     results = _run_with_local_api(args)
-    ran = [name for name, result in results.items() if result["ran"]]
-    print(f"stages run: {', '.join(ran) or 'none (everything up to date)'}")
-    if "test_accuracy" in results["evaluate"]:
-        print(f"test accuracy: {results['evaluate']['test_accuracy']:.4f}")
-    if "test_accuracy" in results["export"]:
-        print(
-            f"shipped: artifacts/export/model.onnx, test accuracy {results['export']['test_accuracy']:.4f} "
-            "(model card: artifacts/export/model_card.md)"
-        )
-    uri = tracking_uri()
-    where = redact(uri) if uri.startswith(("http://", "https://")) else "make ui   (MLflow UI on http://127.0.0.1:5000)"
-    print(f"browse the runs: {where}")
+    print("\n".join(closing_summary(results, time.monotonic() - started, params)))
     return 0
+
+
+def closing_summary(results: dict[str, dict[str, Any]], seconds: float, params: Params) -> list[str]:
+    """What a person reads at the end of a run: what ran, how good the model is, what shipped, where."""
+    from tasks.dashboard import headline
+
+    ran = [name for name, result in results.items() if result["ran"]]
+    lines = [f"done in {seconds:.0f} s; stages run: {', '.join(ran) or 'none (everything up to date)'}"]
+    numbers = headline()
+    if "test_accuracy" in numbers.metrics:
+        lines.append(f"  test accuracy {numbers.metrics['test_accuracy']:.4f} (fp32 model, the test split)")
+    if numbers.shipped_variant:
+        m = numbers.metrics
+        size = f", {m['shipped_size_bytes'] / 1024:.0f} KiB" if "shipped_size_bytes" in m else ""
+        speed = f", {m['shipped_latency_b1_ms']:.2f} ms per image" if "shipped_latency_b1_ms" in m else ""
+        lines.append(
+            f"  shipped {numbers.shipped_variant}: test accuracy {m['shipped_test_accuracy']:.4f}{size}{speed}"
+            " -> artifacts/export/model.onnx (card: artifacts/export/model_card.md)"
+        )
+    if "promotion" in results["export"]:
+        lines.append(f"  registry: {results['export']['promotion']}")
+    if params.tracking.enabled:
+        lines.append(f"  runs: {_runs_page(params)}")
+    return lines
+
+
+def _runs_page(params: Params) -> str:
+    """Where the runs are: the tracking server's runs table, or the local store's under `make ui`."""
+    from mlflow import MlflowClient
+
+    from tasks.dashboard import runs_page
+    from tasks.redact import redact
+    from tasks.tracking import tracking_uri
+
+    uri = tracking_uri()
+    experiment = MlflowClient(uri).get_experiment_by_name(params.tracking.experiment)
+    served = uri.startswith(("http://", "https://"))
+    page = runs_page(redact(uri).rstrip("/") if served else "http://127.0.0.1:5000", experiment.experiment_id)
+    return page if served else f"make ui, then {page}"
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ they print or log passes tasks/redact.py first.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -24,8 +25,39 @@ EXIT_FAILED, EXIT_BAD_PARAMS = 1, 2
 def configure_logging(fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
     """Our progress at INFO; libraries (ONNX Runtime, onnxscript, ...) only when they warn. Secrets masked."""
     install_redaction()
+    quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format=fmt)
     logging.getLogger("tasks").setLevel(logging.INFO)
+
+
+def quiet_libraries() -> None:
+    """Library messages that say nothing to the person running the pipeline, silenced (before the
+    libraries load). What stays: their warnings and errors about the user's data, params and servers."""
+    # MLflow's INFO lines: its database migrations, "Detected uv project", "View run ... at"
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    # "Failed to resolve installed pip version": a uv environment has no pip, and every model is
+    # logged with explicit requirements (tasks/stages.py), so the conda.yaml it is about is unused
+    logging.getLogger("mlflow.utils.environment").setLevel(logging.ERROR)
+    # torchao registers an Enum with torch's pytree on import, which torch now calls deprecated:
+    # a note to torchao's developers, printed on every run that quantizes
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
+def dvc_logs_once() -> None:
+    """DVC used in this process: its messages printed once, and only its warnings and errors.
+
+    DVC puts its own console handlers on its loggers when imported, and its records also reach the
+    root logger's (Prefect's console, `logging.basicConfig`'s): each line came out twice. Its INFO lines
+    ("Updating lock file", "To track the changes with git, run: git add data.dvc") repeat what our own
+    stage log and closing summary say.
+    """
+    import dvc  # noqa: F401 - sets up its handlers
+
+    for name in ("dvc", "dvc_data", "dvc_objects"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.WARNING)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
 
 
 def exit_code(body: Callable[[], int], context: str = "") -> int:

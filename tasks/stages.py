@@ -19,6 +19,7 @@ import yaml
 from tasks import layout
 from tasks.atomic import write_text
 from tasks.config import Params
+from tasks.dashboard import log_dataset
 from tasks.determinism import pin_everything
 from tasks.fingerprint import fingerprint
 from tasks.hashing import data_md5, file_digest
@@ -37,6 +38,9 @@ def track_data_with_dvc() -> None:
     """`dvc add data`: snapshot the raw data in DVC's cache and (re)write data.dvc."""
     from dvc.repo import Repo
 
+    from tasks.cli import dvc_logs_once
+
+    dvc_logs_once()
     with Repo(str(layout.ROOT)) as repo:
         repo.add(str(layout.DATA_DIR))
 
@@ -135,6 +139,8 @@ def _record_training(params: Params, run: StageRun, result: TrainResult, out_dir
     )
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
         run.log_artifact(out_dir / name, "checkpoints" if name.endswith(".safetensors") else None)
+    # how the registered version that ships these weights finds this run (`_describe_version`)
+    run.set_tags({"weights.best_sha256": file_digest(out_dir / "best.safetensors")})
     # What `python -m tasks.reproduce <run id>` rebuilds this run from: the resolved params, the data
     # version and the upstream stages' output hashes. This run must carry them itself: DVC may have
     # skipped preprocess, whose run (with the split params) then belongs to an earlier execution.
@@ -146,6 +152,7 @@ def _record_training(params: Params, run: StageRun, result: TrainResult, out_dir
             for path in (resolved, layout.DATA_DVC, Path("dvc.lock")):  # dvc.lock: absent before the first run
                 if path.exists():
                     run.log_artifact(path, "reproduce")
+        log_dataset(run.mlflow.MlflowClient(), run.run_id, params)
 
 
 def train_trial(
@@ -183,7 +190,7 @@ def train_trial(
             run.set_tags({"sweep.state": "failed"})  # the run is FAILED; the sweep retries or records it
             raise
         _record_training(params, run, result, out_dir)
-        run.set_tags({"sweep.state": "complete", "weights.best_sha256": file_digest(out_dir / "best.safetensors")})
+        run.set_tags({"sweep.state": "complete"})
         run.log_metrics({"best_epoch": result.best_epoch, "best_val_accuracy": result.best_val_accuracy})
         return result, run.run_id
 
@@ -263,7 +270,46 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
     metrics: dict[str, Any] = {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}
     if run.enabled:  # only after every gate passed: a failing model is never registered
         metrics["promotion"] = _register(params, run, result)  # the verdict line, for the flow's notification
+        _describe_version(run, params, result)
     return metrics
+
+
+def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> None:
+    """The registered version's description: what shipped, how good, small and fast it is, the
+    promotion verdict, and links to its model card and to the export, pipeline and train runs."""
+    from tasks.dashboard import describe_version, headline
+
+    client = run.mlflow.MlflowClient()
+    export = client.get_run(run.run_id)
+    tags, experiment = export.data.tags, export.info.experiment_id
+
+    def link(text: str, run_id: str | None, path: str = "") -> str:
+        return f"[{text}](#/experiments/{experiment}/runs/{run_id}{path})" if run_id else ""
+
+    weights = file_digest(layout.TRAIN_DIR / "best.safetensors")
+    trained = client.search_runs(
+        [experiment], filter_string=f"tags.`weights.best_sha256` = '{weights}'", max_results=1
+    )  # the newest train run of these weights: another execution's when DVC skipped train
+    numbers = headline().metrics
+    size = f", {numbers['shipped_size_bytes'] / 1024:.0f} KiB" if "shipped_size_bytes" in numbers else ""
+    speed = f", {numbers['shipped_latency_b1_ms']:.2f} ms per image" if "shipped_latency_b1_ms" in numbers else ""
+    runs = [
+        link("model card", run.run_id, "/artifacts/model_card.md"),
+        link("export run", run.run_id),
+        link("pipeline run", tags.get("mlflow.parentRunId")),
+        link("train run", trained[0].info.run_id if trained else None),
+    ]
+    describe_version(
+        client,
+        params.tracking.registered_model,
+        tags["registry.version"],
+        [
+            f"**{exported.variant}** (ONNX), test accuracy {exported.accuracy:.4f} "
+            f"(fp32 {exported.fp32_accuracy:.4f}){size}{speed}; data md5 {data_md5()}.",
+            tags.get("registry.verdict", ""),
+            " · ".join(r for r in runs if r),
+        ],
+    )
 
 
 def _register(params: Params, run: StageRun, exported: ExportResult) -> str:
@@ -360,7 +406,7 @@ def run_stage(name: str, params: Params) -> dict[str, Any]:
         seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu
     )
     logged = {"seed": params.seed, **params.sections(name)}
-    with stage_run(name, params.tracking, logged) as run:
+    with stage_run(name, params.tracking, logged, pipeline=params) as run:
         run.set_tags({f"determinism.{k}": v for k, v in determinism.items()})
         run.set_tags(fingerprint())
         results = _WRAPPERS[name](params, run)

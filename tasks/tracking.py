@@ -24,6 +24,7 @@ pipeline in seconds, not after minutes of retries (or after training).
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import re
@@ -39,12 +40,15 @@ from typing import Any
 
 import psutil
 
-from tasks.config import TrackingConfig
+from tasks.config import Params, TrackingConfig
+from tasks.dashboard import ensure_training_view, record_pipeline, start_pipeline
 from tasks.errors import ExpectedFailure
 from tasks.hashing import data_md5, file_digest
 from tasks.layout import project_root
 from tasks.orphans import owner_tags, sweep
 from tasks.redact import redact, redact_mapping
+
+log = logging.getLogger(__name__)
 
 PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
 SESSION_TAG = "lockstep.session"
@@ -63,6 +67,9 @@ def _default_uri() -> str:
 
 def _mlflow():
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # system metrics (the train run): a point every 5 s, each the mean of 5 samples (MLflow: every 10 s)
+    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "5")
     import mlflow
 
     uri = tracking_uri()
@@ -330,6 +337,7 @@ def _session_key(owner: tuple[str, psutil.Process] | None = None) -> str:
 def _experiment_id(mlflow: Any, name: str) -> str:
     experiment = mlflow.get_experiment_by_name(name)
     if experiment:
+        ensure_training_view(mlflow.MlflowClient(), experiment)  # made by an older lockstep, or by hand
         return experiment.experiment_id
     # With the default sqlite store, keep artifacts beside it (absolute, project-rooted) rather
     # than in whatever directory the first stage happened to run from. A server decides itself.
@@ -340,15 +348,17 @@ def _experiment_id(mlflow: Any, name: str) -> str:
     from mlflow.exceptions import MlflowException
 
     try:
-        return mlflow.create_experiment(name, artifact_location=location)
+        created = mlflow.create_experiment(name, artifact_location=location)
     except MlflowException as exc:
         # Another process (a parallel DVC experiment, a sweep trial) created it since we looked.
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
         return mlflow.get_experiment_by_name(name).experiment_id
+    ensure_training_view(mlflow.MlflowClient(), mlflow.get_experiment(created))
+    return created
 
 
-def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point: str) -> str:
+def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point: str, params: Params | None) -> str:
     client = mlflow.MlflowClient()
     sweep(client, [experiment_id], f"a {entry_point} stage")
     owner = _session_owner()
@@ -365,14 +375,18 @@ def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point:
             {SESSION_TAG: key, "lockstep.entry_point": entry_point, **lineage_tags(), **owner_tags(owner[1])}
         ),
     )
+    if params is not None:
+        start_pipeline(client, run.info.run_id, params)
     return run.info.run_id
 
 
 @contextmanager
-def pipeline_run(cfg: TrackingConfig, entry_point: str) -> Iterator[str | None]:
+def pipeline_run(cfg: TrackingConfig, entry_point: str, params: Params | None = None) -> Iterator[str | None]:
     """The parent run of one pipeline execution, for an orchestrator (the Prefect flow).
 
-    Stages started inside the block, in this process or in subprocesses, nest under it.
+    Stages started inside the block, in this process or in subprocesses, nest under it. With the
+    pipeline's `params`, the run is the pipeline's dashboard row (tasks/dashboard.py): key params and
+    dataset now, a name and the headline numbers at the end. (A sweep's run has trials, not stages.)
     """
     if not cfg.enabled:
         yield None
@@ -388,6 +402,8 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str) -> Iterator[str | None]:
         tags=redact_mapping({"lockstep.entry_point": entry_point, **lineage_tags(), **owner_tags()}),
     )
     run_id = run.info.run_id
+    if params is not None:
+        start_pipeline(client, run_id, params)
     previous = os.environ.get(PARENT_ENV)
     os.environ[PARENT_ENV] = run_id
     status = "FAILED"
@@ -395,11 +411,24 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str) -> Iterator[str | None]:
         yield run_id
         status = "FINISHED"
     finally:
+        if params is not None:
+            _record_pipeline(client, run_id, entry_point, params, status)
         client.set_terminated(run_id, status)
         if previous is None:
             os.environ.pop(PARENT_ENV, None)
         else:
             os.environ[PARENT_ENV] = previous
+
+
+def _record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, status: str) -> None:
+    """The pipeline run's name and headline numbers (tasks/dashboard.py). After a failure, a store
+    that cannot take them is logged, not raised: the failure itself is what the caller must see."""
+    try:
+        record_pipeline(client, run_id, entry_point, params, finished=status == "FINISHED")
+    except Exception as exc:
+        if status == "FINISHED":
+            raise
+        log.warning("MLflow run %s: its summary was not recorded: %s", run_id, redact(" ".join(str(exc).split()))[:300])
 
 
 def _store_failed(exc: BaseException) -> bool:
@@ -448,8 +477,15 @@ def _redacted_context_tags() -> dict[str, str]:
 
 
 @contextmanager
-def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterator[StageRun]:
-    """A nested MLflow run for one stage, with its params and lineage tags already logged."""
+def stage_run(
+    stage: str, cfg: TrackingConfig, params: dict[str, Any], pipeline: Params | None = None
+) -> Iterator[StageRun]:
+    """A nested MLflow run for one stage, with its params and lineage tags already logged.
+
+    Outside an orchestrator the stage makes or resumes its session's parent run, which becomes the
+    pipeline's dashboard row when the stage is given the `pipeline`'s params (tasks/dashboard.py).
+    The train stage's run records the machine's CPU, memory (and GPU) use: MLflow's system metrics.
+    """
     if not cfg.enabled:
         yield StageRun()
         return
@@ -461,7 +497,7 @@ def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterat
     experiment_id = _experiment_id(mlflow, cfg.experiment)
     if owns_parent:
         entry_point = "dvc" if os.environ.get("DVC_STAGE") else "cli"
-        parent_id = _find_or_create_session_parent(mlflow, experiment_id, entry_point)
+        parent_id = _find_or_create_session_parent(mlflow, experiment_id, entry_point, pipeline)
     status = "FAILED"
     try:
         with mlflow.start_run(
@@ -469,6 +505,7 @@ def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterat
             experiment_id=experiment_id,
             parent_run_id=parent_id,
             tags={**_redacted_context_tags(), **redact_mapping(owner_tags())},
+            log_system_metrics=stage == "train",
         ) as active:
             run = StageRun(mlflow, active.info.run_id)
             run.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})
@@ -484,4 +521,7 @@ def stage_run(stage: str, cfg: TrackingConfig, params: dict[str, Any]) -> Iterat
         status = "FINISHED"
     finally:
         if owns_parent:
-            mlflow.MlflowClient().set_terminated(parent_id, status)
+            client = mlflow.MlflowClient()
+            if pipeline is not None:
+                _record_pipeline(client, parent_id, entry_point, pipeline, status)
+            client.set_terminated(parent_id, status)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,3 +97,86 @@ def basic_auth_proxy(upstream: str, username: str, password: str) -> Iterator[st
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+
+
+class DevTools:
+    """One Chromium tab driven over the DevTools protocol: for pages that need a step before they show
+    (a login the UI keeps in the browser's storage) or a wait for what they fetch. It also records
+    every request that failed, for pages that must not reach outside (`failed`)."""
+
+    def __init__(self, socket: Any) -> None:
+        self._socket = socket
+        self._next = 0
+        self.failed: list[str] = []
+        self._urls: dict[str, str] = {}
+        self.call("Page.enable")
+        self.call("Network.enable")
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self._next += 1
+        self._socket.send(json.dumps({"id": self._next, "method": method, "params": params}))
+        while True:
+            message = json.loads(self._socket.recv(timeout=60))
+            if message.get("id") == self._next:
+                assert "error" not in message, (method, message["error"])
+                return message.get("result", {})
+            self._event(message)
+
+    def _event(self, message: dict[str, Any]) -> None:
+        params = message.get("params", {})
+        if message.get("method") == "Network.requestWillBeSent":
+            self._urls[params["requestId"]] = params["request"]["url"]
+        elif message.get("method") == "Network.loadingFailed" and not params.get("canceled"):
+            self.failed.append(f"{self._urls.get(params['requestId'], '?')}: {params.get('errorText')}")
+
+    def evaluate(self, expression: str) -> Any:
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        return result["result"].get("value")
+
+    def open(self, url: str, ready: str = "true", timeout_s: float = 60) -> None:
+        """Go to `url`, then wait until the JavaScript expression `ready` holds (the page has drawn)."""
+        self.call("Page.navigate", url=url)
+        deadline = time.monotonic() + timeout_s
+        while not self.evaluate(f"document.readyState === 'complete' && Boolean({ready})"):
+            assert time.monotonic() < deadline, f"{url}: not ready ({ready}) after {timeout_s} s"
+            time.sleep(0.25)
+
+    def resize(self, width: int, height: int) -> None:
+        """Show the page in a window this size: pages that draw only what is in view (MLflow's charts)."""
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+
+    def dom(self) -> str:
+        return self.evaluate("document.documentElement.outerHTML")
+
+    def screenshot(self, path: Path) -> None:
+        """A PNG of the page as shown, kept at `path` for a person to look at."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+        assert path.stat().st_size > 10_000, f"{path}: an empty page?"
+
+
+@contextmanager
+def devtools(profile: Path, width: int = 1400, height: int = 1800) -> Iterator[DevTools]:
+    """Headless Chromium with its DevTools endpoint on a loopback port of its choosing; one tab."""
+    from websockets.sync.client import connect
+
+    flags = [f for f in chromium_flags(profile) if not f.startswith(("--window-size", "--virtual-time"))]
+    proc = subprocess.Popen(
+        [*flags, f"--window-size={width},{height}", "--remote-debugging-port=0", "about:blank"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        port_file = profile / "DevToolsActivePort"  # Chromium writes the port it bound here
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, "chromium did not start its DevTools endpoint"
+            time.sleep(0.1)
+        port = port_file.read_text().split()[0]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as response:
+            page = next(t for t in json.loads(response.read()) if t["type"] == "page")
+        with connect(page["webSocketDebuggerUrl"], max_size=None) as socket:
+            yield DevTools(socket)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -3,6 +3,7 @@ copies of the repository, checked through DVC's own commands and MLflow's client
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 from contextlib import closing
@@ -126,6 +127,49 @@ def test_dvc_repro_runs_every_stage_and_tracks_them(dvc_repo: dict[str, Any]) ->
     export_run = next(c for c in executions[1][1] if c.data.tags["lockstep.stage"] == "export")
     versions = client_for(repo).search_model_versions("name='lockstep-classifier'")
     assert [v.run_id for v in versions] == [export_run.info.run_id]  # the shipped ONNX, registered by export
+    check_dashboard(repo, executions[1][0], "dvc: stats→export")
+    assert executions[0][0].info.run_name.startswith("dvc: download · data ")
+    # the version's description links its model card and the export, pipeline and train runs
+    description = versions[0].description
+    for run_id in (export_run.info.run_id, executions[1][0].info.run_id, train_run.info.run_id):
+        assert f"/runs/{run_id})" in description, description
+    assert f"/runs/{export_run.info.run_id}/artifacts/model_card.md)" in description
+    assert "promoted to champion" in description and "test accuracy 0." in description
+    # the machine's load while it trained (MLflow's system metrics; GPU ones where there is a GPU)
+    system = client_for(repo).get_metric_history(train_run.info.run_id, "system/cpu_utilization_percentage")
+    assert system and all(0 <= m.value <= 100 for m in system)
+    assert "system/system_memory_usage_megabytes" in train_run.data.metrics
+    assert [(d.dataset.name, d.dataset.digest) for d in train_run.inputs.dataset_inputs] == [
+        ("digits", train_run.data.tags["data.md5"].removesuffix(".dir"))
+    ]
+
+
+def check_dashboard(repo: Path, parent: Any, doing: str) -> None:
+    """A pipeline (parent) run as the MLflow UI's runs table shows it: named for what it did, with the
+    headline numbers of the stages' outputs, the key params, the training data and its curves."""
+    client = client_for(repo)
+    md5 = parent.data.tags["data.md5"]
+    assert parent.info.run_name == f"{doing} · data {md5[:8]}", parent.info.run_name
+    gates = json.loads((repo / "artifacts/export/gates.json").read_text())
+    evaluate = json.loads((repo / "artifacts/evaluate/metrics.json").read_text())
+    shipped = json.loads((repo / "artifacts/compress/metrics.json").read_text())[gates["variant"]]
+    assert parent.data.metrics["test_accuracy"] == evaluate["accuracy"]
+    assert parent.data.metrics["shipped_test_accuracy"] == gates["accuracy"]
+    assert parent.data.metrics["shipped_size_bytes"] == shipped["size_bytes"]
+    assert parent.data.metrics["shipped_latency_b1_ms"] == shipped["latency_b1_ms"]
+    assert parent.data.tags["export.shipped_variant"] == gates["variant"]
+    assert parent.data.params["train.model"] == "small_cnn" and parent.data.params["train.epochs"] == str(EPOCHS)
+    assert parent.data.params["export.candidates"] == '["static_int8", "fp32"]'
+    assert [(d.dataset.name, d.dataset.digest) for d in parent.inputs.dataset_inputs] == [
+        ("digits", md5.removesuffix(".dir"))
+    ]
+    curve = client.get_metric_history(parent.info.run_id, "val_accuracy")
+    history = json.loads((repo / "artifacts/train/history.json").read_text())
+    assert sorted((m.step, m.value) for m in curve) == [(row["epoch"], row["val_accuracy"]) for row in history]
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    view = json.loads(experiment.tags["mlflow.sharedViewState.lockstep"])  # the runs table's columns
+    assert "metrics.`test_accuracy`" in view["selectedColumns"]
 
 
 def test_second_repro_does_nothing_and_a_changed_param_reruns_what_reads_it(
@@ -151,6 +195,20 @@ def test_second_repro_does_nothing_and_a_changed_param_reruns_what_reads_it(
     assert "0.93" in shown and "accuracy" in shown
 
 
+def check_console(output: str) -> None:
+    """What a person reads after `python -m flows.pipeline`: each event once, no warning that is not
+    theirs to act on, and one closing summary."""
+    for message in ("Updating lock file", "To track the changes with git", "Generating lock file"):
+        assert output.count(message) <= 1, (message, output)
+    for noise in ("FutureWarning", "DeprecationWarning", "WARNING mlflow", "INFO mlflow", "Running hook"):
+        assert noise not in output, (noise, output)
+    summary = output[output.index("done in ") :]
+    assert re.search(r"test accuracy 0\.\d{4} \(fp32", summary), summary
+    assert re.search(r"shipped (static_int8|fp32): test accuracy 0\.\d{4}, \d+ KiB, [\d.]+ ms per image", summary)
+    assert "registry: lockstep-classifier v1 promoted to champion" in summary
+    assert "?viewStateShareKey=lockstep&workflowType=machine_learning" in summary, summary
+
+
 def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     repo = copy_project(tmp_path / "repo")
     first = run(["python", "-m", "flows.pipeline"], repo)
@@ -161,7 +219,8 @@ def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(dvc_repo: dict
         tasks = db.execute("select name from task_run where state_type = 'COMPLETED'").fetchall()
         logged = db.execute("select message from log").fetchall()
     assert sorted(name for (name,) in tasks) == sorted(STAGES)
-    assert any("train: {'best_epoch'" in message for (message,) in logged), logged[-5:]
+    assert any("train: best_val_accuracy 0." in message for (message,) in logged), logged[-5:]
+    check_console(first.stdout + first.stderr)
     # the same dvc.lock entries and the same weights and models as `dvc repro` in the other copy
     assert comparable(yaml.safe_load((repo / "dvc.lock").read_text())) == comparable(dvc_repo["lock"])
     assert sha256(repo / "artifacts/train/last.safetensors") == dvc_repo["weights"]
@@ -178,6 +237,9 @@ def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(dvc_repo: dict
     flow_parent, children = executions[0]
     assert flow_parent.data.tags["lockstep.entry_point"] == "prefect"
     assert flow_parent.info.status == "FINISHED"
+    check_dashboard(repo, flow_parent, "prefect: all stages")
+    assert flow_parent.data.tags["registry.version"] == "1"
+    assert executions[2][0].info.run_name.startswith("prefect: nothing stale · data ")
     assert sorted(c.data.tags["lockstep.stage"] for c in children) == sorted(STAGES)
     for child in children:
         check_stage_run(repo, child)

@@ -32,8 +32,10 @@ import pytest
 import yaml
 from PIL import Image
 
+from tasks.config import STAGES
+from tasks.dashboard import CURVES, runs_page
 from tasks.pipeline_lock import pipeline_lock
-from tests.chromium import dom_and_screenshot
+from tests.chromium import devtools
 from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env
 from tests.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
 from tests.webhook import WebhookReceiver
@@ -42,7 +44,7 @@ pytestmark = pytest.mark.slow
 
 DEPLOYMENT = "lockstep-pipeline/nightly"
 FIRST_IMAGES = 1634  # of digits' 1797; the other 163 (10%) arrive later as "new data"
-SCREENSHOT = ROOT / "test-artifacts" / "mlflow-run-page.png"
+SCREENSHOTS = ROOT / "test-artifacts"  # kept for a person to look at
 SCHEDULER_WAIT_S = 90  # Prefect's scheduler service loops every 60 s (its recent-deployments loop, 5 s)
 
 
@@ -497,12 +499,62 @@ def test_the_schedule_created_upcoming_runs(stack: Stack) -> None:
     assert starts[0] > datetime.now(starts[0].tzinfo)
 
 
-def test_the_mlflow_ui_shows_the_run_in_headless_chromium(stack: Stack, first_run: FirstRun, tmp_path: Path) -> None:
+def test_the_mlflow_ui_shows_the_pipeline_in_headless_chromium(
+    stack: Stack, first_run: FirstRun, tmp_path: Path
+) -> None:
+    """The pages a person opens, as they draw in a browser; screenshots kept in test-artifacts/."""
     parent, children = executions(stack)[0]
-    evaluate = children["evaluate"]
-    url = f"{stack.mlflow}/#/experiments/{evaluate.info.experiment_id}/runs/{evaluate.info.run_id}"
-    dom = dom_and_screenshot(url, tmp_path / "profile", SCREENSHOT)  # kept: test-artifacts/mlflow-run-page.png
-    assert evaluate.info.run_id in dom and "evaluate" in dom  # the run's page, not the landing page
-    assert "test_accuracy" in dom
-    shown = f"{evaluate.data.metrics['test_accuracy']:.4g}"[:5]
-    assert shown in dom, shown
+    experiment, train, evaluate = parent.info.experiment_id, children["train"], children["evaluate"]
+    table = runs_page(stack.mlflow, experiment)  # the link the pipeline prints at its end
+    with devtools(tmp_path / "profile", width=2400, height=1100) as page:
+        # the runs table in MLflow's model-training pages, the pipeline runs with their numbers and data
+        page.open(table, "document.body.innerText.includes('shipped_test_accuracy')")
+        page.screenshot(SCREENSHOTS / "mlflow-runs-table.png")
+        text = page.evaluate("document.body.innerText")
+        assert parent.info.run_name in text and "Token Usage" not in text  # not the GenAI overview
+        assert str(parent.data.metrics["test_accuracy"])[:6] in text and "train.model" in text, text
+        assert "imagefolder:digits-folder" in text  # the Dataset column
+        # the training curves of every pipeline run, drawn without opening a run
+        drawn = f"document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length >= {len(CURVES)}"
+        page.resize(2400, 2600)  # the charts view draws only the charts in view: all of them, here
+        page.open(table + "&compareRunsMode=CHART", drawn)  # (plotly's line traces, one per curve at least)
+        assert "val_accuracy" in page.evaluate("document.body.innerText")
+        page.screenshot(SCREENSHOTS / "mlflow-charts.png")
+        page.resize(2400, 1100)
+        # a stage's run page, and the train run's system metrics
+        page.open(
+            f"{stack.mlflow}/#/experiments/{experiment}/runs/{evaluate.info.run_id}",
+            "document.body.innerText.includes('test_accuracy')",
+        )
+        assert f"{evaluate.data.metrics['test_accuracy']:.4g}"[:5] in page.evaluate("document.body.innerText")
+        page.screenshot(SCREENSHOTS / "mlflow-run-page.png")
+        page.open(
+            f"{stack.mlflow}/#/experiments/{experiment}/runs/{train.info.run_id}/system-metrics",
+            "document.body.innerText.includes('cpu_utilization_percentage')",
+        )
+        page.screenshot(SCREENSHOTS / "mlflow-system-metrics.png")
+        # the registered version: what shipped, the decision, links to its card and runs
+        page.open(
+            f"{stack.mlflow}/#/models/lockstep-classifier/versions/1", "document.body.innerText.includes('model card')"
+        )
+        assert "promoted to champion" in page.evaluate("document.body.innerText")
+        links = page.evaluate("[...document.querySelectorAll('a')].map(a => a.getAttribute('href'))")
+        assert f"#/experiments/{experiment}/runs/{parent.info.run_id}" in links, links
+        page.screenshot(SCREENSHOTS / "mlflow-model-version.png")
+
+
+def test_the_prefect_ui_lists_the_flow_run_and_its_task_runs(stack: Stack, first_run: FirstRun, tmp_path: Path) -> None:
+    ui = stack.api.removesuffix("/api")
+    with devtools(tmp_path / "profile", width=1600, height=1400) as page:
+        # logged in as a person does on its login page: the UI keeps the auth string in the browser
+        page.open(f"{ui}/api/health")
+        page.evaluate(f"localStorage.setItem('prefect-password', btoa({json.dumps(stack.prefect.auth_string)}))")
+        page.open(
+            f"{ui}/runs/flow-run/{first_run.flow_run_id}?tab=Task+Runs", "document.body.innerText.includes('export')"
+        )
+        text = page.evaluate("document.body.innerText")
+        name = stack.prefect(f"/flow_runs/{first_run.flow_run_id}")["name"]
+        assert name in text and "Completed" in text, text[:2000]
+        assert all(stage in text for stage in STAGES), text[:2000]
+        assert not [f for f in page.failed if f.startswith(ui)], page.failed  # every call to its API answered
+        page.screenshot(SCREENSHOTS / "prefect-flow-run.png")
