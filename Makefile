@@ -14,7 +14,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-all lint bench gpu-check sweep repro serve ui mlflow-server stack stack-down stack-join reproduce mark-orphans env clean
+.PHONY: run test test-all lint bench gpu-check sweep repro plots serve ui mlflow-server stack stack-down stack-join reproduce mark-orphans env clean
 
 # Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
 # MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
@@ -57,6 +57,12 @@ sweep: $(STAMP)  ## hyperparameter search: params.yaml's sweep section, Optuna t
 repro: $(STAMP)  ## the same pipeline through DVC (fetches data/ first on a fresh clone)
 	test -d data || $(VENV)/bin/dvc repro download
 	$(VENV)/bin/dvc repro
+
+# One self-contained page that draws offline (Vega inlined: .dvc/plots/vendor/); compare runs with
+# `dvc plots diff <rev or experiment> <rev or experiment>`, which writes the same page.
+plots: $(STAMP)  ## DVC plots (accuracy, loss, lr, confusion matrix) of the outputs in artifacts/: dvc_plots/index.html
+	$(VENV)/bin/dvc plots show
+	@echo "open it in a browser: $(CURDIR)/dvc_plots/index.html (no network needed)"
 
 # Runs started through the API may not override keys that reach the network or other machines
 # (tasks/config.py REMOTE_KEYS) unless listed here, e.g. `make serve ALLOW_OVERRIDES="data.url data.sha256"`.

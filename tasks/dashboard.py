@@ -66,19 +66,17 @@ def _json(path: Path) -> Any:
 
 
 def headline(root: Path = Path(".")) -> Headline:
-    """Test accuracy (fp32, evaluate), the shipped variant's accuracy, size and latency (export and
-    compress) and the best validation accuracy (train), from the stages' output files under `root`."""
+    """Test accuracy (fp32, evaluate), the shipped variant's accuracy, size and latency (export's
+    `shipped` section) and the best validation accuracy (train), from the stages' outputs under `root`."""
     metrics: dict[str, float] = {}
     evaluate = _json(root / layout.EVALUATE_DIR / "metrics.json") or {}
     metrics.update({f"test_{k}": evaluate[k] for k in ("accuracy", "macro_f1") if k in evaluate})
     train = _json(root / layout.TRAIN_DIR / "train.json") or {}
     metrics.update({k: train[k] for k in ("best_val_accuracy", "best_epoch") if k in train})
     gates = _json(root / layout.EXPORT_DIR / "gates.json") or {}
+    shipped = gates.get("shipped", {})
+    metrics.update({f"shipped_{'test_' if k == 'accuracy' else ''}{k}": v for k, v in shipped.items()})
     variant = gates.get("variant")
-    if variant:
-        metrics["shipped_test_accuracy"] = gates["accuracy"]
-        row = (_json(root / layout.COMPRESS_DIR / "metrics.json") or {}).get(variant, {})
-        metrics.update({f"shipped_{k}": row[k] for k in ("size_bytes", "latency_b1_ms", "latency_b64_ms") if k in row})
     curves = _json(root / layout.TRAIN_DIR / "history.json") or []
     return Headline({k: float(v) for k, v in metrics.items()}, variant, curves)
 

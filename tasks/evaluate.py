@@ -1,11 +1,15 @@
 """Stage 5 — evaluate: the best checkpoint on the held-out test split.
 
 Outputs (`artifacts/evaluate/`): `metrics.json` (for `dvc metrics show`), `per_class.json`
-(precision/recall/F1/support per class) and `confusion_matrix.png`.
+(precision/recall/F1/support per class), `predictions.csv` (actual and predicted class name of each
+test image: the confusion matrix `dvc plots show` draws) and `confusion_matrix.png` (the same
+matrix as a picture, for the MLflow UI and readers without a browser).
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +61,19 @@ def evaluate(cfg: EvaluateConfig, checkpoint: Path, pre_dir: Path, out_dir: Path
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text(out_dir / "per_class.json", json.dumps(per_class, indent=2) + "\n")
+    write_text(out_dir / "predictions.csv", _predictions_csv(test.labels, predicted, test.classes))
     _plot_confusion(confusion, test.classes, out_dir / "confusion_matrix.png")
     return EvaluateResult(metrics=metrics, per_class=per_class, confusion=confusion.tolist())
+
+
+def _predictions_csv(actual: np.ndarray, predicted: np.ndarray, classes: list[str]) -> str:
+    """One row per test image, by class name: DVC's `confusion` template counts the pairs itself, and
+    names (not indices) are what its axes and tooltips then show."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")  # quotes a class name holding a comma
+    writer.writerow(["actual", "predicted"])
+    writer.writerows((classes[a], classes[p]) for a, p in zip(actual.tolist(), predicted.tolist(), strict=True))
+    return buffer.getvalue()
 
 
 def _plot_confusion(matrix: np.ndarray, classes: list[str], path: Path) -> None:

@@ -8,7 +8,8 @@ Outputs (`artifacts/export/`):
 - `torch/`: the fp32 model in the other `export.formats`: `model.pt2` (`torch.export`, the current
   PyTorch format) and, only when asked, `model.torchscript.pt` (TorchScript is deprecated in torch;
   kept for consumers that still load it);
-- `gates.json` (for `dvc metrics show`) and `model_card.md`.
+- `gates.json` (for `dvc metrics show`; its flat `shipped` section: the shipped model's accuracy, and
+  its size and latency as compress measured them) and `model_card.md`.
 
 Gates, all computed before anything is written:
 
@@ -174,12 +175,21 @@ def _write_reports(
         "fp32_accuracy": result.fp32_accuracy,
         "accuracy": result.accuracy,
         "gates": [{**asdict(g), "passed": g.passed} for g in result.gates],
+        "shipped": _shipped(result, compress_dir),
     }
     (staging / GATES).write_text(json.dumps(gate_report, indent=2) + "\n")
     evaluated = json.loads(evaluate_metrics.read_text())
     table = (compress_dir / "compression.md").read_text()
     # the card ships with the model (and to DVC remotes): every secret masked
     (staging / CARD).write_text(redact(_model_card(result, meta, evaluated, table, card)))
+
+
+def _shipped(result: ExportResult, compress_dir: Path) -> dict[str, float]:
+    """The headline numbers of what ships, flat: `dvc exp show` gives each experiment one column per
+    number, whichever variant shipped (compress's metrics.json has a column per variant instead)."""
+    measured = json.loads((compress_dir / "metrics.json").read_text())[result.variant]
+    keys = ("size_bytes", "latency_b1_ms", "latency_b64_ms")
+    return {"accuracy": result.accuracy, **{key: measured[key] for key in keys}}
 
 
 def _failures(tried: list[_Judged]) -> list[str]:

@@ -212,7 +212,7 @@ def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
     result = evaluate(
         params.evaluate, layout.TRAIN_DIR / "best.safetensors", layout.PREPROCESSED_DIR, layout.EVALUATE_DIR
     )
-    for name in ("metrics.json", "per_class.json", "confusion_matrix.png"):
+    for name in ("metrics.json", "per_class.json", "predictions.csv", "confusion_matrix.png"):
         run.log_artifact(layout.EVALUATE_DIR / name)
     return {f"test_{k}": v for k, v in result.metrics.items()}
 

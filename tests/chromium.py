@@ -108,7 +108,7 @@ class DevTools:
         self._socket = socket
         self._next = 0
         self.failed: list[str] = []
-        self._urls: dict[str, str] = {}
+        self.requested: dict[str, str] = {}  # request id -> URL, every request the page made
         self.call("Page.enable")
         self.call("Network.enable")
 
@@ -125,9 +125,9 @@ class DevTools:
     def _event(self, message: dict[str, Any]) -> None:
         params = message.get("params", {})
         if message.get("method") == "Network.requestWillBeSent":
-            self._urls[params["requestId"]] = params["request"]["url"]
+            self.requested[params["requestId"]] = params["request"]["url"]
         elif message.get("method") == "Network.loadingFailed" and not params.get("canceled"):
-            self.failed.append(f"{self._urls.get(params['requestId'], '?')}: {params.get('errorText')}")
+            self.failed.append(f"{self.requested.get(params['requestId'], '?')}: {params.get('errorText')}")
 
     def evaluate(self, expression: str) -> Any:
         result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
