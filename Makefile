@@ -14,7 +14,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-all lint bench gpu-check sweep repro plots serve ui mlflow-server stack stack-down stack-join reproduce mark-orphans env clean
+.PHONY: run test test-all lint bench gpu-check sweep repro plots predict serve ui mlflow-server stack stack-down stack-join reproduce mark-orphans env clean
 
 # Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
 # MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
@@ -105,6 +105,9 @@ stack-down: $(STAMP)  ## stop the team stack (its data stays in .stack/)
 
 stack-join: $(STAMP)  ## in another clone of the project: use the running stack's DVC remote (LOCKSTEP_STACK_DIR)
 	$(VENV)/bin/python -m stack join
+
+predict: $(STAMP)  ## score images with the registry's champion: make predict ARGS="photos/ [--version N] [--out f.csv]"
+	$(VENV)/bin/python -m tasks.predict $(ARGS)
 
 reproduce: $(STAMP)  ## re-run a past run's training and compare weights: make reproduce RUN=<mlflow run id>
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<mlflow run id>" >&2; exit 2; }

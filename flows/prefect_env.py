@@ -13,7 +13,6 @@ server's own origin. `make serve`'s string is made once and kept in PREFECT_HOME
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import signal
@@ -45,8 +44,6 @@ def configure() -> None:
 
     install()  # every log record masked, those Prefect sends to its server too
     quiet_libraries()  # before MLflow and torch load (tasks/cli.py)
-    for name in ("prefect.engine", "prefect.flow_runs"):
-        logging.getLogger(name).addFilter(_no_hook_chatter)
     # analytics off (else sqlite "database is locked" tracebacks from the local server)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # a cold ephemeral-server start takes ~17 s on 2 cores; the default timeout is 20 s
@@ -56,13 +53,6 @@ def configure() -> None:
     # the stages' own log lines (download retries, epochs, gates, lock waits) in Prefect's run logs;
     # inherited by the processes that serve and run deployments
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")
-
-
-def _no_hook_chatter(record: logging.LogRecord) -> bool:
-    """Prefect announces each state hook twice ("Running hook 'x' in response to entering state
-    'Running'", "Hook 'x' finished running successfully"); a hook that fails still says so."""
-    message = str(record.msg)
-    return not (message.startswith("Running hook ") or (message.startswith("Hook ") and "successfully" in message))
 
 
 # Comma-separated REMOTE_KEYS (tasks/config.py) that flow runs of this process may override: set by

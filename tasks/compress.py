@@ -37,7 +37,7 @@ from tasks import prune, quantize
 from tasks.atomic import atomic_dir
 from tasks.checkpoints import load_checkpoint
 from tasks.config import CompressConfig, TrainConfig
-from tasks.onnx_model import as_pixels, export_onnx, median_latency_ms, predict, session, weight_counts
+from tasks.onnx_model import as_pixels, export_onnx, label, median_latency_ms, predict, session, weight_counts
 from tasks.preprocess import load_split
 from tasks.training import fine_tune
 
@@ -111,6 +111,8 @@ def compress(
                 export_onnx(pruned.eval(), example, path)
             log.info("%s: built in %.1f s", name, time.perf_counter() - started)
         names = ["fp32", *cfg.variants]
+        for name in names:  # what a model file alone must say to predict with (tasks/predict.py)
+            label(models / f"{name}.onnx", test.classes)
         rows = _measure({name: models / f"{name}.onnx" for name in names}, test.images, test.labels, cfg, threads)
         result = CompressResult(rows=rows, threads=threads, history=history)
         _write_reports(result, staging)

@@ -30,26 +30,19 @@ import logging
 import os
 import re
 import unicodedata
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
 
 from tasks.data_format import SPLITS, PublishedSplits, write_raw_blocks
 from tasks.errors import ExpectedFailure
-
-if TYPE_CHECKING:
-    from PIL.Image import Image as PILImage  # imported lazily below: PIL is only needed to decode
+from tasks.images import IMG_EXTENSIONS, decode, mode_of, open_checked
 
 log = logging.getLogger(__name__)
 
-# The same list as torchvision.datasets.folder.IMG_EXTENSIONS (a test holds them equal); copied so
-# that the download stage does not import torchvision (~3.5 s) just for a tuple.
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 BLOCK = 512  # images decoded per written block, at most
 BLOCK_BYTES = 64 << 20  # ... and at most this many bytes of them (at least one image)
 # C0 and C1 controls (newline, escape...), line and paragraph separators, bidirectional overrides
@@ -213,45 +206,11 @@ def scan_layout(root: Path) -> FolderScan:
     )
 
 
-def _open_checked(path: str, max_pixels: int) -> PILImage:
-    """`path` opened (header read, nothing decoded), refused when larger than `max_pixels`."""
-    from PIL import Image
-
-    try:
-        with warnings.catch_warnings():  # PIL warns above 89 M pixels; our own limit decides, below
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(path)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise ExpectedFailure(f"{path}: not a readable image: {exc}") from None
-    width, height = image.size
-    if width * height > max_pixels:
-        image.close()
-        raise ExpectedFailure(
-            f"{path}: {width}x{height} = {width * height} pixels, more than data.max_image_pixels ({max_pixels})"
-        )
-    return image
-
-
-def _decode(path: str, mode: str, size: tuple[int, int] | None, max_pixels: int) -> np.ndarray:
-    """One image as (H, W, C) uint8; `size` is (height, width) to resize to, or None to keep."""
-    from PIL import Image
-
-    try:
-        with _open_checked(path, max_pixels) as image:
-            image = image.convert(mode)  # decodes fully: truncated files fail here, not later
-            if size is not None and image.size != (size[1], size[0]):
-                image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
-            pixels = np.asarray(image, dtype=np.uint8)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise ExpectedFailure(f"{path}: not a readable image: {exc}") from None
-    return pixels.reshape(pixels.shape[0], pixels.shape[1], -1)
-
-
 def _common_size(files: list[str], max_pixels: int) -> tuple[int, int]:
     """(height, width) that every image has, read from the headers alone; refused when one differs."""
     first: tuple[int, int] | None = None
     for path in tqdm(files, desc="checking image sizes", unit="img", disable=None, leave=False):
-        with _open_checked(path, max_pixels) as image:
+        with open_checked(path, max_pixels) as image:
             width, height = image.size
         if first is None:
             first = (height, width)
@@ -274,7 +233,7 @@ def ingest_folder(
     before any buffer is sized from it.
     """
     found = scan_layout(find_root(root))
-    mode = "RGB" if channels == 3 else "L"
+    mode = mode_of(channels)
     height, width = image_size if image_size is not None else _common_size(found.files, limits.max_pixels)
     shape = (len(found.files), height, width, channels)
     total = int(np.prod(shape, dtype=np.int64))
@@ -289,7 +248,7 @@ def ingest_folder(
         block = np.empty((rows, height, width, channels), dtype=np.uint8)
         filled = 0
         for path in tqdm(found.files, desc="decoding images", unit="img", disable=None, leave=False):
-            pixels = _decode(path, mode, image_size, limits.max_pixels)
+            pixels = decode(path, mode, image_size, limits.max_pixels)
             if pixels.shape[:2] != (height, width):  # a header that lied about the size
                 raise ExpectedFailure(
                     f"{path}: decoded to {pixels.shape[1]}x{pixels.shape[0]}, expected {width}x{height}"

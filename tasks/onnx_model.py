@@ -1,23 +1,32 @@
 """ONNX files and ONNX Runtime sessions, shared by the compress and export stages.
 
 Every model lockstep ships as ONNX takes float32 pixels in [0, 1] named `pixels`, shape (N, C, H, W)
-with N free, and returns `logits`; normalisation is inside (the Classifier carries mean/std).
+with N free, and returns `logits`; normalisation is inside (the Classifier carries mean/std), and
+its class names are in the file's metadata (`CLASSES_KEY`): the file alone is enough to predict
+with. torch is imported only to export: predicting (tasks/predict.py, the served model) needs ONNX
+Runtime and numpy alone.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-import torch
-from torch import nn
 
 from tasks.atomic import atomic_file
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
 INPUT, OUTPUT = "pixels", "logits"
+CLASSES_KEY = "lockstep.classes"  # metadata: the class names, JSON, in the order of the logits
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> None:
@@ -27,6 +36,8 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> None:
     Node metadata (Python stack traces with this checkout's paths) is dropped: it made files 4-30%
     larger and their bytes depend on where the repository was cloned.
     """
+    import torch
+
     program = torch.onnx.export(
         model,
         (example,),
@@ -38,6 +49,51 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> None:
         dynamic_shapes=({0: torch.export.Dim("batch")},),
     )
     save_onnx(program.model_proto, path)
+
+
+def label(path: Path, classes: list[str]) -> None:
+    """Record the class names in the model file's metadata, in the order of its logits."""
+    proto = onnx.load(str(path))
+    kept = [(p.key, p.value) for p in proto.metadata_props if p.key != CLASSES_KEY]
+    del proto.metadata_props[:]
+    for key, value in [*kept, (CLASSES_KEY, json.dumps(list(classes)))]:
+        proto.metadata_props.add(key=key, value=value)
+    save_onnx(proto, path)
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """What a model file takes and names: decode images to this before `predict`."""
+
+    channels: int
+    size: tuple[int, int]  # (height, width)
+    classes: list[str]
+
+
+def model_input(sess: ort.InferenceSession) -> ModelInput:
+    """Channels, size and class names of the model behind `sess`, or ValueError naming what is missing."""
+    shape = sess.get_inputs()[0].shape  # [batch, C, H, W], the batch symbolic
+    if len(shape) != 4 or not all(isinstance(n, int) and n > 0 for n in shape[1:]):
+        raise ValueError(f"input {sess.get_inputs()[0].name!r} has shape {shape}, not (N, C, H, W) images")
+    found = sess.get_modelmeta().custom_metadata_map.get(CLASSES_KEY)
+    classes = json.loads(found) if found else None
+    outputs = sess.get_outputs()[0].shape[-1]
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes) or len(classes) != outputs:
+        raise ValueError(f"no list of {outputs} class names in its metadata ({CLASSES_KEY}): not a lockstep model")
+    return ModelInput(int(shape[1]), (int(shape[2]), int(shape[3])), classes)
+
+
+def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `k` likeliest classes of each row, best first, and their softmax probabilities."""
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probabilities = shifted / shifted.sum(axis=1, keepdims=True)
+    order = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]  # ties: the lower class index first
+    return order, np.take_along_axis(probabilities, order, axis=1)
+
+
+def top_k_text(classes: list[str], order: np.ndarray, probabilities: np.ndarray) -> str:
+    """One image's likeliest classes as text, e.g. "7:0.9912 1:0.0051 9:0.0013" (predict's CSV, the server)."""
+    return " ".join(f"{classes[i]}:{p:.4f}" for i, p in zip(order.tolist(), probabilities.tolist(), strict=True))
 
 
 def save_onnx(proto: onnx.ModelProto, path: Path) -> None:

@@ -30,11 +30,13 @@ from typing import Any
 import numpy as np
 
 from tasks.config import PromotionConfig
+from tasks.errors import ExpectedFailure
 from tasks.preprocess import Preprocessed
 
 log = logging.getLogger(__name__)
 
 CHALLENGER, CHAMPION = "challenger", "champion"
+ONNX_IN_MODEL = "artifacts/model.onnx"  # where the registered wrapper keeps the ONNX file
 MAX_ROUNDS = 3  # comparisons made again when other decisions keep moving the champion meanwhile
 ACCURACY_TAG = "test_accuracy"  # on the version's own test split
 CLASSES_TAG, INPUT_TAG, SPLIT_TAG = "classes.sha256", "input_shape", "test_split.sha256"
@@ -161,25 +163,44 @@ def _fetch_champion(
     client: Any, name: str, version: str, test: Preprocessed, dest: Path, cfg: PromotionConfig
 ) -> tuple[Path | None, str]:
     """The champion's model.onnx if it can be scored on `test`, else (None, why not)."""
-    import mlflow
-
-    current = client.get_model_version(name, version)
-    tags = current.tags
+    tags = client.get_model_version(name, version).tags
     for key, expected in identity(test).items():
         if tags.get(key) != expected:
             what = "class names" if key == CLASSES_TAG else "input shape"
             found = "none recorded" if key not in tags else tags[key][:16]
             return None, f"champion v{version} has other {what} ({found}) than this data ({expected[:16]})"
+    try:
+        return fetch_onnx(name, version, dest, cfg.max_champion_bytes), ""
+    except UnusableModelError as exc:
+        return None, f"champion {exc}"
+
+
+class UnusableModelError(ExpectedFailure):
+    """A registered version whose ONNX file is missing, too large or not self-contained."""
+
+
+def fetch_onnx(name: str, version: str, dest: Path, max_bytes: int) -> Path:
+    """Version `version` of registered model `name`: its ONNX file, downloaded into `dest`.
+
+    The registered model is the served wrapper (tasks/serving.py) carrying the ONNX file as its
+    artifact `ONNX_IN_MODEL`; versions registered before it was are the ONNX file itself.
+    """
+    import mlflow
+
     uri = f"models:/{name}/{version}"
-    files = {info.path: info.file_size or 0 for info in mlflow.artifacts.list_artifacts(artifact_uri=uri)}
-    if "model.onnx" not in files:
-        return None, f"champion v{version} has no model.onnx"
-    if files["model.onnx"] > cfg.max_champion_bytes:
-        return None, f"champion v{version}'s model.onnx is {files['model.onnx']} bytes (promotion.max_champion_bytes)"
-    path = Path(mlflow.artifacts.download_artifacts(f"{uri}/model.onnx", dst_path=str(dest)))
-    if path.stat().st_size > cfg.max_champion_bytes:  # the listing said otherwise: trust the bytes
-        return None, f"champion v{version}'s model.onnx is larger than listed"
-    return (path, "") if _self_contained(path) else (None, f"champion v{version}'s model.onnx uses external data")
+    listed = {i.path: i.file_size or 0 for i in mlflow.artifacts.list_artifacts(artifact_uri=f"{uri}/artifacts")}
+    listed |= {i.path: i.file_size or 0 for i in mlflow.artifacts.list_artifacts(artifact_uri=uri)}
+    found = next((p for p in (ONNX_IN_MODEL, "model.onnx") if p in listed), None)
+    if found is None:
+        raise UnusableModelError(f"v{version} has no {ONNX_IN_MODEL}")
+    if listed[found] > max_bytes:
+        raise UnusableModelError(f"v{version}'s model.onnx is {listed[found]} bytes (promotion.max_champion_bytes)")
+    path = Path(mlflow.artifacts.download_artifacts(f"{uri}/{found}", dst_path=str(dest)))
+    if path.stat().st_size > max_bytes:  # the listing said otherwise: trust the bytes
+        raise UnusableModelError(f"v{version}'s model.onnx is larger than listed")
+    if not _self_contained(path):
+        raise UnusableModelError(f"v{version}'s model.onnx uses external data")
+    return path
 
 
 def _self_contained(path: Path) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
@@ -313,51 +314,115 @@ def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> 
 
 
 def _register(params: Params, run: StageRun, exported: ExportResult) -> str:
-    """Log both ONNX models (onnx flavour, explicit signature), register the shipped one and
-    decide champion/challenger on the same test images (tasks/registry.py); return the verdict."""
-    import numpy as np
-    import onnx
-    from mlflow.models import ModelSignature
-    from mlflow.types import Schema, TensorSpec
+    """Log the fp32 ONNX model (onnx flavour) and the shipped one behind the image-bytes wrapper
+    (tasks/serving.py), register the latter and decide champion/challenger on the same test images
+    (tasks/registry.py); return the verdict."""
+    import os
 
-    from tasks.export import FP32, SHIPPED
-    from tasks.onnx_model import INPUT, OUTPUT
+    from tasks.export import SHIPPED
     from tasks.preprocess import load_split
     from tasks.registry import decide_promotion
 
-    mlflow, name = run.mlflow, params.tracking.registered_model
-    example = np.zeros((1, *exported.input_shape), dtype=np.float32)  # a black image: pixels in [0, 1], (N, C, H, W)
-    signature = ModelSignature(
-        inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *exported.input_shape), INPUT)]),
-        outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, exported.num_classes), OUTPUT)]),
-    )
-    # What serving an ONNX model needs, pinned to what was measured here (MLflow adds itself). Left
-    # to infer them, MLflow would record the whole project lock (`uv export`: torch, Prefect, DVC...)
-    # and spend ~0.5 s per model doing it.
-    requirements = [*mlflow.onnx.get_default_pip_requirements(), f"numpy=={np.__version__}"]
-    logged = {
-        "save_as_external_data": False,
-        "signature": signature,
-        "input_example": example,
-        "pip_requirements": requirements,
-    }
-    mlflow.onnx.log_model(onnx.load(str(layout.EXPORT_DIR / FP32)), name="model_fp32", **logged)
-    info = mlflow.onnx.log_model(
-        onnx.load(str(layout.EXPORT_DIR / SHIPPED)), name="model", registered_model_name=name, **logged
-    )
-    test = load_split(layout.PREPROCESSED_DIR, "test")
+    # MLflow draws a "Downloading artifacts" bar for each single file it copies here (the ONNX file into
+    # the logged model, the champion out of the registry): console noise for an event the stage reports.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    info = _log_models(params, run, exported)
+    name = params.tracking.registered_model
+    version = _new_version(run.mlflow.MlflowClient(), name, info, run.run_id)
     promotion = decide_promotion(
-        mlflow.MlflowClient(),
+        run.mlflow.MlflowClient(),
         name,
-        str(info.registered_model_version),
+        version,
         layout.EXPORT_DIR / SHIPPED,
-        test,
+        load_split(layout.PREPROCESSED_DIR, "test"),
         exported.accuracy,
         params.promotion,
         lock=store_lock(tracking_uri(), "promotion"),  # two exports at once take turns (dvc queue -j 2)
     )
     _record_promotion(run, promotion, params)
     return promotion.verdict
+
+
+def _log_models(params: Params, run: StageRun, exported: ExportResult) -> Any:
+    """The fp32 model as it is (a tensor in, logits out) and the shipped one as served; the latter's info."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, DataType, Schema, TensorSpec
+
+    from tasks.export import FP32, SHIPPED
+    from tasks.onnx_model import INPUT, OUTPUT
+
+    # What serving needs, pinned to what was measured here (MLflow adds itself). Left to infer them,
+    # MLflow would record the whole project lock (`uv export`: torch, Prefect, DVC...), slowly.
+    requirements = [f"onnxruntime=={ort.__version__}", f"onnx=={onnx.__version__}", f"numpy=={np.__version__}"]
+    run.mlflow.onnx.log_model(
+        onnx.load(str(layout.EXPORT_DIR / FP32)),
+        name="model_fp32",
+        save_as_external_data=False,
+        signature=ModelSignature(
+            inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *exported.input_shape), INPUT)]),
+            outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, exported.num_classes), OUTPUT)]),
+        ),
+        pip_requirements=requirements,
+        # the CPU provider, which every onnxruntime build has (MLflow's default lists CUDA first, and
+        # warns on every load where this build lacks it)
+        onnx_execution_providers=["CPUExecutionProvider"],
+    )
+    served = [(DataType.string, "class"), (DataType.double, "probability"), (DataType.string, "top_k")]
+    with tempfile.TemporaryDirectory() as code:
+        return run.mlflow.pyfunc.log_model(
+            name="model",
+            python_model=str(Path(__file__).with_name("serving.py")),  # models from code: no pickle
+            artifacts={"onnx": str(layout.EXPORT_DIR / SHIPPED)},
+            code_paths=[str(_serving_code(Path(code)))],
+            model_config={"threads": params.determinism.num_threads, "max_pixels": params.data.max_image_pixels},
+            signature=ModelSignature(
+                inputs=Schema([ColSpec(DataType.binary, "image")]), outputs=Schema([ColSpec(t, c) for t, c in served])
+            ),
+            pip_requirements=[*requirements, "pandas", "pillow"],
+            input_example=_black_image(exported.input_shape),  # MLflow serves it once, here: a smoke test
+        )
+
+
+def _black_image(shape: tuple[int, int, int]) -> Any:
+    """One black PNG of the model's size, as the served model's request column holds it."""
+    import io
+
+    import numpy as np
+    import pandas as pd
+    from PIL import Image
+
+    channels, height, width = shape
+    pixels = np.zeros((height, width, channels), np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels[:, :, 0] if channels == 1 else pixels).save(buffer, format="PNG")
+    return pd.DataFrame({"image": [buffer.getvalue()]})
+
+
+def _serving_code(folder: Path) -> Path:
+    """The `tasks` modules the served model imports, as a package of their own to log with it (not
+    the whole project: a model's code is what it runs)."""
+    package = folder / "tasks"
+    package.mkdir()
+    for module in ("__init__", "errors", "atomic", "images", "onnx_model", "serving"):
+        shutil.copyfile(Path(__file__).with_name(f"{module}.py"), package / f"{module}.py")
+    return package
+
+
+def _new_version(client: Any, name: str, info: Any, run_id: str) -> str:
+    """Register the logged model as a new version of `name` (created on first use) through the client,
+    which, unlike `mlflow.register_model`, does not print to the console what the pipeline reports."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":  # (the usual case: an earlier export made it)
+            raise
+    created = client.create_model_version(name, info.model_uri, run_id=run_id, model_id=info.model_id)
+    return str(created.version)
 
 
 def _record_promotion(run: StageRun, promotion: Promotion, params: Params) -> None:

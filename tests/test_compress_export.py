@@ -116,8 +116,10 @@ def test_model_card_and_registry(dvc_repo: dict[str, Any]) -> None:
 
     mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
     info = mlflow.models.get_model_info("models:/lockstep-classifier@champion")
-    assert "onnx" in info.flavors
-    assert tuple(info.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 1, 8, 8)
+    assert "python_function" in info.flavors  # the served wrapper: image bytes in (tasks/serving.py)
+    assert info.signature.inputs.to_dict() == [{"type": "binary", "name": "image", "required": True}]
+    assert [c["name"] for c in info.signature.outputs.to_dict()] == ["class", "probability", "top_k"]
+    assert info.run_id == export_run.info.run_id
     # serving the ONNX model needs its runtime, pinned, not the training stack
     requirements = Path(mlflow.pyfunc.get_model_dependencies("models:/lockstep-classifier@champion")).read_text()
     names = {line.split("==")[0] for line in requirements.split()}

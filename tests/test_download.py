@@ -26,7 +26,7 @@ from tasks.data_format import open_raw, read_raw, split_indices
 from tasks.download import download
 from tasks.errors import ExpectedFailure
 from tasks.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
-from tasks.imagefolder import IMG_EXTENSIONS
+from tasks.images import IMG_EXTENSIONS
 from tasks.stats import compute_stats
 from tests.conftest import ROOT, copy_project, run, subprocess_env
 from tests.fakedata import (

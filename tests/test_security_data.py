@@ -218,7 +218,7 @@ def test_a_large_first_image_sizes_no_buffer_before_every_size_is_checked(
     """The report: a first 9500x9500 image sized a 512x9500x9500x3 block (129 GiB) and died in a traceback."""
     imagefolder_tree(tmp_path / "tree", per_class=2, size=(12, 10))
     first = _big_png(tmp_path / "tree" / "cat" / "a_first.png", 4000, 4000)  # sorts first; within the pixel cap
-    monkeypatch.setattr(tasks.imagefolder, "_decode", lambda *a: pytest.fail("decoded before the sizes were checked"))
+    monkeypatch.setattr(tasks.imagefolder, "decode", lambda *a: pytest.fail("decoded before the sizes were checked"))
     mismatch = rf"cat_0\.png: 12x10 pixels, but {re.escape(str(first))} is 4000x4000; set data\.image_size"
     with pytest.raises(ExpectedFailure, match=mismatch):
         download(_folder(tmp_path / "tree"), data_dir, tmp_path / "cache")

@@ -224,7 +224,7 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(stack: Stack, fi
     assert message["promotion"] == export.data.tags["registry.verdict"] and "no champion yet" in message["promotion"]
     # the stages' own log lines reach Prefect's run log
     messages = [entry["message"] for entry in flow_run_logs(stack, first_run.flow_run_id)]
-    assert any(m.startswith("train: {") for m in messages), messages
+    assert any(m.startswith("train: best_val_accuracy 0.") for m in messages), messages
     print(f"prefect deployment run -> completed pipeline: {stack.timings[DEPLOYMENT]:.1f} s")
 
 
