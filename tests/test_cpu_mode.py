@@ -131,6 +131,27 @@ def test_portable_convolution_computes_what_torch_does(stride, padding, dilation
         torch.testing.assert_close(got, want)
 
 
+def test_portable_results_never_share_the_reused_temporaries() -> None:
+    """The kernels reuse their temporaries' memory from call to call: what they hand back (outputs,
+    gradients) must be new memory, so a later convolution of the same shapes cannot change it."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 4, 3, 3, dtype=torch.float64, generator=generator))
+    first, second = (torch.randn(2, 4, 7, 7, dtype=torch.float64, generator=generator) for _ in range(2))
+    with _portable_kernels(True):
+        out = F.conv2d(first, w, padding=1)
+        kept = out.clone()
+        (grad,) = torch.autograd.grad(out.sum(), w)
+        grad_kept = grad.clone()
+        with torch.no_grad():  # columns not kept: they go back to the pool at once
+            F.conv2d(second, w, padding=1)
+        again = F.conv2d(second, w, padding=1)
+        torch.autograd.grad(again.square().sum(), w)
+        with _portable_kernels(False):
+            expected = F.conv2d(first, w, padding=1)
+    assert torch.equal(out, kept) and torch.equal(grad, grad_kept)
+    torch.testing.assert_close(out, expected)
+
+
 def test_portable_linear_and_conv1d_compute_what_torch_does() -> None:
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(7, 4).double()

@@ -129,3 +129,7 @@ def test_no_champion_or_no_image_is_one_line_and_the_csv_is_left_as_it_was(
     onnx.save(bare, str(tmp_path / "bare.onnx"))
     done = predict(repo, str(split_pngs), "--model", str(tmp_path / "bare.onnx"), "--out", str(out), check=False)
     assert done.returncode == 1 and "lockstep.classes" in done.stderr, done.stderr
+    # written whole or not at all (tasks/atomic.py): the old file, and no temporary beside it
+    assert out.read_text() == "earlier results\n" and not list(tmp_path.glob(".kept.csv.tmp*"))
+    predict(repo, str(split_pngs), "--model", "artifacts/export/model.onnx", "--out", str(out))
+    assert len(rows(out)) == len(list(split_pngs.rglob("*.png"))) and not list(tmp_path.glob(".kept.csv.tmp*"))
