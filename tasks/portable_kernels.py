@@ -284,11 +284,21 @@ def convolution_backward(
         # (g, N*oh*ow, O/g): the output gradient channels-last, split by group
         per_group = temporary((groups, n * oh * ow, out_channels // groups), grad2)
         per_group.view(groups, n, oh, ow, -1).copy_(grad2.view(n, groups, -1, oh, ow).permute(1, 0, 3, 4, 2))
+        # Both products first, then the copies and adds: BLAS's threads and torch's take turns on the
+        # same cores, and every turn costs a wake-up.
         if mask[1]:
-            grad_weight = _weight_gradient(x, x2, w2, geometry, groups, per_group, temporary).reshape(weight.shape)
+            weight_product = _weight_product(x, x2, w2, geometry, groups, per_group, temporary)
         if mask[0]:
             weights = _weight_matrix(w2, groups).transpose(1, 2)  # (g, O/g, kh*kw*C/g)
             columns = _product(per_group, weights, temporary((groups, n * oh * ow, weights.shape[2]), per_group))
+        if mask[1]:
+            kh, kw = w2.shape[2:]
+            o, cg = w2.shape[:2]
+            grad_weight = _buffer((o, cg, kh, kw), w2)
+            weight_product = weight_product.view(groups, kh, kw, cg, -1).permute(0, 4, 3, 1, 2)
+            grad_weight.view(groups, -1, cg, kh, kw).copy_(weight_product)
+            grad_weight = grad_weight.reshape(weight.shape)
+        if mask[0]:
             grad_input = _add_columns(columns, x2, w2, geometry)
             grad_input = grad_input if x.dim() == 4 else grad_input.squeeze(2)
     if mask[2]:
@@ -296,7 +306,7 @@ def convolution_backward(
     return grad_input, grad_weight, grad_bias
 
 
-def _weight_gradient(
+def _weight_product(
     x: torch.Tensor,
     x2: torch.Tensor,
     w2: torch.Tensor,
@@ -305,17 +315,13 @@ def _weight_gradient(
     per_group: torch.Tensor,
     take: Any,
 ) -> torch.Tensor:
-    """(O, C/g, kh, kw) in new memory: the forward's columns (kept, or made again) times the output gradient."""
+    """(g, kh*kw*C/g, O/g) from `take`: the forward's columns (kept, or made again) times the output gradient."""
     kept = _kept.pop(_key(x, w2, geometry, groups), None)
     columns, array = (kept[1], kept[2]) if kept is not None else (_columns(x2, w2, geometry, groups, take), None)
     columns = columns.transpose(1, 2)  # (g, kh*kw*C/g, N*oh*ow)
     product = _product(columns, per_group, take((groups, columns.shape[1], per_group.shape[2]), columns))
     _pool.give(array)
-    kh, kw = w2.shape[2:]
-    o, cg = w2.shape[:2]
-    grad_weight = _buffer((o, cg, kh, kw), w2)
-    grad_weight.view(groups, -1, cg, kh, kw).copy_(product.view(groups, kh, kw, cg, -1).permute(0, 4, 3, 1, 2))
-    return grad_weight
+    return product
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:

@@ -67,9 +67,10 @@ def _default_uri() -> str:
 
 def _mlflow():
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    # system metrics (the train run): a point every 5 s, each the mean of 5 samples (MLflow: every 10 s)
+    # system metrics (the train run): a point every second (MLflow: every 10 s). MLflow drops the samples
+    # not yet logged when the run ends, so a coarser setting leaves a short training with no point at all.
     os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
-    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "5")
+    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
     import mlflow
 
     uri = tracking_uri()

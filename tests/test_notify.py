@@ -357,8 +357,8 @@ def _kill_in_download(stack: Served, sig: signal.Signals) -> tuple[str, list[dic
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started).group(1)
     task_runs = {"flow_runs": {"id": {"any_": [flow_run_id]}}}
     deadline = time.monotonic() + 300
-    while not any(
-        t["name"] == "download" and t["state"]["type"] == "RUNNING"
+    while not any(  # a task run is created before its first state: `state` can be null
+        t["name"] == "download" and (t["state"] or {}).get("type") == "RUNNING"
         for t in stack.prefect("/task_runs/filter", task_runs)
     ):
         assert time.monotonic() < deadline, "the download stage never started"
