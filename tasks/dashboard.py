@@ -95,9 +95,19 @@ def run_name(entry_point: str, stages_run: list[str], data_md5: str) -> str:
     return f"{entry_point}: {what} · data {data_md5[:8]}"
 
 
+# The query that opens any page of the UI in its model-training pages (without it a run page opens
+# in the GenAI ones, whatever the runs table was in).
+TRAINING_PAGES = "workflowType=machine_learning"
+
+
 def runs_page(base_url: str, experiment_id: str) -> str:
     """The experiment's runs table in the model-training pages, with the pipeline's columns."""
-    return f"{base_url}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
+    return f"{base_url}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}&{TRAINING_PAGES}"
+
+
+def run_page(experiment_id: str, run_id: str, path: str = "") -> str:
+    """A run's page (`path`: one of its tabs or artifacts) in the model-training pages, relative to the UI."""
+    return f"#/experiments/{experiment_id}/runs/{run_id}{path}?{TRAINING_PAGES}"
 
 
 def _view_state() -> str:

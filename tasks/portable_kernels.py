@@ -72,10 +72,11 @@ class _Pool(threading.local):
     """Temporaries by (shape, dtype), reused from one step to the next.
 
     A convolution's columns and products are megabytes that live for one call (or from a forward to
-    its backward). Fresh memory of that size comes from the kernel page by page, and its page faults
-    cost as much as the products' arithmetic; the same shapes come back every step, so their memory
-    is kept. Per thread (no locks); bounded in count per shape. Only temporaries that never escape
-    the kernels come from here: every tensor handed back to autograd is new memory (`_buffer`).
+    its backward). Fresh memory of that size comes from the kernel page by page, faulted in on first
+    touch every step again; the same shapes come back every step, so their memory is kept (like a
+    caching allocator: the process keeps about one step's worth). Per thread (no locks); bounded in
+    count per shape. Only temporaries that never escape the kernels come from here: every tensor
+    handed back to autograd is new memory (`_buffer`).
     """
 
     def __init__(self) -> None:

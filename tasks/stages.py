@@ -278,14 +278,14 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
 def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> None:
     """The registered version's description: what shipped, how good, small and fast it is, the
     promotion verdict, and links to its model card and to the export, pipeline and train runs."""
-    from tasks.dashboard import describe_version, headline
+    from tasks.dashboard import describe_version, headline, run_page
 
     client = run.mlflow.MlflowClient()
     export = client.get_run(run.run_id)
     tags, experiment = export.data.tags, export.info.experiment_id
 
     def link(text: str, run_id: str | None, path: str = "") -> str:
-        return f"[{text}](#/experiments/{experiment}/runs/{run_id}{path})" if run_id else ""
+        return f"[{text}]({run_page(experiment, run_id, path)})" if run_id else ""
 
     weights = file_digest(layout.TRAIN_DIR / "best.safetensors")
     trained = client.search_runs(

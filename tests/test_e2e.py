@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tasks.config import STAGES
+from tasks.dashboard import run_page
 from tests.conftest import TINY, client_for, clone_project, copy_project, run, sha256
 
 pytestmark = pytest.mark.slow
@@ -130,11 +131,12 @@ def test_dvc_repro_runs_every_stage_and_tracks_them(dvc_repo: dict[str, Any]) ->
     assert [v.run_id for v in versions] == [export_run.info.run_id]  # the shipped ONNX, registered by export
     check_dashboard(repo, executions[1][0], "dvc: stats→export")
     assert executions[0][0].info.run_name.startswith("dvc: download · data ")
-    # the version's description links its model card and the export, pipeline and train runs
-    description = versions[0].description
+    # the version's description links its model card and the export, pipeline and train runs, each
+    # opening in the UI's model-training pages
+    description, experiment = versions[0].description, export_run.info.experiment_id
     for run_id in (export_run.info.run_id, executions[1][0].info.run_id, train_run.info.run_id):
-        assert f"/runs/{run_id})" in description, description
-    assert f"/runs/{export_run.info.run_id}/artifacts/model_card.md)" in description
+        assert f"]({run_page(experiment, run_id)})" in description, description
+    assert f"]({run_page(experiment, export_run.info.run_id, '/artifacts/model_card.md')})" in description
     assert "promoted to champion" in description and "test accuracy 0." in description
     # the machine's load while it trained (MLflow's system metrics; GPU ones where there is a GPU)
     system = client_for(repo).get_metric_history(train_run.info.run_id, "system/cpu_utilization_percentage")

@@ -33,7 +33,7 @@ import yaml
 from PIL import Image
 
 from tasks.config import STAGES
-from tasks.dashboard import CURVES, runs_page
+from tasks.dashboard import CURVES, run_page, runs_page
 from tasks.pipeline_lock import pipeline_lock
 from tests.chromium import devtools
 from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env
@@ -521,16 +521,20 @@ def test_the_mlflow_ui_shows_the_pipeline_in_headless_chromium(
         assert "val_accuracy" in page.evaluate("document.body.innerText")
         page.screenshot(SCREENSHOTS / "mlflow-charts.png")
         page.resize(2400, 1100)
-        # a stage's run page, and the train run's system metrics
+        # a stage's run page, and the train run's system metrics, in the model-training pages (the
+        # GenAI ones list Judges and Prompts in their menu)
         page.open(
-            f"{stack.mlflow}/#/experiments/{experiment}/runs/{evaluate.info.run_id}",
+            f"{stack.mlflow}/{run_page(experiment, evaluate.info.run_id)}",
             "document.body.innerText.includes('test_accuracy')",
         )
-        assert f"{evaluate.data.metrics['test_accuracy']:.4g}"[:5] in page.evaluate("document.body.innerText")
+        text = page.evaluate("document.body.innerText")
+        assert f"{evaluate.data.metrics['test_accuracy']:.4g}"[:5] in text and "Judges" not in text, text
         page.screenshot(SCREENSHOTS / "mlflow-run-page.png")
         page.open(
-            f"{stack.mlflow}/#/experiments/{experiment}/runs/{train.info.run_id}/system-metrics",
-            "document.body.innerText.includes('cpu_utilization_percentage')",
+            f"{stack.mlflow}/{run_page(experiment, train.info.run_id, '/system-metrics')}",
+            # the charts in view drawn (CPU, disk, network, memory: two rows and more), not their spinners
+            "document.body.innerText.includes('cpu_utilization_percentage') && "
+            "document.querySelectorAll('.js-plotly-plot .scatterlayer .trace').length >= 6",
         )
         page.screenshot(SCREENSHOTS / "mlflow-system-metrics.png")
         # the registered version: what shipped, the decision, links to its card and runs
@@ -539,7 +543,7 @@ def test_the_mlflow_ui_shows_the_pipeline_in_headless_chromium(
         )
         assert "promoted to champion" in page.evaluate("document.body.innerText")
         links = page.evaluate("[...document.querySelectorAll('a')].map(a => a.getAttribute('href'))")
-        assert f"#/experiments/{experiment}/runs/{parent.info.run_id}" in links, links
+        assert run_page(experiment, parent.info.run_id) in links, links
         page.screenshot(SCREENSHOTS / "mlflow-model-version.png")
 
 

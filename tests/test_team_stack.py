@@ -35,6 +35,7 @@ import yaml
 from stack.__main__ import down, join, up
 from stack.servers import ObjectStore, Orchestrator, Postgres, TrackingServer, s3_client
 from stack.state import DVC_BUCKET, MLFLOW_BUCKET, Stack, open_stack
+from tasks.dashboard import run_page
 from tests.chromium import basic_auth_proxy, dom_and_screenshot
 from tests.conftest import ROOT, commit_all, copy_project, listening, run, service, sha256, subprocess_env
 from tests.prefect_client import PrefectAPI, wait_for_deployment
@@ -230,7 +231,7 @@ def test_the_mlflow_ui_shows_the_train_run_from_the_team_server(
         team.env[k] for k in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
     )
     with basic_auth_proxy(server, user, password) as url:
-        page = f"{url}/#/experiments/{train.info.experiment_id}/runs/{train.info.run_id}"
+        page = f"{url}/{run_page(train.info.experiment_id, train.info.run_id)}"
         dom = dom_and_screenshot(page, tmp_path / "profile", SCREENSHOT)  # kept: test-artifacts/
     assert train.info.run_id in dom and "best_val_accuracy" in dom, dom[-2000:]
     assert f"{train.data.metrics['best_val_accuracy']:.4g}"[:5] in dom
