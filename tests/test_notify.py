@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -168,6 +169,26 @@ def test_a_slow_dead_or_failing_receiver_is_a_warning_within_timeout(
     expected = {"slow": "no answer within 0.5 s", "dead": "Connection refused", "error": "HTTP Error 500"}[mode]
     assert expected in warning and "$LOCKSTEP_NOTIFY_URL" in warning, warning
     assert TOKEN not in caplog.text and QUERY_SECRET not in caplog.text and "127.0.0.1" not in caplog.text
+
+
+@pytest.mark.parametrize("timeout", [TimeoutError("timed out"), urllib.error.URLError(TimeoutError("timed out"))])
+def test_a_socket_timeout_reported_before_the_deadline_is_still_no_answer(
+    timeout: Exception, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a busy machine the socket's timeout (equal to timeout_s) can fire a moment before the
+    join's deadline: the warning is the same "no answer", not a failure with a socket error."""
+
+    def times_out(*_: Any) -> None:
+        raise timeout
+
+    monkeypatch.setattr(notify, "post_json", times_out)
+    logger = logging.getLogger("tests.notify")
+    with caplog.at_level(logging.INFO, logger="tests.notify"):
+        assert not notify.send(
+            _message(), notify.NotifyConfig(timeout_s=2), logger, {"LOCKSTEP_NOTIFY_URL": "http://x/"}
+        )
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "no answer within 2 s" in warning and "$LOCKSTEP_NOTIFY_URL" in warning, warning
 
 
 def test_a_healthy_receiver_gets_slack_json(caplog: pytest.LogCaptureFixture) -> None:
