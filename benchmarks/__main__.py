@@ -49,7 +49,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B5": lambda work: [stats_loop.b5(work, rounds=5)],
         "B6": lambda work: compression.b6(work, rounds=5, runs=50),
         "B7": lambda work: scaling.b7(work),
-        "B9": lambda work: cpu_mode.b9(work, rounds=3),
+        "B9": lambda work: cpu_mode.b9(work, rounds=6, epochs=4),
         "B10": lambda work: sweeps.b10(work),
     }
 

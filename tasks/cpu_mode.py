@@ -12,7 +12,7 @@ another machine (Intel vs AMD, AVX2 vs AVX-512):
 
 Portable mode therefore pins ATen to AVX2 and sends convolutions and matrix products to OpenBLAS
 (the BLAS numpy ships) with its kernel set pinned to Haswell's (AVX2 + FMA, blocking fixed at
-compile time): tasks/portable_kernels.py. oneDNN and NNPACK are switched off and MKL is held to
+compile time): tasks/portable_kernels.py, tasks/blas.py. oneDNN and NNPACK are switched off and MKL is held to
 COMPATIBLE for anything that still reaches it. The result is the same bytes on every x86-64 CPU
 with AVX2, for a fixed thread count. Native mode leaves every library its fastest path.
 
@@ -40,14 +40,6 @@ PORTABLE_ENV = {
     "MKL_CBWR": "COMPATIBLE,STRICT",  # MKL's one vendor-neutral branch, for what still reaches it
     "MKL_DYNAMIC": "FALSE",  # MKL keeps the thread count it is given
     "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN is off in portable mode; capped should anything call it
-    # OpenBLAS's threads and torch's OpenMP threads take turns on the same cores. Each pool's idle
-    # threads spin before they sleep: OpenMP's for about 300,000 pauses by default (milliseconds,
-    # during which OpenBLAS gets half the cores), OpenBLAS's for 2^28 cycles. Not spinning at all
-    # (OMP_WAIT_POLICY=PASSIVE) makes every ATen op wake its threads, several times an op's own cost
-    # on small tensors. So OpenMP spins briefly (back-to-back ATen ops keep their threads) and
-    # OpenBLAS sleeps at once (its products are few and long). Timing only: no effect on bytes.
-    "GOMP_SPINCOUNT": "10000",
-    "OPENBLAS_THREAD_TIMEOUT": "4",
 }
 _LOADED_FIRST = ("torch", "numpy")
 
@@ -115,7 +107,9 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
         portable_kernels.install()
     else:
         portable_kernels.uninstall()
-    _set_blas_threads(num_threads)
+    # Portable products run their chunks on torch's threads (tasks/blas.py), each chunk one
+    # OpenBLAS call on one thread; native leaves numpy's OpenBLAS the run's thread count.
+    _set_blas_threads(1 if portable else num_threads)
     return {
         "cpu": mode,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -144,21 +138,14 @@ def _check_portable(torch: Any) -> None:
         )
 
 
-def openblas() -> dict[str, Any]:
-    """What threadpoolctl reads from numpy's OpenBLAS itself (architecture, version, ...); {} if none."""
-    import numpy  # noqa: F401 - loads OpenBLAS, which threadpoolctl then finds
-    from threadpoolctl import threadpool_info
-
-    return next((info for info in threadpool_info() if info.get("internal_api") == "openblas"), {})
-
-
 def blas_coretype() -> str | None:
-    """The kernel set numpy's OpenBLAS runs."""
-    return openblas().get("architecture")
+    """The kernel set numpy's OpenBLAS runs (torch loaded)."""
+    from tasks import blas
+
+    return blas.openblas().get("architecture")
 
 
 def _set_blas_threads(num_threads: int) -> None:
-    # OpenBLAS splits a product between its threads: the split, and so the bytes, follow the count.
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=num_threads, user_api="blas")

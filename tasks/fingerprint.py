@@ -105,6 +105,8 @@ def _cpu(torch: Any) -> dict[str, str]:
 def _versions(torch: Any) -> dict[str, str]:
     import numpy
 
+    from tasks import blas  # loads torch: not at module level
+
     config = torch.__config__.show()
     mkl = re.search(r"Math Kernel Library Version (\S+)", config)
     onednn = re.search(r"MKL-DNN v(\S+)", config)
@@ -113,7 +115,7 @@ def _versions(torch: Any) -> dict[str, str]:
         "hw.version.numpy": numpy.__version__,
         "hw.version.mkl": mkl.group(1) if mkl else "none",
         "hw.version.onednn": onednn.group(1) if onednn else "none",
-        "hw.version.openblas": str(cpu_mode.openblas().get("version", "none")),
+        "hw.version.openblas": str(blas.openblas().get("version", "none")),
     }
 
 
@@ -146,6 +148,10 @@ def fingerprint() -> dict[str, str]:
         **_gpu(torch),
     }
     tags.update({f"hw.env.{name}": os.environ.get(name, "unset") for name in _ENV})
+    if cpu_mode.current() == "portable":
+        from tasks import blas
+
+        tags["hw.cpu.products"] = blas.backend()  # speed only: the same bytes either way
     return tags
 
 

@@ -3,10 +3,11 @@
 Why not torch's own CPU paths is in tasks/cpu_mode.py: MKL's reproducible branches are Intel-only,
 oneDNN and NNPACK choose kernels by ISA and cache size. `install` registers CPU kernels for torch's
 matrix products and 1-D/2-D convolutions that compute with numpy's OpenBLAS, pinned to its Haswell
-kernels (only these ops pay a Python call; autograd and every other op stay torch's own). A
-convolution is one matrix product over its im2col columns (forward, and the weight gradient) and
-one into columns that are added back in a fixed order (the input gradient); the columns are
-strided copies and adds in ATen, pinned to AVX2 like every ATen kernel. The few other ops that
+kernels, in chunks on torch's threads (tasks/blas.py; only these ops pay a Python call; autograd
+and every other op stay torch's own). A convolution is one matrix product over its im2col columns
+(forward, and the weight gradient) and one into columns that are added back in a fixed order (the
+input gradient); the columns are strided copies and adds in ATen, pinned to AVX2 like every ATen
+kernel. The few other ops that
 would reach MKL are refused rather than computed with CPU-dependent bytes.
 
 Which matrix is which operand of a BLAS call decides the order of its additions; whether an operand
@@ -26,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tasks import blas
+
 _NO_NUMPY = (torch.float16, torch.bfloat16)
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 # ops that compute with MKL or oneDNN and have no portable route here
@@ -37,11 +40,16 @@ class PortableOpError(RuntimeError):
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # numpy hands contiguous or transposed operands to BLAS as they are and copies others first;
-    # half and bfloat16 (which numpy lacks) are multiplied in float32, the same way on every CPU.
-    if a.dtype not in _NO_NUMPY:
-        return torch.from_numpy(np.matmul(a.detach().numpy(), b.detach().numpy()))
-    return torch.from_numpy(np.matmul(a.detach().float().numpy(), b.detach().float().numpy())).to(a.dtype)
+    """mm and bmm (2-D or 3-D operands): one `blas.gemm` per matrix; half and bfloat16 are
+    multiplied in float32, the same way on every CPU."""
+    compute = torch.float32 if a.dtype in _NO_NUMPY else a.dtype
+    a3, b3 = a.detach().to(compute), b.detach().to(compute)
+    a3, b3 = (a3, b3) if a.dim() == 3 else (a3.unsqueeze(0), b3.unsqueeze(0))
+    out = _buffer((a3.shape[0], a3.shape[1], b3.shape[2]), a3)
+    for a_matrix, b_matrix, out_matrix in zip(a3, b3, out, strict=True):
+        blas.gemm(a_matrix, b_matrix, out_matrix)
+    out = out if a.dim() == 3 else out[0]
+    return out if compute == a.dtype else out.to(a.dtype)
 
 
 def _out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
@@ -122,15 +130,14 @@ def _temporaries() -> Iterator:
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out` = a @ b per group (3-D), one 2-D BLAS call each, written in place; half and bfloat16
-    as in `_matmul`. Each operand is contiguous or transposed, never a strided view: numpy would
-    multiply that in its own loop, another order of additions."""
+    """`out` = a @ b per group (3-D), one `blas.gemm` each, written in place; half and bfloat16 as
+    in `_matmul`."""
     for a_group, b_group, out_group in zip(a, b, out, strict=True):
         if out.dtype in _NO_NUMPY:
-            product = np.matmul(a_group.detach().float().numpy(), b_group.detach().float().numpy())
-            out_group.copy_(torch.from_numpy(product))
+            a32, b32 = a_group.float(), b_group.float()
+            out_group.copy_(blas.gemm(a32, b32, _buffer(tuple(out_group.shape), a32)))
         else:
-            np.matmul(a_group.detach().numpy(), b_group.detach().numpy(), out=out_group.numpy())
+            blas.gemm(a_group, b_group, out_group)
     return out
 
 
@@ -285,8 +292,6 @@ def convolution_backward(
         # (g, N*oh*ow, O/g): the output gradient channels-last, split by group
         per_group = temporary((groups, n * oh * ow, out_channels // groups), grad2)
         per_group.view(groups, n, oh, ow, -1).copy_(grad2.view(n, groups, -1, oh, ow).permute(1, 0, 3, 4, 2))
-        # Both products first, then the copies and adds: BLAS's threads and torch's take turns on the
-        # same cores, and every turn costs a wake-up.
         if mask[1]:
             weight_product = _weight_product(x, x2, w2, geometry, groups, per_group, temporary)
         if mask[0]:

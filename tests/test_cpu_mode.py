@@ -40,7 +40,7 @@ import torch
 from tasks.determinism import pin_everything
 from tasks.fingerprint import fingerprint
 from tasks.models import build_model
-pin_everything(0, 2, True, sys.argv[1])
+pin_everything(0, int(sys.argv[2]), True, sys.argv[1])
 generator = torch.Generator().manual_seed(1)
 images = torch.rand(4, 32, 1, 12, 12, generator=generator)
 labels = torch.randint(0, 10, (4, 32), generator=generator)
@@ -66,14 +66,27 @@ def _portable_kernels(on: bool) -> Iterator[None]:
         portable_kernels.install() if was else portable_kernels.uninstall()
 
 
-def _train(mode: str, env_vars: dict[str, str]) -> dict:
+def _train(mode: str, env_vars: dict[str, str], threads: int = 2) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in VARIABLES and not k.startswith(("OPENBLAS", "OMP_"))}
     env = cpu_mode.clean_env(env)
     done = subprocess.run(
-        [sys.executable, "-c", TRAINING, mode], cwd=ROOT, env={**env, **env_vars}, capture_output=True, text=True
+        [sys.executable, "-c", TRAINING, mode, str(threads)],
+        cwd=ROOT,
+        env={**env, **env_vars},
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_portable_weights_do_not_follow_the_thread_count() -> None:
+    """The products are cut by shape, not by thread (tasks/blas.py): a machine with more or fewer
+    cores trains the same bytes."""
+    with ThreadPoolExecutor(2) as pool:
+        made = list(pool.map(lambda threads: _train("portable", {}, threads)["sha256"], (1, 2, 3)))
+    assert made == [made[1]] * 3, made
 
 
 @pytest.mark.slow

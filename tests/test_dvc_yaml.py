@@ -40,6 +40,10 @@ STAGE_MODULES["train"] += ("tasks.ddp",)
 STAGE_MODULES["download"] += ("tasks.checks",)  # the new snapshot's profile (an output) and its data checks
 
 
+# C++ a module compiles and loads: what it computes, though no import names it
+NATIVE_SOURCES = {"tasks/blas.py": "tasks/blas_pool.cpp"}
+
+
 def _code_deps(deps: list[str]) -> set[str]:
     """The .py files a stage's deps name, folders expanded."""
     files: set[str] = set()
@@ -59,3 +63,5 @@ def test_each_stage_lists_exactly_the_code_it_imports() -> None:
         assert listed == imported, (
             f"{name}: missing {sorted(imported - listed)}, not imported {sorted(listed - imported)}"
         )
+        for module, source in NATIVE_SOURCES.items():
+            assert (module in imported) == (source in stage["deps"]), f"{name}: {source} goes with {module}"

@@ -1,0 +1,181 @@
+"""Matrix products for the portable kernels: numpy's OpenBLAS on its Haswell kernels, on one
+thread, each product cut into chunks that run on torch's own thread pool.
+
+Why not OpenBLAS's own threads: they and torch's OpenMP threads take turns on the same cores, and
+every turn costs a wake-up, or a spinning thread in the other's way; on small layers that costs as
+much as the product. Running the chunks on torch's pool leaves one pool and no turns.
+
+A product's bytes depend on how it is cut (OpenBLAS's edge kernels add in another order), so the
+cut is decided by the shape alone (`plan`), never by the thread count: the same bytes on 1 thread
+or 64. The pool is a small C++ op (blas_pool.cpp), built once per machine with its C++ compiler
+and kept in a cache. Where it cannot be built, the same calls run from Python, one chunk after
+another: the same bytes, slower, and a warning says so. (torch.utils.cpp_extension.load would
+build it too, but it wants ninja on PATH and builds a Python module; g++ alone makes a torch op
+library.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("blas_pool.cpp")
+_MAX_CHUNKS = 8  # enough for 8 threads; a multiple of 2 and 4, so those counts share the work evenly
+_MIN_CHUNK = 64  # narrower chunks spend more on packing the shared operand than they gain
+_ALIGN = 4  # OpenBLAS's Haswell tiles are multiples of 4 wide: no chunk ends in a narrow edge tile
+_BUILD_TIMEOUT_S = 300
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
+
+
+class _Blas:
+    """numpy's OpenBLAS, bound once per process."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        library = ctypes.CDLL(path)  # already loaded by numpy: the same library, not a second copy
+        index, pointer = ctypes.c_int64, ctypes.c_void_p  # numpy's OpenBLAS is ILP64
+        self.gemm = {}
+        kinds = ((torch.float32, "sgemm", ctypes.c_float), (torch.float64, "dgemm", ctypes.c_double))
+        for dtype, name, scalar in kinds:
+            function = getattr(library, f"scipy_cblas_{name}64_")
+            function.argtypes = [ctypes.c_int] * 3 + [index] * 3 + [scalar, pointer, index, pointer, index]
+            function.argtypes += [scalar, pointer, index]
+            function.restype = None
+            self.gemm[dtype] = function
+
+
+def openblas() -> dict[str, Any]:
+    """What threadpoolctl reads from numpy's OpenBLAS itself (architecture, version, file, ...); {}
+    if none. Numpy's, not another package's: scipy, for one, brings its own OpenBLAS (another
+    version, another interface), and threadpoolctl lists the libraries in no fixed order."""
+    import numpy
+    from threadpoolctl import threadpool_info
+
+    site = Path(numpy.__file__).resolve().parent.parent
+    found = [info for info in threadpool_info() if info.get("internal_api") == "openblas"]
+    ours = [info for info in found if Path(info["filepath"]).resolve().parent in (site / "numpy.libs", site / "numpy")]
+    return (ours or found or [{}])[0]
+
+
+@functools.cache
+def _blas() -> _Blas:
+    path = openblas().get("filepath")
+    if not path:
+        raise RuntimeError("determinism.cpu: portable needs numpy's OpenBLAS, and numpy has none here")
+    return _Blas(path)
+
+
+def plan(m: int, n: int) -> tuple[int, int]:
+    """(dimension, chunk size) for a product of m x n: the longer side of the result, cut into at
+    most `_MAX_CHUNKS` near-equal chunks of at least `_MIN_CHUNK`, rounded up to `_ALIGN`."""
+    dim, extent = (0, m) if m >= n else (1, n)
+    chunks = max(1, min(_MAX_CHUNKS, extent // _MIN_CHUNK))
+    chunk = -(-extent // chunks)
+    return dim, -(-chunk // _ALIGN) * _ALIGN
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, pool: bool = True) -> torch.Tensor:
+    """`out` = a @ b for 2-D float32/float64 tensors; `out` row-major. An operand that is neither
+    row-major nor transposed is copied first. `pool=False` makes the same calls one after another."""
+    a, b = _operand(a), _operand(b)
+    dim, chunk = plan(a.shape[0], b.shape[1])
+    op = _pool_op() if pool else None
+    if op is not None:
+        op(a, b, out, dim, chunk)
+    else:
+        _sequential(a, b, out, dim, chunk)
+    return out
+
+
+def backend() -> str:
+    """Where the products run in this process (for the fingerprint; either way, the same bytes)."""
+    return "torch thread pool" if _pool_op() is not None else "one thread (blas_pool.cpp not built)"
+
+
+def _operand(t: torch.Tensor) -> torch.Tensor:
+    rows, cols = t.shape
+    if (t.stride(1) == 1 and t.stride(0) >= max(1, cols)) or (t.stride(0) == 1 and t.stride(1) >= max(1, rows)):
+        return t.detach()
+    return t.detach().contiguous()
+
+
+def _layout(t: torch.Tensor) -> tuple[int, int]:
+    return (_NO_TRANS, t.stride(0)) if t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1]) else (_TRANS, t.stride(1))
+
+
+def _sequential(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, dim: int, chunk: int) -> None:
+    """blas_pool.cpp's calls, made from here: keep the two in step."""
+    (m, k), n = a.shape, b.shape[1]
+    (trans_a, lda), (trans_b, ldb), ldc = _layout(a), _layout(b), out.stride(0)
+    size = a.element_size()
+    call = _blas().gemm[a.dtype]
+    for start in range(0, m if dim == 0 else n, chunk):
+        pa, pb, pc, rows, cols = a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n
+        if dim == 0:  # rows of out: rows of a
+            rows = min(chunk, m - start)
+            pa += start * (lda if trans_a == _NO_TRANS else 1) * size
+            pc += start * ldc * size
+        else:  # columns of out: columns of b
+            cols = min(chunk, n - start)
+            pb += start * (1 if trans_b == _NO_TRANS else ldb) * size
+            pc += start * size
+        call(_ROW_MAJOR, trans_a, trans_b, rows, cols, k, 1, pa, lda, pb, ldb, 0, pc, ldc)
+
+
+@functools.cache
+def _pool_op() -> Any:
+    """torch.ops.lockstep_blas.gemm_chunks, bound to numpy's OpenBLAS; None (and one warning) if it
+    cannot be built here."""
+    try:
+        torch.ops.load_library(str(build()))
+    except BuildError as exc:
+        warnings.warn(f"determinism.cpu portable: {exc}; products run on one thread (same bytes, slower)", stacklevel=2)
+        return None
+    torch.ops.lockstep_blas.bind(_blas().path)
+    return torch.ops.lockstep_blas.gemm_chunks
+
+
+class BuildError(RuntimeError):
+    """blas_pool.cpp could not be built on this machine."""
+
+
+def build(cache: Path | None = None, compiler: str | None = None) -> Path:
+    """The op library for this source and this torch, built on first use into `cache`
+    ($XDG_CACHE_HOME/lockstep by default), written to a temporary name and then renamed."""
+    compiler = compiler or os.environ.get("CXX") or "g++"
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    key = hashlib.sha256(f"{SOURCE.read_bytes()!r} {torch.__version__} {torch_dir} {abi} {compiler}".encode())
+    cache = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lockstep"
+    target = cache / f"blas_pool-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    if shutil.which(compiler) is None:
+        raise BuildError(f"no C++ compiler ({compiler}) to build {SOURCE.name}")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:
+        partial = Path(scratch) / target.name
+        command = [compiler, "-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        command += [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}"]
+        # torch's own libgomp (rpath): the op's parallel region must be torch's OpenMP pool, not a second one
+        command += [str(SOURCE), "-o", str(partial), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]
+        command += [f"-Wl,-rpath,{torch_dir / 'lib'}"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            raise BuildError(f"{compiler} took over {_BUILD_TIMEOUT_S} s on {SOURCE.name}") from None
+        if done.returncode != 0:
+            errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()[-1:]
+            raise BuildError(f"{compiler} failed on {SOURCE.name}: {(errors or ['no message'])[0].strip()}")
+        os.replace(partial, target)
+    return target

@@ -1,0 +1,122 @@
+"""tasks/blas.py: the portable products on torch's thread pool give the same bytes as the same calls
+made one after another, whatever the thread count, and a machine without a compiler still computes
+(the same bytes, on one thread)."""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from threadpoolctl import threadpool_limits
+
+from tasks import blas
+
+# (a, b, whether each is stored row-major): the products a small CNN's convolutions make (forward,
+# weight and input gradients), a linear layer's, and shapes that leave a short last chunk
+SHAPES = [
+    ((4096, 288), (288, 64), True, True),
+    ((288, 4096), (4096, 64), False, True),
+    ((4096, 64), (64, 288), True, False),
+    ((9, 4096), (4096, 32), False, True),
+    ((64, 128), (128, 10), True, False),
+    ((1001, 77), (77, 333), False, False),
+    ((3, 5), (5, 2), True, True),
+]
+
+
+def _operand(shape: tuple[int, int], row_major: bool, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    if row_major:
+        return torch.randn(shape, generator=generator, dtype=dtype)
+    return torch.randn(shape[::-1], generator=generator, dtype=dtype).t()
+
+
+@pytest.fixture()
+def one_blas_thread() -> Iterator[None]:
+    """As in portable mode (cpu_mode.activate): OpenBLAS itself on one thread."""
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
+@pytest.fixture()
+def torch_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _needs_the_pool() -> None:
+    try:
+        blas.build()
+    except blas.BuildError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_pool_gives_the_bytes_of_one_thread_for_any_thread_count(
+    dtype: torch.dtype, one_blas_thread: None, torch_threads: None
+) -> None:
+    _needs_the_pool()
+    generator = torch.Generator().manual_seed(0)
+    for a_shape, b_shape, a_rows, b_rows in SHAPES:
+        a, b = _operand(a_shape, a_rows, dtype, generator), _operand(b_shape, b_rows, dtype, generator)
+        one = blas.gemm(a, b, torch.empty(a_shape[0], b_shape[1], dtype=dtype), pool=False)
+        torch.testing.assert_close(one, (a.double() @ b.double()).to(dtype), rtol=1e-4, atol=1e-3)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            pooled = blas.gemm(a, b, torch.empty_like(one))
+            assert torch.equal(pooled, one), (a_shape, b_shape, a_rows, b_rows, threads)
+
+
+def test_the_cut_follows_the_longer_side_and_no_chunk_is_a_narrow_edge() -> None:
+    assert blas.plan(4096, 64) == (0, 512) and blas.plan(9, 4096) == (1, 512)
+    for m, n in [(288, 64), (1001, 333), (40, 7), (3, 2)]:
+        dim, chunk = blas.plan(m, n)
+        extent = (m, n)[dim]
+        assert extent == max(m, n) and chunk % 4 == 0 and -(-extent // chunk) <= 8
+
+
+def test_an_operand_in_another_layout_is_copied_and_the_op_refuses_one(one_blas_thread: None) -> None:
+    _needs_the_pool()
+    a = torch.randn(64, 200)[:, ::2]  # every other column: neither row-major nor transposed
+    b = torch.randn(100, 30)
+    out = blas.gemm(a, b, torch.empty(64, 30))
+    torch.testing.assert_close(out, a @ b, rtol=1e-4, atol=1e-4)
+    blas.gemm(a.contiguous(), b, out)  # binds the op
+    with pytest.raises(RuntimeError, match="lockstep_blas: a is neither row-major nor transposed"):
+        torch.ops.lockstep_blas.gemm_chunks(a, b, out, 0, 32)
+    with pytest.raises(RuntimeError, match="lockstep_blas: shapes do not match"):
+        torch.ops.lockstep_blas.gemm_chunks(b, b, out, 0, 32)
+
+
+def test_a_failed_build_says_why_and_the_products_run_on_one_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_blas_thread: None
+) -> None:
+    with pytest.raises(blas.BuildError, match=re.escape("no C++ compiler (no-such-c++) to build blas_pool.cpp")):
+        blas.build(tmp_path, compiler="no-such-c++")
+    with pytest.raises(blas.BuildError, match="false failed on blas_pool.cpp"):
+        blas.build(tmp_path, compiler="false")
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+    def no_compiler() -> Path:
+        raise blas.BuildError("no C++ compiler (g++) to build blas_pool.cpp")
+
+    monkeypatch.setattr(blas, "build", no_compiler)
+    blas._pool_op.cache_clear()
+    try:
+        a, b = torch.randn(500, 40), torch.randn(40, 70)
+        with pytest.warns(UserWarning, match=r"no C\+\+ compiler .* products run on one thread \(same bytes, slower\)"):
+            out = blas.gemm(a, b, torch.empty(500, 70))
+        assert torch.equal(out, blas.gemm(a, b, torch.empty(500, 70), pool=False))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once per process, not per product
+            blas.gemm(a, b, out)
+        assert blas.backend() == "one thread (blas_pool.cpp not built)"
+    finally:
+        blas._pool_op.cache_clear()
