@@ -1,8 +1,10 @@
-"""B9: what determinism.cpu: portable costs: the train stage's epoch in portable vs native mode.
+"""B9: what determinism.cpu: portable costs: the train stage's epoch in portable vs native mode,
+and (B9-rgb) a training step of resnet9, the real-image recipe's model, on 32x32 RGB images.
 
 Each mode runs in a fresh process (the mode is fixed when torch and numpy load), on the same
-prepared data with the default params and thread count; one untimed epoch first, then the median
-of the timed ones, the two modes taking turns round by round.
+prepared data with the default params and thread count; one untimed epoch (or two steps) first,
+then the median of the timed ones, the two modes taking turns round by round. The RGB step times
+random pixels: the kernels' cost does not depend on what the images show.
 """
 
 from __future__ import annotations
@@ -40,33 +42,67 @@ print(json.dumps(seconds))
 """
 
 
-def _epochs(mode: str, pre: Path, epochs: int) -> list[float]:
+_RGB_STEPS = """
+import json, sys, time
+from tasks import cpu_mode
+cpu_mode.pin_env(sys.argv[1])
+import torch
+from tasks.determinism import pin_everything
+from tasks.models import build_model
+pin_everything(0, int(sys.argv[2]), True, sys.argv[1])
+generator = torch.Generator().manual_seed(0)
+images, labels = torch.rand(64, 3, 32, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator)
+model = build_model("resnet9", 10, [0.5] * 3, [0.25] * 3)
+optimiser = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+seconds = []
+for step in range(2 + int(sys.argv[3])):  # two untimed steps first
+    start = time.perf_counter()
+    optimiser.zero_grad()
+    torch.nn.functional.cross_entropy(model(images), labels).backward()
+    optimiser.step()
+    seconds.append(time.perf_counter() - start)
+print(json.dumps(seconds[2:]))
+"""
+
+
+def _timed(script: str, mode: str, *args: object) -> list[float]:
     env = cpu_mode.clean_env(dict(os.environ))
     done = subprocess.run(
-        [sys.executable, "-c", _EPOCHS, mode, str(pre), str(epochs)], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-c", script, mode, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
-        raise RuntimeError(f"B9 {mode} epochs failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"B9 {mode} run failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def b9(work: Path, rounds: int, epochs: int = 3) -> list[Figure]:
+def b9(work: Path, rounds: int, epochs: int = 3, steps: int = 8) -> list[Figure]:
     p = params()
-    fixed_threads(p.determinism.num_threads)
+    threads = p.determinism.num_threads
+    fixed_threads(threads)
     pre = prepared(work)
     runs: dict[str, list[float]] = {"portable": [], "native": []}
+    rgb: dict[str, list[float]] = {"portable": [], "native": []}
     for _ in range(rounds):
         for mode in runs:
-            runs[mode] += _epochs(mode, pre, epochs)
-    portable, native = median(runs["portable"]), median(runs["native"])
+            runs[mode] += _timed(_EPOCHS, mode, pre, epochs)
+            rgb[mode] += _timed(_RGB_STEPS, mode, threads, steps)
     return [
         Figure(
             "B9",
             "train epoch: determinism.cpu portable (same bytes on any AVX2 CPU) vs native",
-            portable,
-            native,
+            median(runs["portable"]),
+            median(runs["native"]),
             "<= 1.3x",
-            portable / native <= 1.3,
-            details={"runs": runs, "threads": p.determinism.num_threads, "model": p.train.model},
-        )
+            median(runs["portable"]) / median(runs["native"]) <= 1.3,
+            details={"runs": runs, "threads": threads, "model": p.train.model},
+        ),
+        Figure(
+            "B9-rgb",
+            "resnet9 train step, 64 RGB images of 32x32: portable vs native",
+            median(rgb["portable"]),
+            median(rgb["native"]),
+            "report",
+            None,
+            details={"runs": rgb, "threads": threads, "model": "resnet9"},
+        ),
     ]
