@@ -102,15 +102,21 @@ def backend() -> str:
     return "torch thread pool" if _pool_op() is not None else "one thread (blas_pool.cpp not built)"
 
 
+def _row_major(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1])
+
+
+def _transposed(t: torch.Tensor) -> bool:
+    return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0])
+
+
 def _operand(t: torch.Tensor) -> torch.Tensor:
-    rows, cols = t.shape
-    if (t.stride(1) == 1 and t.stride(0) >= max(1, cols)) or (t.stride(0) == 1 and t.stride(1) >= max(1, rows)):
-        return t.detach()
-    return t.detach().contiguous()
+    """`t` as BLAS takes it: row-major or transposed (as blas_pool.cpp's `operand` checks), else a copy."""
+    return t.detach() if _row_major(t) or _transposed(t) else t.detach().contiguous()
 
 
 def _layout(t: torch.Tensor) -> tuple[int, int]:
-    return (_NO_TRANS, t.stride(0)) if t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1]) else (_TRANS, t.stride(1))
+    return (_NO_TRANS, t.stride(0)) if _row_major(t) else (_TRANS, t.stride(1))
 
 
 def _sequential(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, dim: int, chunk: int) -> None:

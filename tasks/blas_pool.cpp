@@ -44,7 +44,7 @@ Operand operand(const at::Tensor& t, const char* name) {
 }
 
 template <typename T, typename Gemm>
-void run(Gemm gemm, const at::Tensor& a, const at::Tensor& b, at::Tensor& out, int64_t dim, int64_t chunk) {
+void run(Gemm gemm, const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t dim, int64_t chunk) {
   const Index m = a.size(0), k = a.size(1), n = b.size(1);
   const Operand oa = operand(a, "a"), ob = operand(b, "b");
   const T* pa = a.data_ptr<T>();
@@ -75,12 +75,11 @@ void gemm_chunks(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == out.scalar_type(), "lockstep_blas: dtypes");
   TORCH_CHECK(out.stride(1) == 1 && out.stride(0) >= std::max<Index>(1, out.size(1)), "lockstep_blas: out row-major");
   TORCH_CHECK((dim == 0 || dim == 1) && chunk > 0, "lockstep_blas: dim 0 or 1, chunk > 0");
-  at::Tensor result = out;
   if (a.scalar_type() == at::kFloat) {
-    run<float>(sgemm, a, b, result, dim, chunk);
+    run<float>(sgemm, a, b, out, dim, chunk);
   } else {
     TORCH_CHECK(a.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
-    run<double>(dgemm, a, b, result, dim, chunk);
+    run<double>(dgemm, a, b, out, dim, chunk);
   }
 }
 

@@ -12,8 +12,8 @@ another machine (Intel vs AMD, AVX2 vs AVX-512):
 
 Portable mode therefore pins ATen to AVX2 and sends convolutions and matrix products to OpenBLAS
 (the BLAS numpy ships) with its kernel set pinned to Haswell's (AVX2 + FMA, blocking fixed at
-compile time): tasks/portable_kernels.py, tasks/blas.py. oneDNN and NNPACK are switched off and MKL is held to
-COMPATIBLE for anything that still reaches it. The result is the same bytes on every x86-64 CPU
+compile time): tasks/portable_kernels.py, tasks/blas.py. oneDNN and NNPACK are switched off and
+MKL is held to COMPATIBLE for anything that still reaches it. The result is the same bytes on every x86-64 CPU
 with AVX2, for a fixed thread count. Native mode leaves every library its fastest path.
 
 These variables are read when torch and numpy load, so `pin_env` runs before either is imported

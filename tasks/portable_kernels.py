@@ -7,8 +7,8 @@ kernels, in chunks on torch's threads (tasks/blas.py; only these ops pay a Pytho
 and every other op stay torch's own). A convolution is one matrix product over its im2col columns
 (forward, and the weight gradient) and one into columns that are added back in a fixed order (the
 input gradient); the columns are strided copies and adds in ATen, pinned to AVX2 like every ATen
-kernel. The few other ops that
-would reach MKL are refused rather than computed with CPU-dependent bytes.
+kernel. The few other ops that would reach MKL are refused rather than computed with CPU-dependent
+bytes.
 
 Which matrix is which operand of a BLAS call decides the order of its additions; whether an operand
 is stored row- or column-major does not (OpenBLAS packs both the same way), so the kernels pass
@@ -45,9 +45,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     compute = torch.float32 if a.dtype in _NO_NUMPY else a.dtype
     a3, b3 = a.detach().to(compute), b.detach().to(compute)
     a3, b3 = (a3, b3) if a.dim() == 3 else (a3.unsqueeze(0), b3.unsqueeze(0))
-    out = _buffer((a3.shape[0], a3.shape[1], b3.shape[2]), a3)
-    for a_matrix, b_matrix, out_matrix in zip(a3, b3, out, strict=True):
-        blas.gemm(a_matrix, b_matrix, out_matrix)
+    out = _product(a3, b3, _buffer((a3.shape[0], a3.shape[1], b3.shape[2]), a3))
     out = out if a.dim() == 3 else out[0]
     return out if compute == a.dtype else out.to(a.dtype)
 
@@ -293,18 +291,10 @@ def convolution_backward(
         per_group = temporary((groups, n * oh * ow, out_channels // groups), grad2)
         per_group.view(groups, n, oh, ow, -1).copy_(grad2.view(n, groups, -1, oh, ow).permute(1, 0, 3, 4, 2))
         if mask[1]:
-            weight_product = _weight_product(x, x2, w2, geometry, groups, per_group, temporary)
+            grad_weight = _weight_gradient(x, x2, w2, geometry, groups, per_group, temporary).reshape(weight.shape)
         if mask[0]:
             weights = _weight_matrix(w2, groups).transpose(1, 2)  # (g, O/g, kh*kw*C/g)
             columns = _product(per_group, weights, temporary((groups, n * oh * ow, weights.shape[2]), per_group))
-        if mask[1]:
-            kh, kw = w2.shape[2:]
-            o, cg = w2.shape[:2]
-            grad_weight = _buffer((o, cg, kh, kw), w2)
-            weight_product = weight_product.view(groups, kh, kw, cg, -1).permute(0, 4, 3, 1, 2)
-            grad_weight.view(groups, -1, cg, kh, kw).copy_(weight_product)
-            grad_weight = grad_weight.reshape(weight.shape)
-        if mask[0]:
             grad_input = _add_columns(columns, x2, w2, geometry)
             grad_input = grad_input if x.dim() == 4 else grad_input.squeeze(2)
     if mask[2]:
@@ -312,7 +302,7 @@ def convolution_backward(
     return grad_input, grad_weight, grad_bias
 
 
-def _weight_product(
+def _weight_gradient(
     x: torch.Tensor,
     x2: torch.Tensor,
     w2: torch.Tensor,
@@ -321,13 +311,17 @@ def _weight_product(
     per_group: torch.Tensor,
     take: Any,
 ) -> torch.Tensor:
-    """(g, kh*kw*C/g, O/g) from `take`: the forward's columns (kept, or made again) times the output gradient."""
+    """(O, C/g, kh, kw), new memory: the forward's columns (kept, or made again) times the output
+    gradient, per group, laid out as the weight."""
     kept = _kept.pop(_key(x, w2, geometry, groups), None)
     columns, array = (kept[1], kept[2]) if kept is not None else (_columns(x2, w2, geometry, groups, take), None)
     columns = columns.transpose(1, 2)  # (g, kh*kw*C/g, N*oh*ow)
     product = _product(columns, per_group, take((groups, columns.shape[1], per_group.shape[2]), columns))
     _pool.give(array)
-    return product
+    o, cg, kh, kw = w2.shape
+    grad_weight = _buffer((o, cg, kh, kw), w2)
+    grad_weight.view(groups, -1, cg, kh, kw).copy_(product.view(groups, kh, kw, cg, -1).permute(0, 4, 3, 1, 2))
+    return grad_weight
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
