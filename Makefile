@@ -1,5 +1,6 @@
-# lockstep — the two commands a new user needs are `make run` and `make test`.
+# lockstep — the two commands a new user needs are `make run` and `make test`; `make` alone lists the rest.
 # Only Python 3.11 and make are assumed; everything else comes from uv.lock into .venv/.
+# Arguments go to a target one way: make <target> ARGS="..." (e.g. make run ARGS="--set train.epochs=3").
 
 PYTHON ?= python3.11
 UV_VERSION := 0.13.8
@@ -14,49 +15,29 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 # so that `dvc repro` stage commands (`python -m tasks ...`) find the environment's python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test test-all lint bench gpu-check sweep repro plots predict serve ui mlflow-server stack stack-down stack-join reproduce mark-orphans env clean
+.DEFAULT_GOAL := help
+.PHONY: help run run-dvc plots sweep test test-all lint docs bench gpu-check predict serve-model reproduce \
+	schedule ui mlflow-server mark-orphans stack stack-down stack-join env clean repro serve
 
+# What a target passes on to its command (the one way to give a target arguments).
+ARGS ?=
 # Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
 # MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
 MLFLOW_HOST ?= 127.0.0.1
 MLFLOW_PORT ?= 5000
 PREFECT_HOST ?= 127.0.0.1
 PREFECT_PORT ?= 4200
+MODEL_HOST ?= 127.0.0.1
+MODEL_PORT ?= 5001
 
-run: $(STAMP)  ## run the whole pipeline (Prefect flow, local ephemeral mode) on the default dataset
-	$(VENV)/bin/python -m flows.pipeline
+##@ Run the pipeline
 
-# Tests run in a new random order each time (pytest-randomly; it prints the seed to repeat one with
-# `-p randomly -p "randomly_seed=N"`), so a test that leans on another's leftovers fails. Two xdist
-# workers, each taking whole modules (their fixtures are built once), longest first
-# (tests/conftest.py): most tests spend their time in one single-threaded subprocess, which leaves
-# the second core idle.
-PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder
-test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow
-	$(PYTEST) -m "not slow"
+run: $(STAMP)  ## run the whole pipeline (Prefect flow, local ephemeral mode); ARGS="--set train.epochs=3 --force"
+	$(VENV)/bin/python -m flows.pipeline $(ARGS)
 
-test-all: $(STAMP)  ## every test: end-to-end pipelines, servers, faults (what CI runs)
-	$(PYTEST)
-
-lint: $(STAMP)  ## ruff: lint and formatting (what CI checks)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-
-bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/bench.json (minutes)
-	$(VENV)/bin/python -m benchmarks
-
-# On a bare CUDA machine without the venv, run `python -m tasks.gpu_check` itself (README "GPU check").
-ARGS ?=
-gpu-check: $(STAMP)  ## determinism, strict mode, cost of pinning, compress/export on the GPU: table + artifacts/gpu-check.json (no GPU: ARGS="--device cpu")
-	$(VENV)/bin/python -m tasks.gpu_check $(ARGS)
-
-# e.g. `make sweep ARGS=--apply` (the best trial's params into params.yaml), `ARGS="--address tcp://host:8786"`
-sweep: $(STAMP)  ## hyperparameter search: params.yaml's sweep section, Optuna trials as Prefect tasks on Dask (README "Sweeps")
-	$(VENV)/bin/python -m flows.sweep $(ARGS)
-
-repro: $(STAMP)  ## the same pipeline through DVC (fetches data/ first on a fresh clone)
+run-dvc: $(STAMP)  ## the same pipeline through `dvc repro` (fetches data/ first on a fresh clone); ARGS="train --force"
 	test -d data || $(VENV)/bin/dvc repro download
-	$(VENV)/bin/dvc repro
+	$(VENV)/bin/dvc repro $(ARGS)
 
 # One self-contained page that draws offline (Vega inlined: .dvc/plots/vendor/); compare runs with
 # `dvc plots diff <rev or experiment> <rev or experiment>`, which writes the same page.
@@ -64,12 +45,70 @@ plots: $(STAMP)  ## DVC plots (accuracy, loss, lr, confusion matrix) of the outp
 	$(VENV)/bin/dvc plots show
 	@echo "open it in a browser: $(CURDIR)/dvc_plots/index.html (no network needed)"
 
+# e.g. `make sweep ARGS=--apply` (the best trial's params into params.yaml), `ARGS="--address tcp://host:8786"`
+sweep: $(STAMP)  ## hyperparameter search: params.yaml's sweep section, Optuna trials as Prefect tasks on Dask
+	$(VENV)/bin/python -m flows.sweep $(ARGS)
+
+##@ Check it
+
+# Tests run in a new random order each time (pytest-randomly; it prints the seed to repeat one with
+# `ARGS='-p randomly -p "randomly_seed=N"'`), so a test that leans on another's leftovers fails. Two
+# xdist workers, each taking whole modules (their fixtures are built once), longest first
+# (tests/conftest.py): most tests spend their time in one single-threaded subprocess, which leaves
+# the second core idle.
+PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder
+test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow; ARGS="-k config"
+	$(PYTEST) -m "not slow" $(ARGS)
+
+test-all: $(STAMP)  ## every test: end-to-end pipelines, servers, faults (what CI runs)
+	$(PYTEST) $(ARGS)
+
+# deptry has no per-folder rules, so it runs twice: the shipped code may not import a dev-group
+# package (DEP004); then everything, tests and benchmarks included, for undeclared (DEP001),
+# only-transitive (DEP003) and unused (DEP002) dependencies. Settings: pyproject.toml [tool.deptry].
+DEPTRY := $(VENV)/bin/deptry --no-ansi
+lint: $(STAMP)  ## ruff (lint, formatting) and deptry (every import declared in pyproject.toml): what CI checks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(DEPTRY) tasks flows stack --ignore DEP002
+	$(DEPTRY) tasks flows stack benchmarks tests --ignore DEP004
+
+docs: $(STAMP)  ## build the docs site (mkdocs.yml, docs/) into site/, strictly: a broken link or anchor fails (CI)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/bench.json (minutes); ARGS="--only B1 --smoke"
+	$(VENV)/bin/python -m benchmarks $(ARGS)
+
+# On a bare CUDA machine without the venv, run `python -m tasks.tools.gpu_check` itself (README "GPU check").
+gpu-check: $(STAMP)  ## determinism, strict mode, cost of pinning, compress/export on the GPU (no GPU: ARGS="--device cpu")
+	$(VENV)/bin/python -m tasks.tools.gpu_check $(ARGS)
+
+##@ Use the model
+
+predict: $(STAMP)  ## score images with the registry's champion: ARGS="photos/ [--version N] [--out f.csv]"
+	$(VENV)/bin/python -m tasks.tools.predict $(ARGS)
+
+# MLflow's model server (README "Predict and serve the champion"): POST image bytes to /invocations.
+# The registry is the project's sqlite store unless MLFLOW_TRACKING_URI is set (e.g. by .stack/env);
+# the model's name is params.yaml's tracking.registered_model.
+MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
+MODEL_URI ?= models:/lockstep-classifier@champion
+serve-model: $(STAMP)  ## serve the registry's champion model over HTTP: http://127.0.0.1:5001/invocations
+	MLFLOW_TRACKING_URI='$(MLFLOW_TRACKING_URI)' MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/mlflow models serve \
+		-m $(MODEL_URI) --env-manager local -h $(MODEL_HOST) -p $(MODEL_PORT)
+
+# Without ARGS there is nothing to reproduce: the usage line comes at once, before any environment is built.
+reproduce: $(if $(ARGS),$(STAMP))  ## re-run a past run's training and compare weights: ARGS="<mlflow run id> [--json f.json]"
+	@test -n "$(ARGS)" || { echo 'usage: make reproduce ARGS="<mlflow run id> [--workdir DIR] [--keep] [--json FILE]"' >&2; exit 2; }
+	$(VENV)/bin/python -m tasks.tools.reproduce $(ARGS)
+
+##@ Run it as a service
+
 # Runs started through the API may not override keys that reach the network or other machines
-# (tasks/config.py REMOTE_KEYS) unless listed here, e.g. `make serve ALLOW_OVERRIDES="data.url data.sha256"`.
-ALLOW_OVERRIDES ?=
-serve: $(STAMP)  ## Prefect server on http://127.0.0.1:4200 (auth string in .prefect/api-auth) + the deployment 'lockstep-pipeline/nightly'
-	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT) \
-		$(foreach key,$(ALLOW_OVERRIDES),--allow-override $(key))
+# (tasks/core/config.py REMOTE_KEYS) unless allowed, e.g. `make schedule ARGS="--allow-override data.url
+# --allow-override data.sha256"`.
+schedule: $(STAMP)  ## scheduled retraining: Prefect server on http://127.0.0.1:4200 + deployment 'lockstep-pipeline/nightly'
+	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT) $(ARGS)
 
 ui: $(STAMP)  ## MLflow UI on the results: http://127.0.0.1:5000
 	MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
@@ -93,6 +132,14 @@ mlflow-server: $(STAMP)  ## MLflow tracking server (database + artifact store) o
 		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT) \
 		$(if $(MLFLOW_AUTH_CONFIG),--app-name basic-auth) $(if $(MLFLOW_ALLOWED_HOSTS),--allowed-hosts $(MLFLOW_ALLOWED_HOSTS))
 
+# Runs left RUNNING by a killed flow or stage are marked KILLED by the next pipeline run anyway; this
+# does it now, over every experiment (tasks/tracking/orphans.py), e.g. `make mark-orphans ARGS="--dry-run"`
+# or ARGS="--older-than 7d" for runs it cannot check from here (another host, an older lockstep's).
+mark-orphans: $(STAMP)  ## mark KILLED (with the reason) the MLflow runs whose process is gone; ARGS="--dry-run"
+	$(VENV)/bin/python -m tasks.tracking.orphans $(ARGS)
+
+##@ Run it for a team
+
 # The team's servers on this machine (stack/): PostgreSQL, SeaweedFS's S3, an MLflow server on both and a
 # Prefect server on PostgreSQL, state in .stack/ (README "Running it for a team"). Then `source .stack/env`.
 # STACK_HOST=0.0.0.0 on first use lets other machines in (behind a firewall: the servers check credentials).
@@ -106,18 +153,13 @@ stack-down: $(STAMP)  ## stop the team stack (its data stays in .stack/)
 stack-join: $(STAMP)  ## in another clone of the project: use the running stack's DVC remote (LOCKSTEP_STACK_DIR)
 	$(VENV)/bin/python -m stack join
 
-predict: $(STAMP)  ## score images with the registry's champion: make predict ARGS="photos/ [--version N] [--out f.csv]"
-	$(VENV)/bin/python -m tasks.predict $(ARGS)
+# The old names, kept only to say the new ones (not in `make help`).
+repro:
+	@echo '`make repro` is now `make run-dvc` (the pipeline through dvc repro); `make reproduce` re-runs a past run' >&2; exit 2
+serve:
+	@echo '`make serve` is now `make schedule` (Prefect server + nightly deployment); `make serve-model` serves the model' >&2; exit 2
 
-reproduce: $(STAMP)  ## re-run a past run's training and compare weights: make reproduce RUN=<mlflow run id>
-	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<mlflow run id>" >&2; exit 2; }
-	$(VENV)/bin/python -m tasks.reproduce $(RUN)
-
-# Runs left RUNNING by a killed flow or stage are marked KILLED by the next pipeline run anyway; this
-# does it now, over every experiment (tasks/orphans.py), e.g. `make mark-orphans ARGS="--dry-run"` or
-# ARGS="--older-than 7d" for runs it cannot check from here (another host, an older lockstep's).
-mark-orphans: $(STAMP)  ## mark KILLED (with the reason) the MLflow runs whose process is gone
-	$(VENV)/bin/python -m tasks.orphans $(ARGS)
+##@ Environment
 
 env: $(STAMP)  ## create or update .venv from uv.lock
 
@@ -132,3 +174,18 @@ $(STAMP): pyproject.toml uv.lock | $(UV)
 
 clean:  ## remove pipeline outputs and local tracking state (keeps .venv and data/)
 	rm -rf artifacts mlflow.db mlartifacts .prefect mlflow-server.db mlflow-server-artifacts
+
+# Every target with a `## ` line, under its `##@ ` heading, names aligned; needs nothing but awk.
+help:  ## this list (also what `make` alone prints)
+	@awk 'BEGIN { FS = ":[^#]*## " } \
+		/^##@ / { n++; line[n] = "\n" substr($$0, 5) ":"; next } \
+		/^[a-zA-Z0-9_-]+:[^=]*## / { n++; name[n] = $$1; line[n] = $$2; if (length($$1) > width) width = length($$1) } \
+		END { print "usage: make <target> [ARGS=\"...\"] [SETTING=value ...]   (no target: this list)"; \
+			format = "  %-" width "s  %s\n"; \
+			for (i = 1; i <= n; i++) if (i in name) printf format, name[i], line[i]; else print line[i] }' $(MAKEFILE_LIST)
+	@echo
+	@echo "Settings, as make VAR=value (value now):"
+	@echo "  MLFLOW_HOST, MLFLOW_PORT    ui, mlflow-server ($(MLFLOW_HOST), $(MLFLOW_PORT))"
+	@echo "  PREFECT_HOST, PREFECT_PORT  schedule ($(PREFECT_HOST), $(PREFECT_PORT))"
+	@echo "  MODEL_HOST, MODEL_PORT      serve-model ($(MODEL_HOST), $(MODEL_PORT)); MODEL_URI ($(MODEL_URI))"
+	@echo "  STACK_HOST                  stack (first use; default 127.0.0.1)"

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.harness import RESULTS, ROOT, Figure, machine
-from tasks import cpu_mode
-from tasks.atomic import write_text
-from tasks.config import load_params
+from tasks.core.atomic import write_text
+from tasks.core.config import load_params
+from tasks.determinism import cpu_mode
 
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:

@@ -20,11 +20,11 @@ from benchmarks.harness import Figure, fixed_threads
 
 
 def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
-    from tasks.compress import compress, latency_batch, markdown_table
-    from tasks.determinism import pin_everything
-    from tasks.onnx_model import median_latency_ms, session
-    from tasks.preprocess import load_split
-    from tasks.train import train
+    from tasks.data.preprocess import load_split
+    from tasks.determinism.pinning import pin_everything
+    from tasks.ship.compress import compress, latency_batch, markdown_table
+    from tasks.ship.onnx_model import median_latency_ms, session
+    from tasks.train.stage import train
 
     p = params()
     threads = p.determinism.num_threads

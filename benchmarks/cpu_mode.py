@@ -17,18 +17,18 @@ from pathlib import Path
 
 from benchmarks.data import params, prepared
 from benchmarks.harness import ROOT, Figure, fixed_threads, median
-from tasks import cpu_mode
+from tasks.determinism import cpu_mode
 
 _EPOCHS = """
 import json, sys, time
 from pathlib import Path
-from tasks import cpu_mode
+from tasks.determinism import cpu_mode
 cpu_mode.pin_env(sys.argv[1])
 from benchmarks.data import params
-from tasks.determinism import pin_everything
-from tasks.distributed import resolve_device
-from tasks.preprocess import load_split
-from tasks.training import build_training
+from tasks.determinism.pinning import pin_everything
+from tasks.train.devices import resolve_device
+from tasks.data.preprocess import load_split
+from tasks.train.loop import build_training
 p = params()
 pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict, sys.argv[1])
 training = build_training(p.train, p.seed, load_split(Path(sys.argv[2]), "train"), resolve_device(p.train.device))
@@ -44,11 +44,11 @@ print(json.dumps(seconds))
 
 _RGB_STEPS = """
 import json, sys, time
-from tasks import cpu_mode
+from tasks.determinism import cpu_mode
 cpu_mode.pin_env(sys.argv[1])
 import torch
-from tasks.determinism import pin_everything
-from tasks.models import build_model
+from tasks.determinism.pinning import pin_everything
+from tasks.train.models import build_model
 pin_everything(0, int(sys.argv[2]), True, sys.argv[1])
 generator = torch.Generator().manual_seed(0)
 images, labels = torch.rand(64, 3, 32, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator)

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.harness import ROOT
-from tasks.config import DataConfig, Params, load_params
-from tasks.data_format import RawDataset, read_raw, write_raw
-from tasks.download import download
-from tasks.preprocess import preprocess
-from tasks.stats import compute_stats
+from tasks.core.config import DataConfig, Params, load_params
+from tasks.data.download import download
+from tasks.data.formats import RawDataset, read_raw, write_raw
+from tasks.data.preprocess import preprocess
+from tasks.data.stats import compute_stats
 
 
 def params() -> Params:

@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP = r"""
 import json, resource, sys, time
 from pathlib import Path
-from tasks.config import DataConfig, SplitConfig
-from tasks.download import download
-from tasks.preprocess import preprocess
-from tasks.stats import compute_stats, ChannelStats
+from tasks.core.config import DataConfig, SplitConfig
+from tasks.data.download import download
+from tasks.data.preprocess import preprocess
+from tasks.data.stats import compute_stats, ChannelStats
 
 step, work, traced = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "traced"
 if traced:

@@ -16,20 +16,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from tasks import layout
-from tasks.config import load_params
-from tasks.determinism import pin_everything
+from tasks.core import layout
+from tasks.core.config import load_params
+from tasks.determinism.pinning import pin_everything
 
 
 def run(params_file: Path, skip_download: bool) -> float:
     """Every stage after (or with) download; returns the test accuracy of the shipped model."""
-    from tasks.compress import compress
-    from tasks.download import download
-    from tasks.evaluate import evaluate
-    from tasks.export import CardContext, export
-    from tasks.preprocess import preprocess
-    from tasks.stats import compute_stats
-    from tasks.train import train
+    from tasks.data.download import download
+    from tasks.data.preprocess import preprocess
+    from tasks.data.stats import compute_stats
+    from tasks.ship.compress import compress
+    from tasks.ship.export import CardContext, export
+    from tasks.train.evaluate import evaluate
+    from tasks.train.stage import train
 
     p = load_params(params_file)
 

@@ -20,8 +20,8 @@ peak RSS is its own and not what an earlier step left behind. The child reports:
 - `shmem_mib`: shared memory in its RSS after the first run (torch hands the dataset to the
   DataLoader's worker processes through shared memory: a copy of the split, in this process).
 
-Steps, each the stage's own code: stats = `tasks.stats.compute_stats`; preprocess =
-`tasks.preprocess.preprocess`; epoch = one epoch of `tasks.training`'s loop (`build_training` with the
+Steps, each the stage's own code: stats = `tasks.data.stats.compute_stats`; preprocess =
+`tasks.data.preprocess.preprocess`; epoch = one epoch of `tasks.train.loop`'s loop (`build_training` with the
 stage's DataLoader settings and `num_workers`, then `Training.train_epoch`), set up as `train` sets it up.
 
 Scales multiply a base of copies of digits (`benchmarks.data.raw`; digits is 1,797 8x8 greyscale
@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 from benchmarks.harness import ROOT, Figure
 
 if TYPE_CHECKING:
-    from tasks.config import Params, TrainConfig
+    from tasks.core.config import Params, TrainConfig
 
 STEPS = ("stats", "preprocess", "epoch")
 DATA_UNIT = 32  # copies of digits at 1x for stats and preprocess (see the module docstring)
@@ -114,13 +114,13 @@ def child(step: str, data: Path, folder: Path, repeats: int, smoke: bool = False
 
     The step runs once (cold: its peak RSS is read after it), then `repeats` times timed.
     """
-    from tasks.config import load_params
+    from tasks.core.config import load_params
 
     p = load_params(ROOT / "params.yaml")
     output: Path | None = None
     held = lambda: 0  # noqa: E731 - bytes the step keeps in memory by design
     if step == "stats":
-        from tasks.stats import compute_stats
+        from tasks.data.stats import compute_stats
 
         output = folder / "stats.json"
 
@@ -128,8 +128,8 @@ def child(step: str, data: Path, folder: Path, repeats: int, smoke: bool = False
             output.write_text(json.dumps(compute_stats(data, p.split, p.seed, p.stats.chunk_size).__dict__))
 
     elif step == "preprocess":
-        from tasks.preprocess import preprocess
-        from tasks.stats import ChannelStats
+        from tasks.data.preprocess import preprocess
+        from tasks.data.stats import ChannelStats
 
         stats = ChannelStats(**json.loads((folder / "stats.json").read_text()))
         output = folder / "preprocessed"
@@ -171,17 +171,17 @@ def child(step: str, data: Path, folder: Path, repeats: int, smoke: bool = False
 def _epoch(pre: Path, p: Params, cfg: TrainConfig) -> tuple[Callable[[], None], Callable[[], int]]:
     """One epoch of the train stage's loop as a callable; set-up happens on its first call.
 
-    As `tasks.train.train` runs it for one process: pin_everything (as the stage runner does), then
-    `tasks.training.build_training` (the split as uint8 tensors, the model, optimiser, loss, the
+    As `tasks.train.stage.train` runs it for one process: pin_everything (as the stage runner does), then
+    `tasks.train.loop.build_training` (the split as uint8 tensors, the model, optimiser, loss, the
     seeded loader with whole-batch fetches and persistent workers) and `train_epoch` per epoch.
     Validation, checkpoints and tracking are per-epoch costs of the stage but not of "an epoch" of
     training. The loader's workers are processes of their own: their RSS is not in this one's (a
     copy of the split that torch moves to shared memory for them is, where this process writes it).
     """
-    from tasks.determinism import pin_everything
-    from tasks.distributed import resolve_device
-    from tasks.preprocess import load_split
-    from tasks.training import build_training
+    from tasks.data.preprocess import load_split
+    from tasks.determinism.pinning import pin_everything
+    from tasks.train.devices import resolve_device
+    from tasks.train.loop import build_training
 
     pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
     state: dict[str, Any] = {"epoch": 0}

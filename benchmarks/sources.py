@@ -33,8 +33,8 @@ import yaml
 
 from benchmarks.harness import ROOT, machine
 from benchmarks.synthetic_images import DATASETS, generate, write_imagefolder
-from tasks.config import DataConfig, load_params, load_yaml
-from tasks.download import download
+from tasks.core.config import DataConfig, load_params, load_yaml
+from tasks.data.download import download
 
 DATASET = {
     "mnist": "glyphs",

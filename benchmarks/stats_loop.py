@@ -2,7 +2,7 @@
 
     python -m benchmarks.stats_loop [--rounds 5] [--scale 20] [--smoke] [--work DIR]
 
-Lockstep: `tasks.stats.compute_stats`, one streamed pass over the training split in chunks,
+Lockstep: `tasks.data.stats.compute_stats`, one streamed pass over the training split in chunks,
 exact integer Σx and Σx² per channel. Baseline: the recipe tutorials teach (and the design notes
 list as the one to replace): load the images, then loop over the training images one at a time,
 as float arrays, summing pixels per channel for the mean, then a second loop summing squared
@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks.harness import Figure, alternate, median
 
 if TYPE_CHECKING:
-    from tasks.config import SplitConfig
+    from tasks.core.config import SplitConfig
 
 TOLERANCE = 1e-6  # absolute, on mean and std in the stage's units (pixel values / 255)
 
@@ -51,7 +51,7 @@ def two_pass_loop(data_dir: Path, split: SplitConfig, seed: int) -> tuple[list[f
     up front rather than decoded per sample. Units follow the stage: pixels scaled to [0, 1],
     std with ddof=0 over every pixel of the split.
     """
-    from tasks.data_format import open_raw, split_indices
+    from tasks.data.formats import open_raw, split_indices
 
     images = np.load(Path(data_dir) / "images.npy")  # (N, H, W, C) uint8
     train = split_indices(open_raw(data_dir), split, seed)["train"]
@@ -78,7 +78,7 @@ def b5(work: Path, rounds: int, scale: int = DEFAULT_SCALE) -> Figure:
     Raises AssertionError if the two results differ by more than TOLERANCE. Smoke: `rounds=1, scale=1`.
     """
     from benchmarks.data import params, raw
-    from tasks.stats import compute_stats
+    from tasks.data.stats import compute_stats
 
     p = params()
     data = raw(work, scale)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks.harness import Figure, run_timed
 from benchmarks.pipeline_overhead import project_copy
-from tasks.config import set_params
+from tasks.core.config import set_params
 
 TARGET = 1.8  # speed-up of 2 workers over 1
 
@@ -79,12 +79,12 @@ def b10(work: Path, smoke: bool = False) -> list[Figure]:
 _TRAIN = """
 import sys, time
 from pathlib import Path
-from tasks import cpu_mode
-from tasks.config import load_params
+from tasks.determinism import cpu_mode
+from tasks.core.config import load_params
 params = load_params()
 cpu_mode.pin_env(params.determinism.cpu)
-from tasks.determinism import pin_everything
-from tasks.train import train
+from tasks.determinism.pinning import pin_everything
+from tasks.train.stage import train
 pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu)
 start = time.perf_counter()
 train(params.train, params.seed, Path("artifacts/preprocessed"), Path(sys.argv[1]))

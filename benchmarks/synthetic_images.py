@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
-from tasks.atomic import atomic_dir, atomic_file
+from tasks.core.atomic import atomic_dir, atomic_file
 
 Rng = np.random.Generator
 Strokes = list[np.ndarray]  # polylines, (n, 2) arrays of (x, y), y down
@@ -632,11 +632,12 @@ def _pooled_cnn(channels: int, classes: int, width: int = 32):  # -> torch.nn.Mo
 def _cnn_accuracy(
     x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, epochs: int, model_name: str
 ) -> dict:
-    """`model_name` (pooled_cnn, or a tasks.models name) trained with params.yaml's recipe, plain PyTorch on the CPU."""
+    """`model_name` (pooled_cnn, or a tasks.train.models name) trained with params.yaml's recipe, plain
+    PyTorch on the CPU."""
     import torch
     import torch.nn.functional as F
 
-    from tasks.models import Classifier, build_model, predict
+    from tasks.train.models import Classifier, build_model, predict
 
     train = torch.from_numpy(x_train).permute(0, 3, 1, 2).contiguous()
     labels = torch.from_numpy(y_train)

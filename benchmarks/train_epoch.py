@@ -9,7 +9,7 @@ B1  the train stage's epoch (uint8 tensors in memory, whole-batch fetches, augme
     floor no loop can go under) and each loop's data path without the model (B1-data).
 B4  the train stage (`python -m tasks train`, a fresh process each time) with MLflow tracking on
     (sqlite store: params, per-epoch metrics, checkpoints as artifacts) vs `tracking.enabled: false`.
-B8  the stage's epoch with the deterministic settings (`tasks.determinism.pin_everything`) vs fast
+B8  the stage's epoch with the deterministic settings (`tasks.determinism.pinning.pin_everything`) vs fast
     ones (nondeterministic algorithms allowed, `cudnn.benchmark`); a report on CPU, a target on GPU.
 """
 
@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.data import params, prepared
 from benchmarks.harness import ROOT, Figure, alternate, fixed_threads, median, run_python
-from tasks.config import with_overrides
+from tasks.core.config import with_overrides
 
 
 class TutorialDigits(Dataset):
@@ -46,11 +46,11 @@ class TutorialDigits(Dataset):
 
 
 def _stage_epoch(pre: Path, deterministic: bool = True):
-    """One epoch of the train stage's own loop (tasks/training.py), as a callable returning nothing."""
-    from tasks.determinism import pin_everything
-    from tasks.distributed import resolve_device
-    from tasks.preprocess import load_split
-    from tasks.training import build_training
+    """One epoch of the train stage's own loop (tasks/train/loop.py), as a callable returning nothing."""
+    from tasks.data.preprocess import load_split
+    from tasks.determinism.pinning import pin_everything
+    from tasks.train.devices import resolve_device
+    from tasks.train.loop import build_training
 
     p = params()
     pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
@@ -74,9 +74,9 @@ def _tutorial_epoch(pre: Path, num_workers: int):
     `Normalize`, a `DataLoader` built per epoch as tutorials write it."""
     from torchvision import transforms
 
-    from tasks.models import build_model
-    from tasks.preprocess import load_split
-    from tasks.training import shift_pixels
+    from tasks.data.preprocess import load_split
+    from tasks.train.loop import shift_pixels
+    from tasks.train.models import build_model
 
     p = params()
     cfg = p.train
@@ -112,8 +112,8 @@ def _tutorial_epoch(pre: Path, num_workers: int):
 def _compute_floor(pre: Path):
     """What any loop pays: the model's forward + backward + step over batches already stacked as
     normalised floats (no sampling, no augmentation, no conversion)."""
-    from tasks.preprocess import load_split
-    from tasks.training import build_training
+    from tasks.data.preprocess import load_split
+    from tasks.train.loop import build_training
 
     p = params()
     cfg = p.train
@@ -138,10 +138,10 @@ def _compute_floor(pre: Path):
 
 def _stage_data_only(pre: Path):
     """The stage's data path alone: its loader (same settings) and the conversion to floats."""
-    from tasks.distributed import resolve_device
-    from tasks.models import to_float
-    from tasks.preprocess import load_split
-    from tasks.training import build_training
+    from tasks.data.preprocess import load_split
+    from tasks.train.devices import resolve_device
+    from tasks.train.loop import build_training
+    from tasks.train.models import to_float
 
     p = params()
     device = resolve_device(p.train.device)
@@ -240,7 +240,7 @@ def _b4_project(work: Path, epochs: int | None) -> Path:
     shutil.rmtree(project, ignore_errors=True)
     (project / "artifacts").mkdir(parents=True)
     shutil.copytree(prepared(work), project / "artifacts" / "preprocessed")
-    # tasks.config.with_overrides: validated, comments kept, an unknown key named
+    # tasks.core.config.with_overrides: validated, comments kept, an unknown key named
     shorter = {"train.epochs": epochs} if epochs is not None else {}
     for name, enabled in (("on.yaml", True), ("off.yaml", False)):
         text, _ = with_overrides(ROOT / "params.yaml", {**shorter, "tracking.enabled": enabled})
@@ -251,7 +251,7 @@ def _b4_project(work: Path, epochs: int | None) -> Path:
 def b4(work: Path, rounds: int, epochs: int | None = None, warmup: int = 1) -> list[Figure]:
     """Tracking on vs off, the train stage as the flow runs it (in one process: MLflow imported
     once per pipeline) and as `dvc repro` runs it (a fresh process: the import paid every time)."""
-    from tasks.config import load_params
+    from tasks.core.config import load_params
     from tasks.stages import run_stage
 
     project = _b4_project(work, epochs)

@@ -1,6 +1,6 @@
 """The pipeline as a service: a Prefect deployment with the retraining schedule from params.yaml.
 
-    python -m flows.deployments serve            # `make serve`: a Prefect server on 127.0.0.1:4200
+    python -m flows.deployments serve            # `make schedule`: a Prefect server on 127.0.0.1:4200
                                                  # (unless PREFECT_API_URL names one) + the deployment
     python -m flows.deployments deploy --pool P  # for a work pool instead: workers run the flow
 
@@ -14,7 +14,7 @@ Both variants register the same deployment (`deployment_options`): the flow's si
 parameter schema (Prefect refuses a run whose parameters do not fit it), and `reingest` from
 `orchestration`, so that every run of the deployment re-reads the source. At most one pipeline runs
 at a time: the serve process starts one flow run at a time, and every flow run holds the project's
-pipeline lock (tasks/pipeline_lock.py), so runs from workers, `make run` or `dvc repro` wait too.
+pipeline lock (tasks/core/lock.py), so runs from workers, `make run` or `dvc repro` wait too.
 
 Prefect's own deployment concurrency limit is deliberately not used: with Prefect 3.8.8's default
 in-memory lease storage, a limited deployment's runs were cancelled on start ("Deployment
@@ -31,9 +31,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from flows import prefect_env
-from tasks.cli import exit_code
-from tasks.config import PARAMS_FILE, REMOTE_KEYS, OrchestrationConfig, load_params
-from tasks.layout import ROOT
+from tasks.core.cli import exit_code
+from tasks.core.config import PARAMS_FILE, REMOTE_KEYS, OrchestrationConfig, load_params
+from tasks.core.layout import ROOT
 
 
 def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Telling the people who run the service: a failed, crashed or refused run, and each promotion decision.
 
-Configured in params.yaml `orchestration.notify` (tasks/config.py `NotifyConfig`); the webhook URL,
+Configured in params.yaml `orchestration.notify` (tasks/core/config.py `NotifyConfig`); the webhook URL,
 which carries a token, is never a param: it comes from a Prefect notification block named in
 `notify.block` (`slack-webhook/oncall`, `custom-webhook/oncall`..., made with the UI or
 `Block.save`), else from the environment variable `notify.url_env` (LOCKSTEP_NOTIFY_URL). With
@@ -14,7 +14,7 @@ The mechanisms, all Prefect's own flow state hooks (the pipeline flow's `on_runn
   came from (`stage()`, around each stage task) known.
 - promotion: `on_completion`: the flow's result (`results["export"]["promotion"]`) is in memory.
 - crashed: `on_crashed`. A process killed with SIGKILL, or by the OOM killer, runs nothing; but the
-  process that started it does: Prefect's Runner (`flow.serve`, `make serve`) and its process
+  process that started it does: Prefect's Runner (`flow.serve`, `make schedule`) and its process
   worker see the non-zero exit, propose Crashed, and, if the server accepts it, run the flow's
   `on_crashed` hooks in their own process (prefect/runner/runner.py `_run_on_crashed_hooks`,
   prefect/runner/_flow_run_executor.py). The stage is then the task run the API still shows
@@ -54,11 +54,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tasks.cli import one_line
-from tasks.config import PARAMS_FILE, ConfigError, NotifyConfig, load_params
-from tasks.errors import DataRefused, ExpectedFailure
-from tasks.layout import ROOT
-from tasks.redact import MASK
+from tasks.core.cli import one_line
+from tasks.core.config import PARAMS_FILE, ConfigError, NotifyConfig, load_params
+from tasks.core.errors import DataRefused, ExpectedFailure
+from tasks.core.layout import ROOT
+from tasks.core.redact import MASK
 
 MAX_ERROR_CHARS = 1000  # an error line longer than this is cut (a message, not a log)
 

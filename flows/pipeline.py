@@ -6,7 +6,7 @@ imported once, not once per stage) and records the result with `Repo.commit`, wh
 same dvc.lock entry `dvc repro` would. So a stage reproduced by one entry point is not redone by
 the other, and both give the same weights.
 
-A run holds the project's pipeline lock (tasks/pipeline_lock.py) from start to end: an
+A run holds the project's pipeline lock (tasks/core/lock.py) from start to end: an
 overlapping run, from any entry point, waits for it or is refused.
 
     python -m flows.pipeline                 # what `make run` does (Prefect's ephemeral mode, no server)
@@ -14,7 +14,7 @@ overlapping run, from any entry point, waits for it or is refused.
     python -m flows.pipeline --reingest      # re-read the source first, as scheduled runs do
     python -m flows.pipeline --set train.lr=0.01   # written into params.yaml first, like `dvc exp run -S`
 
-As a service: flows/deployments.py (`make serve`, and work pools).
+As a service: flows/deployments.py (`make schedule`, and work pools).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from flows import notify, prefect_env
 from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
-from tasks.layout import ROOT
+from tasks.core.layout import ROOT
 
 prefect_env.configure()  # before Prefect is imported
 
@@ -36,9 +36,8 @@ from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.tasks import exponential_backoff  # noqa: E402
 
-from tasks import cpu_mode  # noqa: E402
-from tasks.cli import dvc_logs_once, exit_code  # noqa: E402
-from tasks.config import (  # noqa: E402
+from tasks.core.cli import dvc_logs_once, exit_code  # noqa: E402
+from tasks.core.config import (  # noqa: E402
     PARAMS_FILE,
     STAGES,
     ConfigError,
@@ -48,6 +47,7 @@ from tasks.config import (  # noqa: E402
     set_params,
     with_overrides,
 )
+from tasks.determinism import cpu_mode  # noqa: E402
 
 FLOW_NAME = "lockstep-pipeline"
 
@@ -92,7 +92,7 @@ def brief(metrics: dict[str, Any], limit: int = 6) -> str:
 def _source_was_unreachable(task: Any, task_run: Any, state: Any) -> bool:
     """Retry the download task only when the source itself failed after the fetcher's own retries
     (a mirror rebooting at 3 a.m.); bad params, 404s and checksum mismatches fail at once."""
-    from tasks.fetch import DownloadError
+    from tasks.data.fetch import DownloadError
 
     try:
         state.result()
@@ -104,7 +104,7 @@ def _source_was_unreachable(task: Any, task_run: Any, state: Any) -> bool:
 
 
 # One Prefect task per stage, named after it. Prefect's own result cache is off on purpose: DVC is
-# the one cache, shared with `dvc repro`. Download retries transient outages (tasks/fetch.py already
+# the one cache, shared with `dvc repro`. Download retries transient outages (tasks/data/fetch.py already
 # retries each file with backoff; this retries the whole stage minutes later).
 STAGE_TASKS = {
     name: task(
@@ -164,9 +164,9 @@ def pipeline(
     from prefect.artifacts import create_markdown_artifact
     from prefect.runtime import flow_run
 
-    from tasks.hashing import data_md5
-    from tasks.pipeline_lock import pipeline_lock
-    from tasks.tracking import pipeline_run, tag_run
+    from tasks.core.hashing import data_md5
+    from tasks.core.lock import pipeline_lock
+    from tasks.tracking.runs import pipeline_run, tag_run
 
     os.chdir(ROOT)
     logger = get_run_logger()
@@ -232,7 +232,7 @@ def _override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. train.lr=0.01), got {text!r}")
-    from tasks.config import load_yaml
+    from tasks.core.config import load_yaml
 
     return key, load_yaml(value)  # 0.01 -> float, [a, b] -> list, like `dvc exp run -S`
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tasks.tracking import check_store
+    from tasks.tracking.runs import check_store
 
     _, params = with_overrides(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
     cpu_mode.pin_env(params.determinism.cpu)  # before MLflow (check_store) imports numpy
@@ -273,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def closing_summary(results: dict[str, dict[str, Any]], seconds: float, params: Params) -> list[str]:
     """What a person reads at the end of a run: what ran, how good the model is, what shipped, where."""
-    from tasks.dashboard import headline
+    from tasks.tracking.dashboard import headline
 
     ran = [name for name, result in results.items() if result["ran"]]
     lines = [f"done in {seconds:.0f} s; stages run: {', '.join(ran) or 'none (everything up to date)'}"]
@@ -299,9 +299,9 @@ def _runs_page(params: Params) -> str:
     """Where the runs are: the tracking server's runs table, or the local store's under `make ui`."""
     from mlflow import MlflowClient
 
-    from tasks.dashboard import runs_page
-    from tasks.redact import redact
-    from tasks.tracking import tracking_uri
+    from tasks.core.redact import redact
+    from tasks.tracking.dashboard import runs_page
+    from tasks.tracking.runs import tracking_uri
 
     uri = tracking_uri()
     experiment = MlflowClient(uri).get_experiment_by_name(params.tracking.experiment)

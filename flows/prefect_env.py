@@ -7,7 +7,7 @@ The servers we start are locked down with what Prefect offers, since by default 
 origin with no credentials: a web page, or DNS rebinding, could otherwise start runs through the
 user's browser. Each requires an API auth string (HTTP basic: `lockstep:<random>`; a page does not
 know it, so a rebound host name gets 401), CSRF tokens on every change, and CORS only for the
-server's own origin. `make serve`'s string is made once and kept in PREFECT_HOME/api-auth (mode
+server's own origin. `make schedule`'s string is made once and kept in PREFECT_HOME/api-auth (mode
 0600) for the other shells and the UI's login; a `make run` server gets a new one each time.
 """
 
@@ -30,20 +30,20 @@ from typing import Any
 
 from filelock import FileLock
 
-from tasks.cli import quiet_libraries
-from tasks.errors import ExpectedFailure
-from tasks.layout import ROOT
-from tasks.redact import redact
+from tasks.core.cli import quiet_libraries
+from tasks.core.errors import ExpectedFailure
+from tasks.core.layout import ROOT
+from tasks.core.redact import redact
 
 # a cold `prefect server start` (database migrations) takes ~20 s on 2 cores; a warm one ~3 s
 SERVER_START_TIMEOUT_S = 180
 
 
 def configure() -> None:
-    from tasks.redact import install
+    from tasks.core.redact import install
 
     install()  # every log record masked, those Prefect sends to its server too
-    quiet_libraries()  # before MLflow and torch load (tasks/cli.py)
+    quiet_libraries()  # before MLflow and torch load (tasks/core/cli.py)
     # analytics off (else sqlite "database is locked" tracebacks from the local server)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # a cold ephemeral-server start takes ~17 s on 2 cores; the default timeout is 20 s
@@ -55,7 +55,7 @@ def configure() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")
 
 
-# Comma-separated REMOTE_KEYS (tasks/config.py) that flow runs of this process may override: set by
+# Comma-separated REMOTE_KEYS (tasks/core/config.py) that flow runs of this process may override: set by
 # `flows.deployments serve/deploy --allow-override`, and by `flows.pipeline --set` (the user typed them).
 ALLOW_OVERRIDES_ENV = "LOCKSTEP_ALLOW_OVERRIDES"
 
@@ -192,7 +192,7 @@ class LocalServer:
     while it comes up; `wait()` returns its API URL once it answers. `ephemeral`: the server one
     flow run needs, as Prefect's own ephemeral mode runs it (no UI; of the background services only
     those that record task runs, events and logs: no scheduling, late-run marking or cleanup loops,
-    which are `make serve`'s server's job), but started before, not after, the caller's imports.
+    which are `make schedule`'s server's job), but started before, not after, the caller's imports.
     `die_with_parent`: it never outlives the process that started it, however that one ends.
     """
 

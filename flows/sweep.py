@@ -1,7 +1,7 @@
 """`make sweep` / `python -m flows.sweep`: the `sweep` section of params.yaml as a Prefect flow.
 
 The flow brings the data up to date (download, stats, preprocess, skipped by DVC when current),
-then runs an Optuna study in batches (tasks/sweep.py: results depend on the params and the data,
+then runs an Optuna study in batches (tasks/tools/sweep.py: results depend on the params and the data,
 never on timing). Each trial is a Prefect task on a Dask cluster: `sweep.address` (or env
 LOCKSTEP_DASK_ADDRESS) names its scheduler; without one, a local cluster of `sweep.workers`
 processes. Each trial trains as the train stage does, logged as an MLflow train run nested in the
@@ -31,16 +31,17 @@ from pathlib import Path
 from typing import Any
 
 from flows import prefect_env
-from tasks.layout import ROOT
+from tasks.core.layout import ROOT
 
 prefect_env.configure()  # before Prefect is imported
 
 from prefect import flow, get_run_logger  # noqa: E402
 
 from flows.trials import SweepContext, run_batch, warm_up  # noqa: E402
-from tasks import cpu_mode, layout  # noqa: E402
-from tasks.cli import exit_code  # noqa: E402
-from tasks.config import PARAMS_FILE, ConfigError, Params, load_params, set_params, with_overrides  # noqa: E402
+from tasks.core import layout  # noqa: E402
+from tasks.core.cli import exit_code  # noqa: E402
+from tasks.core.config import PARAMS_FILE, ConfigError, Params, load_params, set_params, with_overrides  # noqa: E402
+from tasks.determinism import cpu_mode  # noqa: E402
 
 FLOW_NAME = "lockstep-sweep"
 ADDRESS_ENV = "LOCKSTEP_DASK_ADDRESS"
@@ -59,9 +60,9 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
         apply: write the best trial's values, its seed and `sweep.applied` into params.yaml.
     """
     from flows.pipeline import STAGE_TASKS
-    from tasks import sweep as search
-    from tasks.pipeline_lock import pipeline_lock
-    from tasks.tracking import pipeline_run, tracking_uri
+    from tasks.core.lock import pipeline_lock
+    from tasks.tools import sweep as search
+    from tasks.tracking.runs import pipeline_run, tracking_uri
 
     os.chdir(ROOT)
     logger = get_run_logger()
@@ -103,7 +104,7 @@ def _dask_client() -> Any:
 
 
 def _summary(study: Any, cfg: Any, seconds: float) -> dict[str, Any]:
-    from tasks.sweep import best_trial, table
+    from tasks.tools.sweep import best_trial, table
 
     rows = table(study)
     states = {state: sum(row["state"] == state for row in rows) for state in ("complete", "pruned", "fail")}
@@ -136,8 +137,8 @@ def _summary(study: Any, cfg: Any, seconds: float) -> dict[str, Any]:
 
 def _record(study: Any, summary: dict[str, Any], study_dir: Path, parent_id: str | None, params: Params) -> None:
     """The study on disk (artifacts/sweep/<name>/study/) and on the sweep's MLflow run."""
-    from tasks.atomic import write_text
-    from tasks.sweep import plots
+    from tasks.core.atomic import write_text
+    from tasks.tools.sweep import plots
 
     out = study_dir / "study"
     out.mkdir(parents=True, exist_ok=True)
@@ -154,9 +155,9 @@ def _record(study: Any, summary: dict[str, Any], study_dir: Path, parent_id: str
 def _record_in_mlflow(run_id: str, summary: dict[str, Any], out: Path, drawn: dict[str, str], params: Params) -> None:
     from mlflow import MlflowClient
 
-    from tasks.orphans import sweep as mark_orphans
-    from tasks.redact import redact_mapping
-    from tasks.tracking import tracking_uri
+    from tasks.core.redact import redact_mapping
+    from tasks.tracking.orphans import sweep as mark_orphans
+    from tasks.tracking.runs import tracking_uri
 
     client = MlflowClient(tracking_uri())
     # A trial whose worker died was run again elsewhere; the dead attempt's run is marked KILLED now.
@@ -232,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from flows.pipeline import _override
-    from tasks.sweep import check_storage
-    from tasks.tracking import check_store
+    from tasks.tools.sweep import check_storage
+    from tasks.tracking.runs import check_store
 
     overrides = dict(_override(text) for text in args.overrides)
     _, params = with_overrides(ROOT / args.params, overrides)  # fail fast, before a server starts

@@ -20,10 +20,10 @@ prefect_env.configure()  # before Prefect is imported
 from prefect import get_run_logger, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from tasks import layout  # noqa: E402
-from tasks.cli import one_line  # noqa: E402
-from tasks.config import Params  # noqa: E402
-from tasks.sweep import TrialOutcome, TrialSpec  # noqa: E402
+from tasks.core import layout  # noqa: E402
+from tasks.core.cli import one_line  # noqa: E402
+from tasks.core.config import Params  # noqa: E402
+from tasks.tools.sweep import TrialOutcome, TrialSpec  # noqa: E402
 
 # One trial at a time per process: a trial seeds the process-wide RNGs and sets torch's thread
 # count, so two in one process (a Dask worker with several threads) would draw from each other's.
@@ -58,7 +58,7 @@ def warm_up() -> None:
     import torch._dynamo  # noqa: F401
 
     import tasks.stages  # noqa: F401
-    import tasks.train  # noqa: F401
+    import tasks.train.stage  # noqa: F401
 
 
 @task(name="trial", cache_policy=NO_CACHE, task_run_name="trial {spec.number}")
@@ -77,11 +77,11 @@ def run_trial(spec: TrialSpec, context: SweepContext) -> TrialOutcome:
 
 
 def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOutcome:
-    from tasks.atomic import write_text
-    from tasks.hashing import file_digest
+    from tasks.core.atomic import write_text
+    from tasks.core.hashing import file_digest
     from tasks.stages import train_trial
-    from tasks.sweep import Pruning, SweepError, data_digest, trial_params
-    from tasks.tracking import PARENT_ENV
+    from tasks.tools.sweep import Pruning, SweepError, data_digest, trial_params
+    from tasks.tracking.runs import PARENT_ENV
 
     project = Path(os.environ.get("LOCKSTEP_PROJECT", context.project))
     if not (project / layout.PREPROCESSED_DIR).is_dir():
@@ -101,7 +101,7 @@ def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOut
     pruning, history, started = Pruning(params.sweep, spec.earlier), [], time.monotonic()
 
     def on_epoch(row: dict[str, float]) -> None:
-        from tasks.sweep import Pruned
+        from tasks.tools.sweep import Pruned
 
         history.append(row)
         if pruning.should_stop(spec.number, row):
@@ -109,7 +109,7 @@ def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOut
 
     tags = {"sweep.study": params.sweep.name, "sweep.trial": spec.number, "sweep.attempt": attempt}
     result, run_id = train_trial(params, out_dir, on_epoch, tags)
-    from tasks.sweep import best_value
+    from tasks.tools.sweep import best_value
 
     outcome = TrialOutcome(
         number=spec.number,

@@ -2,7 +2,7 @@
 
     make stack          # = python -m stack up: start them (or find them running), print the client environment
     make stack-down     # = python -m stack down: stop them (their data stays for the next `make stack`)
-    source .stack/env   # then every entry point uses them: make run, dvc repro/push/pull, make serve, ...
+    source .stack/env   # then every entry point uses them: make run, dvc repro/push/pull, make schedule, ...
 
 What runs, each on a loopback port of its own (127.0.0.1 unless `--host`), with every file under one
 folder (`.stack/`, or LOCKSTEP_STACK_DIR):
@@ -13,7 +13,7 @@ folder (`.stack/`, or LOCKSTEP_STACK_DIR):
   artifacts and one for the DVC remote;
 - an MLflow tracking server on both (`--backend-store-uri postgresql+psycopg://`,
   `--artifacts-destination s3://`); clients send artifacts through it and need no S3 credentials;
-- a Prefect server on PostgreSQL, locked down like `make serve`'s (auth string, CSRF, CORS).
+- a Prefect server on PostgreSQL, locked down like `make schedule`'s (auth string, CSRF, CORS).
 
 Credentials are generated on the first start and live only in files of mode 0600 under
 `.stack/secrets/`: PostgreSQL's password in a libpq password file (PGPASSFILE, which psycopg and

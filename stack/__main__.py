@@ -8,8 +8,8 @@ from pathlib import Path
 
 from stack import servers
 from stack.state import DVC_BUCKET, DVC_REMOTE, REGION, Stack, open_stack, stack_dir, write_secret
-from tasks.cli import exit_code
-from tasks.layout import ROOT
+from tasks.core.cli import exit_code
+from tasks.core.layout import ROOT
 
 
 def up(stack: Stack) -> list[str]:

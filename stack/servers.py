@@ -335,7 +335,7 @@ class TrackingServer(Daemon):
 
 
 class Orchestrator(Daemon):
-    """Prefect's server on PostgreSQL, locked down like `make serve`'s (flows/prefect_env.py)."""
+    """Prefect's server on PostgreSQL, locked down like `make schedule`'s (flows/prefect_env.py)."""
 
     name = "prefect"
 

@@ -15,9 +15,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.atomic import atomic_file, write_text
-from tasks.errors import ExpectedFailure
-from tasks.layout import ROOT
+from tasks.core.atomic import atomic_file, write_text
+from tasks.core.errors import ExpectedFailure
+from tasks.core.layout import ROOT
 
 STACK_DIR_ENV = "LOCKSTEP_STACK_DIR"
 USER = "lockstep"  # PostgreSQL role and S3 identity

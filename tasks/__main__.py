@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tasks import cpu_mode
-from tasks.cli import configure_logging, exit_code
-from tasks.config import PARAMS_FILE, STAGES, load_params
+from tasks.core.cli import configure_logging, exit_code
+from tasks.core.config import PARAMS_FILE, STAGES, load_params
+from tasks.determinism import cpu_mode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,7 @@ def _run(stage: str, params_file: str) -> int:
     params = load_params(params_file)
     cpu_mode.pin_env(params.determinism.cpu)  # before torch and numpy load
 
-    from tasks.pipeline_lock import pipeline_lock
+    from tasks.core.lock import pipeline_lock
     from tasks.stages import run_stage  # heavy imports (torch, MLflow) only after validation
 
     # one pipeline run at a time: under `dvc repro` each stage holds the project lock while it runs

@@ -17,29 +17,43 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from tasks import layout
-from tasks.atomic import write_text
-from tasks.config import Params
-from tasks.dashboard import log_dataset
-from tasks.determinism import pin_everything
-from tasks.fingerprint import fingerprint
-from tasks.hashing import data_md5, file_digest
-from tasks.tracking import StageRun, lineage_tags, stage_run, store_lock, tracking_uri
+from tasks.core import layout
+from tasks.core.atomic import write_text
+from tasks.core.config import Params
+from tasks.core.hashing import data_md5, file_digest
+from tasks.determinism.fingerprint import fingerprint
+from tasks.determinism.pinning import pin_everything
+from tasks.tracking.dashboard import log_dataset
+from tasks.tracking.runs import StageRun, lineage_tags, stage_run, store_lock, tracking_uri
 
 if TYPE_CHECKING:
-    from tasks.checks import Report
-    from tasks.export import ExportResult
-    from tasks.registry import Promotion
-    from tasks.train import TrainResult
+    from tasks.data.checks import Report
+    from tasks.ship.export import ExportResult
+    from tasks.ship.registry import Promotion
+    from tasks.train.stage import TrainResult
 
 log = logging.getLogger(__name__)
+
+
+# What tasks/ship/serving.py imports, and the packages around them (docstrings only).
+SERVING_MODULES = (
+    "tasks/__init__.py",
+    "tasks/core/__init__.py",
+    "tasks/core/errors.py",
+    "tasks/core/atomic.py",
+    "tasks/data/__init__.py",
+    "tasks/data/images.py",
+    "tasks/ship/__init__.py",
+    "tasks/ship/onnx_model.py",
+    "tasks/ship/serving.py",
+)
 
 
 def track_data_with_dvc() -> None:
     """`dvc add data`: snapshot the raw data in DVC's cache and (re)write data.dvc."""
     from dvc.repo import Repo
 
-    from tasks.cli import dvc_logs_once
+    from tasks.core.cli import dvc_logs_once
 
     dvc_logs_once()
     with Repo(str(layout.ROOT)) as repo:
@@ -47,9 +61,9 @@ def track_data_with_dvc() -> None:
 
 
 def _download(params: Params, run: StageRun) -> dict[str, float]:
-    from tasks.checks import read_profile, refuse_if_failed, run_checks
-    from tasks.data_format import RawSnapshot
-    from tasks.download import download
+    from tasks.data.checks import read_profile, refuse_if_failed, run_checks
+    from tasks.data.download import download
+    from tasks.data.formats import RawSnapshot
 
     checked: list[Report] = []
 
@@ -85,7 +99,7 @@ def _record_checks(report: Report, run: StageRun) -> None:
 
 
 def _stats(params: Params, run: StageRun) -> dict[str, float]:
-    from tasks.stats import compute_stats
+    from tasks.data.stats import compute_stats
 
     stats = compute_stats(layout.DATA_DIR, params.split, params.seed, params.stats.chunk_size)
     write_text(layout.STATS_FILE, json.dumps(asdict(stats), indent=2) + "\n")
@@ -95,8 +109,8 @@ def _stats(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _preprocess(params: Params, run: StageRun) -> dict[str, float]:
-    from tasks.preprocess import preprocess
-    from tasks.stats import ChannelStats
+    from tasks.data.preprocess import preprocess
+    from tasks.data.stats import ChannelStats
 
     stats = ChannelStats(**json.loads(layout.STATS_FILE.read_text()))
     result = preprocess(layout.DATA_DIR, stats, params.split, params.seed, layout.PREPROCESSED_DIR)
@@ -106,12 +120,12 @@ def _preprocess(params: Params, run: StageRun) -> dict[str, float]:
 
 def _train(params: Params, run: StageRun) -> dict[str, float]:
     if params.train.strategy == "ddp":
-        from tasks.ddp import launch
+        from tasks.train.launcher import launch
 
         result = launch(params)
         run.log_history(json.loads((layout.TRAIN_DIR / "history.json").read_text()))  # rank 0 wrote it
     else:
-        from tasks.train import train
+        from tasks.train.stage import train
 
         result = train(
             params.train,
@@ -127,7 +141,7 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _record_training(params: Params, run: StageRun, result: TrainResult, out_dir: Path) -> None:
-    """The train run's tags, checkpoints and what `python -m tasks.reproduce` rebuilds it from."""
+    """The train run's tags, checkpoints and what `python -m tasks.tools.reproduce` rebuilds it from."""
     run.set_tags(
         {
             "device": result.device,
@@ -142,7 +156,7 @@ def _record_training(params: Params, run: StageRun, result: TrainResult, out_dir
         run.log_artifact(out_dir / name, "checkpoints" if name.endswith(".safetensors") else None)
     # how the registered version that ships these weights finds this run (`_describe_version`)
     run.set_tags({"weights.best_sha256": file_digest(out_dir / "best.safetensors")})
-    # What `python -m tasks.reproduce <run id>` rebuilds this run from: the resolved params, the data
+    # What `python -m tasks.tools.reproduce <run id>` rebuilds this run from: the resolved params, the data
     # version and the upstream stages' output hashes. This run must carry them itself: DVC may have
     # skipped preprocess, whose run (with the split params) then belongs to an earlier execution.
     # Staged in a temp dir, not artifacts/train (a DVC output: a stray file would change its hash).
@@ -161,13 +175,13 @@ def train_trial(
 ) -> tuple[TrainResult | None, str | None]:
     """One sweep trial: the train stage with the trial's params (train.seed its own), writing to
     `out_dir` rather than artifacts/train, as a train run nested in the sweep's MLflow run (tracking's
-    PARENT_ENV). (result, run id); result None when `on_epoch` pruned it (raised tasks.sweep.Pruned).
+    PARENT_ENV). (result, run id); result None when `on_epoch` pruned it (raised tasks.tools.sweep.Pruned).
 
-    Its run carries what reproduce needs, as the train stage's does: `make reproduce RUN=<its id>`.
+    Its run carries what reproduce needs, as the train stage's does: `make reproduce ARGS=<its id>`.
     A failure raises, its run marked FAILED.
     """
-    from tasks.sweep import Pruned
-    from tasks.train import train
+    from tasks.tools.sweep import Pruned
+    from tasks.train.stage import train
 
     determinism = pin_everything(
         params.train_seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu
@@ -182,7 +196,7 @@ def train_trial(
         try:
             result = train(params.train, params.train_seed, layout.PREPROCESSED_DIR, out_dir, out_dir, epoch_done)
         except Pruned:
-            from tasks.resume import RESUME_FILE
+            from tasks.train.resume import RESUME_FILE
 
             (out_dir / RESUME_FILE).unlink(missing_ok=True)  # a pruned trial is never continued
             run.set_tags({"sweep.state": "pruned"})
@@ -208,7 +222,7 @@ def _keep_trained_profile() -> None:
 
 
 def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
-    from tasks.evaluate import evaluate
+    from tasks.train.evaluate import evaluate
 
     result = evaluate(
         params.evaluate, layout.TRAIN_DIR / "best.safetensors", layout.PREPROCESSED_DIR, layout.EVALUATE_DIR
@@ -219,7 +233,7 @@ def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _compress(params: Params, run: StageRun) -> dict[str, float]:
-    from tasks.compress import compress
+    from tasks.ship.compress import compress
 
     result = compress(
         params.compress,
@@ -241,8 +255,8 @@ def _compress(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _export(params: Params, run: StageRun) -> dict[str, Any]:
-    from tasks.checkpoints import read_safetensors
-    from tasks.export import CARD, GATES, TORCH_DIR, CardContext, export
+    from tasks.ship.export import CARD, GATES, TORCH_DIR, CardContext, export
+    from tasks.train.checkpoints import read_safetensors
 
     lineage = {k: v for k, v in lineage_tags().items() if k.startswith(("git.", "version."))}
     # the weights fine-tuned from, as the train stage recorded them in the checkpoint
@@ -278,7 +292,7 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
 def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> None:
     """The registered version's description: what shipped, how good, small and fast it is, the
     promotion verdict, and links to its model card and to the export, pipeline and train runs."""
-    from tasks.dashboard import describe_version, headline, run_page
+    from tasks.tracking.dashboard import describe_version, headline, run_page
 
     client = run.mlflow.MlflowClient()
     export = client.get_run(run.run_id)
@@ -315,13 +329,13 @@ def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> 
 
 def _register(params: Params, run: StageRun, exported: ExportResult) -> str:
     """Log the fp32 ONNX model (onnx flavour) and the shipped one behind the image-bytes wrapper
-    (tasks/serving.py), register the latter and decide champion/challenger on the same test images
-    (tasks/registry.py); return the verdict."""
+    (tasks/ship/serving.py), register the latter and decide champion/challenger on the same test images
+    (tasks/ship/registry.py); return the verdict."""
     import os
 
-    from tasks.export import SHIPPED
-    from tasks.preprocess import load_split
-    from tasks.registry import decide_promotion
+    from tasks.data.preprocess import load_split
+    from tasks.ship.export import SHIPPED
+    from tasks.ship.registry import decide_promotion
 
     # MLflow draws a "Downloading artifacts" bar for each single file it copies here (the ONNX file into
     # the logged model, the champion out of the registry): console noise for an event the stage reports.
@@ -351,8 +365,8 @@ def _log_models(params: Params, run: StageRun, exported: ExportResult) -> Any:
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, Schema, TensorSpec
 
-    from tasks.export import FP32, SHIPPED
-    from tasks.onnx_model import INPUT, OUTPUT
+    from tasks.ship.export import FP32, SHIPPED
+    from tasks.ship.onnx_model import INPUT, OUTPUT
 
     # What serving needs, pinned to what was measured here (MLflow adds itself). Left to infer them,
     # MLflow would record the whole project lock (`uv export`: torch, Prefect, DVC...), slowly.
@@ -374,7 +388,7 @@ def _log_models(params: Params, run: StageRun, exported: ExportResult) -> Any:
     with tempfile.TemporaryDirectory() as code:
         return run.mlflow.pyfunc.log_model(
             name="model",
-            python_model=str(Path(__file__).with_name("serving.py")),  # models from code: no pickle
+            python_model=str(layout.ROOT / "tasks/ship/serving.py"),  # models from code: no pickle
             artifacts={"onnx": str(layout.EXPORT_DIR / SHIPPED)},
             code_paths=[str(_serving_code(Path(code)))],
             model_config={"threads": params.determinism.num_threads, "max_pixels": params.data.max_image_pixels},
@@ -404,11 +418,11 @@ def _black_image(shape: tuple[int, int, int]) -> Any:
 def _serving_code(folder: Path) -> Path:
     """The `tasks` modules the served model imports, as a package of their own to log with it (not
     the whole project: a model's code is what it runs)."""
-    package = folder / "tasks"
-    package.mkdir()
-    for module in ("__init__", "errors", "atomic", "images", "onnx_model", "serving"):
-        shutil.copyfile(Path(__file__).with_name(f"{module}.py"), package / f"{module}.py")
-    return package
+    for module in SERVING_MODULES:
+        target = folder / module
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(layout.ROOT / module, target)
+    return folder / "tasks"
 
 
 def _new_version(client: Any, name: str, info: Any, run_id: str) -> str:

@@ -35,10 +35,11 @@ def imports(module: str) -> frozenset[str]:
         if id(node) in skipped:
             continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
-            if node.module in PACKAGES:  # `from tasks import layout`: the names are modules
-                found |= {f"{node.module}.{alias.name}" for alias in node.names}
-            else:
-                found.add(node.module)
+            package = ROOT / node.module.replace(".", "/")
+            named = {f"{node.module}.{alias.name}" for alias in node.names}
+            # `from tasks.core import layout`: the names are modules (else names in a module)
+            modules = {name for name in named if (ROOT / (name.replace(".", "/") + ".py")).exists()}
+            found |= modules if package.is_dir() and modules else {node.module}
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.split(".")[0] in PACKAGES}
     return frozenset(found - {module})
@@ -57,4 +58,9 @@ def closure(*modules: str) -> set[str]:
 
 
 def project_modules(package: str) -> list[str]:
-    return sorted(f"{package}.{path.stem}" for path in (ROOT / package).glob("*.py") if path.stem != "__init__")
+    """Every module in `package` and its sub-packages, as dotted names (a package's `__init__` left out)."""
+    return sorted(
+        ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for path in (ROOT / package).rglob("*.py")
+        if path.stem != "__init__"
+    )

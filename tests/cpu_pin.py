@@ -2,6 +2,6 @@
 determinism.cpu before any other plugin imports numpy or torch (pytest-randomly imports numpy), so the
 stages tests run in this process compute as a stage process does. xdist workers inherit it."""
 
-from tasks import cpu_mode
+from tasks.determinism import cpu_mode
 
 cpu_mode.pin_env("portable")

@@ -8,6 +8,10 @@ from tests.code_graph import PACKAGES, ROOT, imports, module_path, project_modul
 
 # Lower layers never import higher ones: the stages know nothing of the orchestrator or benchmarks.
 LAYER = {"tasks": 0, "flows": 1, "stack": 2, "benchmarks": 2}
+# Inside tasks/, the roles in the same order: what every stage shares, then determinism, the data
+# stages, training, shipping, tracking, the tools; the stage runner (tasks.stages, tasks.__main__) on top.
+ROLES = ("core", "determinism", "data", "train", "ship", "tracking", "tools")
+ENTRY_MODULES = {"tasks.__main__", "tasks.stages"}
 MAX_FUNCTION_LINES = 60
 
 
@@ -23,6 +27,27 @@ def test_no_module_imports_a_higher_layer() -> None:
         if LAYER[dep.split(".")[0]] > LAYER[module.split(".")[0]]
     ]
     assert not upward, f"imports of a higher layer: {upward}"
+
+
+def _role(module: str) -> int:
+    return len(ROLES) if module in ENTRY_MODULES else ROLES.index(module.split(".")[1])
+
+
+def test_tasks_holds_role_packages_and_the_stage_runner_only() -> None:
+    flat = {m for m in project_modules("tasks") if m.count(".") == 1} - ENTRY_MODULES
+    packages = {p.name for p in (ROOT / "tasks").iterdir() if (p / "__init__.py").exists()}
+    assert not flat, f"modules outside a role package: {sorted(flat)}"
+    assert packages == set(ROLES), f"role packages {sorted(packages)}, expected {sorted(ROLES)}"
+
+
+def test_no_role_in_tasks_imports_a_later_role() -> None:
+    upward = [
+        (module, dep)
+        for module in project_modules("tasks")
+        for dep in imports(module)
+        if dep.startswith("tasks.") and _role(dep) > _role(module)
+    ]
+    assert not upward, f"imports of a later role (order: {', '.join(ROLES)}): {upward}"
 
 
 def test_imports_have_no_cycles() -> None:

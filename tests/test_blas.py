@@ -1,4 +1,4 @@
-"""tasks/blas.py: the portable products on torch's thread pool give the same bytes as the same calls
+"""tasks/determinism/blas.py: the portable products on torch's thread pool give the same bytes as the same calls
 made one after another, whatever the thread count, and a machine without a compiler still computes
 (the same bytes, on one thread)."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from threadpoolctl import threadpool_limits
 
-from tasks import blas
+from tasks.determinism import blas
 
 # (a, b, whether each is stored row-major): the products a small CNN's convolutions make (forward,
 # weight and input gradients), a linear layer's, and shapes that leave a short last chunk

@@ -1,4 +1,4 @@
-"""Data checks before retraining (tasks/checks.py): each check against its threshold, and the download
+"""Data checks before retraining (tasks/data/checks.py): each check against its threshold, and the download
 stage refusing a snapshot with one line, leaving data/, data.dvc and the trained profile as they were.
 
 The end-to-end cases run `python -m tasks download` (the stage as dvc.yaml runs it, MLflow on) in a
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.checks import Profile, check_snapshot, duplicates_across_splits, refuse_if_failed
-from tasks.config import ChecksConfig
-from tasks.errors import DataRefused
+from tasks.core.config import ChecksConfig
+from tasks.core.errors import DataRefused
+from tasks.data.checks import Profile, check_snapshot, duplicates_across_splits, refuse_if_failed
 from tests.conftest import client_for, copy_project, run
 from tests.fakedata import imagefolder_tree
 
@@ -110,8 +110,8 @@ def test_first_run_checks_what_needs_no_reference() -> None:
 
 
 def test_data_pointed_elsewhere_on_purpose_is_not_compared() -> None:
-    from tasks.checks import data_origin
-    from tasks.config import DataConfig
+    from tasks.core.config import DataConfig
+    from tasks.data.checks import data_origin
 
     digits, folder = DataConfig(), DataConfig(source="imagefolder", path="/datasets/shapes", channels=3)
     assert data_origin(digits) != data_origin(folder)

@@ -37,8 +37,8 @@ def _ops(path: Path) -> list[str]:
 
 def _every_variant(repo: Path, train_cfg: Any, checkpoint: Path, out: Path) -> tuple[Any, Any]:
     """(the compress config, its result): all five variants of `checkpoint`, in this process."""
-    from tasks.compress import compress
-    from tasks.config import load_params
+    from tasks.core.config import load_params
+    from tasks.ship.compress import compress
 
     params = load_params(repo / "params.yaml")
     variants = ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln")
@@ -116,7 +116,7 @@ def test_model_card_and_registry(dvc_repo: dict[str, Any]) -> None:
 
     mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
     info = mlflow.models.get_model_info("models:/lockstep-classifier@champion")
-    assert "python_function" in info.flavors  # the served wrapper: image bytes in (tasks/serving.py)
+    assert "python_function" in info.flavors  # the served wrapper: image bytes in (tasks/ship/serving.py)
     assert info.signature.inputs.to_dict() == [{"type": "binary", "name": "image", "required": True}]
     assert [c["name"] for c in info.signature.outputs.to_dict()] == ["class", "probability", "top_k"]
     assert info.run_id == export_run.info.run_id
@@ -241,8 +241,8 @@ def test_a_candidate_failing_its_gates_passes_the_turn_to_the_next(dvc_repo: dic
 
 def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     """All five variants in-process, compared with what `dvc repro` built in its own process."""
-    from tasks.config import load_params
-    from tasks.determinism import pin_everything
+    from tasks.core.config import load_params
+    from tasks.determinism.pinning import pin_everything
 
     repo = dvc_repo["repo"]
     params = load_params(repo / "params.yaml")
@@ -270,9 +270,9 @@ def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path:
 
 def test_every_variant_is_built_for_resnet9(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     """The default model for real images: BN folded, int8 QDQ, and channel pruning across its residual adds."""
-    from tasks.config import load_params
-    from tasks.determinism import pin_everything
-    from tasks.train import train
+    from tasks.core.config import load_params
+    from tasks.determinism.pinning import pin_everything
+    from tasks.train.stage import train
 
     repo = dvc_repo["repo"]
     params = load_params(repo / "params.yaml")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import STAGE_PARAMS, ConfigError, Params, load_params
+from tasks.core.config import STAGE_PARAMS, ConfigError, Params, load_params
 from tests.conftest import ROOT, run, write_params
 
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks import cpu_mode, portable_kernels
-from tasks.fingerprint import explain, fingerprint
+from tasks.determinism import cpu_mode, kernels
+from tasks.determinism.fingerprint import explain, fingerprint
 from tests.conftest import ROOT
 
 GOLDEN = Path(__file__).parent / "golden" / "portable_training.json"
@@ -34,12 +34,12 @@ GOLDEN = Path(__file__).parent / "golden" / "portable_training.json"
 VARIABLES = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "AVX2"}
 TRAINING = """
 import hashlib, json, sys
-from tasks import cpu_mode
+from tasks.determinism import cpu_mode
 cpu_mode.pin_env(sys.argv[1])
 import torch
-from tasks.determinism import pin_everything
-from tasks.fingerprint import fingerprint
-from tasks.models import build_model
+from tasks.determinism.pinning import pin_everything
+from tasks.determinism.fingerprint import fingerprint
+from tasks.train.models import build_model
 pin_everything(0, int(sys.argv[2]), True, sys.argv[1])
 generator = torch.Generator().manual_seed(1)
 images = torch.rand(4, 32, 1, 12, 12, generator=generator)
@@ -58,12 +58,12 @@ print(json.dumps({"sha256": hashlib.sha256(state).hexdigest(), "machine": finger
 @contextmanager
 def _portable_kernels(on: bool) -> Iterator[None]:
     """torch's own kernels (False) or the portable ones (True), whatever an earlier test left."""
-    was = portable_kernels.installed()
-    portable_kernels.install() if on else portable_kernels.uninstall()
+    was = kernels.installed()
+    kernels.install() if on else kernels.uninstall()
     try:
         yield
     finally:
-        portable_kernels.install() if was else portable_kernels.uninstall()
+        kernels.install() if was else kernels.uninstall()
 
 
 def _train(mode: str, env_vars: dict[str, str], threads: int = 2) -> dict:
@@ -82,7 +82,7 @@ def _train(mode: str, env_vars: dict[str, str], threads: int = 2) -> dict:
 
 @pytest.mark.slow
 def test_portable_weights_do_not_follow_the_thread_count() -> None:
-    """The products are cut by shape, not by thread (tasks/blas.py): a machine with more or fewer
+    """The products are cut by shape, not by thread (tasks/determinism/blas.py): a machine with more or fewer
     cores trains the same bytes."""
     with ThreadPoolExecutor(2) as pool:
         made = list(pool.map(lambda threads: _train("portable", {}, threads)["sha256"], (1, 2, 3)))
@@ -175,7 +175,7 @@ def test_portable_linear_and_conv1d_compute_what_torch_does() -> None:
         expected = (linear(x), F.conv1d(signal, kernel, padding=1, stride=2))
     with _portable_kernels(True):
         made = (linear(x), F.conv1d(signal, kernel, padding=1, stride=2))
-        with pytest.raises(portable_kernels.PortableOpError, match="aten::mv"):
+        with pytest.raises(kernels.PortableOpError, match="aten::mv"):
             torch.mv(kernel[:, :, 0], signal[0, :, 0])
     torch.testing.assert_close(made, expected)
 
@@ -216,7 +216,7 @@ def test_fingerprint_explains_what_changes_bytes() -> None:
 
 
 def test_reproduce_says_why_bytes_differ() -> None:
-    from tasks.reproduce import Comparison, ReproduceReport, format_report
+    from tasks.tools.reproduce import Comparison, ReproduceReport, format_report
 
     def report(**fields: object) -> str:
         made = ReproduceReport("r1", "r1", "0", "commit abc", "md5", machine_now={"hw.cpu.mode": "portable"})

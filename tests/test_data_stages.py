@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.config import DataConfig, SplitConfig
-from tasks.data_format import FORMAT, RawDataset, open_raw, read_raw, split_indices, write_raw
-from tasks.download import download
-from tasks.errors import ExpectedFailure
-from tasks.preprocess import load_split, preprocess
-from tasks.stats import channel_stats, compute_stats
+from tasks.core.config import DataConfig, SplitConfig
+from tasks.core.errors import ExpectedFailure
+from tasks.data.download import download
+from tasks.data.formats import FORMAT, RawDataset, open_raw, read_raw, split_indices, write_raw
+from tasks.data.preprocess import load_split, preprocess
+from tasks.data.stats import channel_stats, compute_stats
 
 SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # assign: hash, the default (tests/test_splits.py)
 RANDOM = SplitConfig(train=0.7, val=0.15, test=0.15, assign="random")

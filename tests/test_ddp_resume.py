@@ -25,13 +25,13 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tasks.checkpoints import load_checkpoint
-from tasks.config import DataConfig, SplitConfig
-from tasks.ddp import RDZV_ID
-from tasks.download import download
-from tasks.models import predict
-from tasks.preprocess import load_split, preprocess
-from tasks.stats import compute_stats
+from tasks.core.config import DataConfig, SplitConfig
+from tasks.data.download import download
+from tasks.data.preprocess import load_split, preprocess
+from tasks.data.stats import compute_stats
+from tasks.train.checkpoints import load_checkpoint
+from tasks.train.launcher import RDZV_ID
+from tasks.train.models import predict
 from tests.conftest import ROOT, free_port, run, subprocess_env, write_params
 
 pytestmark = pytest.mark.slow
@@ -227,7 +227,7 @@ def test_two_launchers_nnodes_2_match_one_launcher_with_two_processes(
             f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id={RDZV_ID}",
             "-m",
-            "tasks.ddp",
+            "tasks.train.launcher",
             "--params",
             "params.yaml",
         ],

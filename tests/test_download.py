@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torchvision.datasets
 
-from tasks.config import DataConfig, SplitConfig
-from tasks.data_format import open_raw, read_raw, split_indices
-from tasks.download import download
-from tasks.errors import ExpectedFailure
-from tasks.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
-from tasks.images import IMG_EXTENSIONS
-from tasks.stats import compute_stats
+from tasks.core.config import DataConfig, SplitConfig
+from tasks.core.errors import ExpectedFailure
+from tasks.data.download import download
+from tasks.data.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
+from tasks.data.formats import open_raw, read_raw, split_indices
+from tasks.data.images import IMG_EXTENSIONS
+from tasks.data.stats import compute_stats
 from tests.conftest import ROOT, copy_project, run, subprocess_env
 from tests.fakedata import (
     cifar_archive,
@@ -193,7 +193,7 @@ def test_a_second_process_waits_for_the_downloader_then_reuses_its_file(tmp_path
     url = server.add("/f.bin", payload)
     sha = hashlib.sha256(payload).hexdigest()
     code = (
-        "import sys; from pathlib import Path; from tasks.fetch import Checksum, fetch; "
+        "import sys; from pathlib import Path; from tasks.data.fetch import Checksum, fetch; "
         f"fetch([{url!r}], Path(sys.argv[1]), Checksum('sha256', {sha!r}))"
     )
     with _exclusive(tmp_path / "f.bin"):  # this test process is "the downloader"

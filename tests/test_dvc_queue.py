@@ -169,7 +169,7 @@ def test_queued_experiments_run_two_at_a_time_and_all_land(project: Path) -> Non
 
 
 # A stage process up to its first MLflow call, held at a barrier so that two of them make the
-# store and the experiment at the same moment. Before tasks/tracking.py locked the store's creation,
+# store and the experiment at the same moment. Before tasks/tracking/runs.py locked the store's creation,
 # one of the two failed in each of 12 tries (a duplicate table or column, or alembic finding the
 # other's migration already done); with the store made beforehand, the experiment alone still
 # collided in 6 of 6 (UNIQUE constraint) before its get-or-create caught that.
@@ -177,12 +177,12 @@ RACER = """
 import os, sys, time
 from pathlib import Path
 import mlflow  # imported before the barrier (~2 s): both then open the store within milliseconds
-from tasks import tracking
+from tasks.tracking import runs
 barrier = Path(sys.argv[1])
 (barrier / f"ready-{os.getpid()}").touch()
 while not (barrier / "go").exists():
     time.sleep(0.002)
-print(tracking._experiment_id(tracking._mlflow(), "lockstep"))
+print(runs._experiment_id(runs._mlflow(), "lockstep"))
 """
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import yaml
 
-from tasks import layout
-from tasks.config import STAGE_PARAMS, STAGES
+from tasks.core import layout
+from tasks.core.config import STAGE_PARAMS, STAGES
 from tests.code_graph import PACKAGES, ROOT, closure, module_path
 
 
@@ -32,16 +32,25 @@ def test_outputs_never_overlap_the_dvc_tracked_data_dir() -> None:
 
 
 # What each stage's command computes with: its module, and the determinism pinning every stage runs
-# under (tasks/stages.py's run_stage); train also runs tasks/ddp.py's ranks. The rest of the runner
+# under (tasks/stages.py's run_stage); train also runs tasks/train/launcher.py's ranks. The rest of the runner
 # (tasks/stages.py, tracking.py) is the edge that logs, not a dep: how a run is logged does not
 # change what it computes.
-STAGE_MODULES = {name: (f"tasks.{name}", "tasks.determinism") for name in STAGES}
-STAGE_MODULES["train"] += ("tasks.ddp",)
-STAGE_MODULES["download"] += ("tasks.checks",)  # the new snapshot's profile (an output) and its data checks
+STAGE_MODULE = {
+    "download": "tasks.data.download",
+    "stats": "tasks.data.stats",
+    "preprocess": "tasks.data.preprocess",
+    "train": "tasks.train.stage",
+    "evaluate": "tasks.train.evaluate",
+    "compress": "tasks.ship.compress",
+    "export": "tasks.ship.export",
+}
+STAGE_MODULES = {name: (STAGE_MODULE[name], "tasks.determinism.pinning") for name in STAGES}
+STAGE_MODULES["train"] += ("tasks.train.launcher",)
+STAGE_MODULES["download"] += ("tasks.data.checks",)  # the new snapshot's profile (an output) and its data checks
 
 
 # C++ a module compiles and loads: what it computes, though no import names it
-NATIVE_SOURCES = {"tasks/blas.py": "tasks/blas_pool.cpp"}
+NATIVE_SOURCES = {"tasks/determinism/blas.py": "tasks/determinism/blas_pool.cpp"}
 
 
 def _code_deps(deps: list[str]) -> set[str]:

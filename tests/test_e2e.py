@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.config import STAGES
-from tasks.dashboard import run_page
+from tasks.core.config import STAGES
+from tasks.tracking.dashboard import run_page
 from tests.conftest import TINY, client_for, clone_project, copy_project, run, sha256
 
 pytestmark = pytest.mark.slow

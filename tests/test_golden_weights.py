@@ -3,7 +3,7 @@ change in results, and must be meant (tests/golden/default_weights.json says whi
 
 In portable mode (determinism.cpu, the default) the bytes are the same on every x86-64 CPU with AVX2,
 so one record per torch version holds on every machine CI gets: a cross-machine check over time, whose
-failure names the fingerprint differences (tasks/fingerprint.py). Native records are keyed by machine,
+failure names the fingerprint differences (tasks/determinism/fingerprint.py). Native records are keyed by machine,
 and a machine with no record yet is skipped. Record (after checking that the change in results is
 intended) with:
 
@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.config import load_params
-from tasks.determinism import pin_everything
-from tasks.download import download
-from tasks.fingerprint import explain, fingerprint
-from tasks.preprocess import preprocess
-from tasks.stats import compute_stats
-from tasks.train import train
+from tasks.core.config import load_params
+from tasks.data.download import download
+from tasks.data.preprocess import preprocess
+from tasks.data.stats import compute_stats
+from tasks.determinism.fingerprint import explain, fingerprint
+from tasks.determinism.pinning import pin_everything
+from tasks.train.stage import train
 from tests.conftest import ROOT, sha256
 
 GOLDEN = Path(__file__).parent / "golden" / "default_weights.json"

@@ -1,4 +1,4 @@
-"""`python -m tasks.gpu_check --device cpu`: the GPU check's own code, run as a user runs it, so it does
+"""`python -m tasks.tools.gpu_check --device cpu`: the GPU check's own code, run as a user runs it, so it does
 not rot while no GPU is at hand. One real run (module fixture) is read by every test; with a GPU the
 `gpu` test runs the real thing."""
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from tasks.config import TrainConfig
-from tasks.gpu_check import MODELS
+from tasks.core.config import TrainConfig
+from tasks.tools.gpu_check import MODELS
 from tests.conftest import ROOT, subprocess_env
 
 # What a bare CUDA machine lacks: the check must never import them, directly or through a tasks module.
@@ -24,7 +24,7 @@ NOT_ON_A_BARE_MACHINE = {"mlflow", "prefect", "dvc", "sklearn", "matplotlib"}
 
 
 def _check(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-X", "importtime", "-m", "tasks.gpu_check", *args]
+    cmd = [sys.executable, "-X", "importtime", "-m", "tasks.tools.gpu_check", *args]
     return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -122,7 +122,7 @@ def test_never_imports_mlflow_prefect_or_dvc(cpu_run: dict[str, Any]) -> None:
 
 def _patched(prelude: str, *args: str) -> subprocess.CompletedProcess[str]:
     """`main(args)` in a fresh process after `prelude` (a failure that this machine cannot produce)."""
-    code = f"import sys\n{prelude}\nfrom tasks.gpu_check import main\nsys.exit(main(sys.argv[1:]))"
+    code = f"import sys\n{prelude}\nfrom tasks.tools.gpu_check import main\nsys.exit(main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", code, *args]
     return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
 
@@ -131,8 +131,8 @@ def _patched(prelude: str, *args: str) -> subprocess.CompletedProcess[str]:
 # backward kernels): its rows fail naming the op, the other model's rows still run and pass.
 REFUSED_OP = """
 import torch
-import tasks.training
-real = tasks.training.build_model
+import tasks.train.loop
+real = tasks.train.loop.build_model
 
 class PutNet(torch.nn.Module):
     def __init__(self, inner):
@@ -150,7 +150,7 @@ def build(name, *args):
         model.net = PutNet(model.net)
     return model
 
-tasks.training.build_model = build
+tasks.train.loop.build_model = build
 """
 
 

@@ -31,14 +31,14 @@ import pytest
 import yaml
 
 from flows import notify
-from tasks.errors import DataRefused, ExpectedFailure
-from tasks.pipeline_lock import pipeline_lock
-from tasks.redact import redact
+from tasks.core.errors import DataRefused, ExpectedFailure
+from tasks.core.lock import pipeline_lock
+from tasks.core.redact import redact
 from tests.conftest import client_for, clone_project, free_port, run, service
 from tests.prefect_client import PrefectAPI, wait_for_deployment
 from tests.webhook import WebhookReceiver
 
-# A token that tasks/redact.py would NOT mask (one case, no secret-like name): finding it nowhere
+# A token that tasks/core/redact.py would NOT mask (one case, no secret-like name): finding it nowhere
 # shows that nothing wrote the URL, not that a log filter hid it. Made here, so that this file's own
 # copy in a test project does not hold it.
 TOKEN, QUERY_SECRET = f"ls0notify0{secrets.token_hex(8)}", f"zz0{secrets.token_hex(4)}"
@@ -414,7 +414,7 @@ def test_a_served_run_killed_with_sigkill_is_reported_crashed_once(served: Serve
     _assert_one_crash_message(served, flow_run_id, messages, state)
     assert "SIGKILL" in messages[0]["text"]
     # Its MLflow runs (the pipeline's parent, and the download stage's if it had opened one) died
-    # RUNNING with it; the next deployment run marks them KILLED, saying why (tasks/orphans.py).
+    # RUNNING with it; the next deployment run marks them KILLED, saying why (tasks/tracking/orphans.py).
     client = client_for(served.repo)
     experiment = client.get_experiment_by_name("lockstep").experiment_id
     orphans = client.search_runs([experiment], "attributes.status = 'RUNNING'")

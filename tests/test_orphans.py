@@ -1,5 +1,5 @@
 """Runs left RUNNING by a killed process are marked KILLED, with the reason, by the next pipeline run,
-`python -m tasks.reproduce` or `python -m tasks.orphans`; runs whose process may still live are not.
+`python -m tasks.tools.reproduce` or `python -m tasks.tracking.orphans`; runs whose process may still live are not.
 
 Real processes (a stage process SIGKILLed, a fake `dvc` parent) and a real sqlite MLflow store in a
 temporary directory (copied from one made per module: a new store's migrations take ~9 s).
@@ -24,22 +24,22 @@ from typing import Any
 import psutil
 import pytest
 
-from tasks import orphans
-from tasks.config import TrackingConfig
-from tasks.orphans import KILLED_REASON, OWNER_HOST, OWNER_PID, OWNER_PIDNS, OWNER_STARTED, mark_orphans
-from tasks.tracking import PARENT_ENV, pipeline_run, stage_run, tracking_uri
+from tasks.core.config import TrackingConfig
+from tasks.tracking import orphans
+from tasks.tracking.orphans import KILLED_REASON, OWNER_HOST, OWNER_PID, OWNER_PIDNS, OWNER_STARTED, mark_orphans
+from tasks.tracking.runs import PARENT_ENV, pipeline_run, stage_run, tracking_uri
 from tests.conftest import ROOT, subprocess_env
 
 # A stage process: opens its stage run (and, outside a flow, its session's parent run), then waits.
 STAGE = """
 import os, time
-from tasks.config import TrackingConfig
-from tasks.tracking import stage_run
+from tasks.core.config import TrackingConfig
+from tasks.tracking.runs import stage_run
 with stage_run("train", TrackingConfig(), {"lr": 0.1}) as run:
     print(os.getpid(), run.run_id, flush=True)
     time.sleep(300)
 """
-# Run as `python <tmp>/dvc repro <code>`: to tasks/tracking.py, a dvc process running a stage.
+# Run as `python <tmp>/dvc repro <code>`: to tasks/tracking/runs.py, a dvc process running a stage.
 FAKE_DVC = """
 import subprocess, sys, time
 subprocess.run([sys.executable, "-c", sys.argv[2]])
@@ -244,7 +244,7 @@ def test_the_command_prints_each_run_it_marks_and_a_count(
     assert store.status(orphan) == "RUNNING"
 
     done = subprocess.run(
-        [sys.executable, "-m", "tasks.orphans", "--experiment", "lockstep"],
+        [sys.executable, "-m", "tasks.tracking.orphans", "--experiment", "lockstep"],
         cwd=store.dir,
         env=subprocess_env(MLFLOW_TRACKING_URI=store.uri, PYTHONPATH=str(ROOT)),
         capture_output=True,
@@ -254,7 +254,7 @@ def test_the_command_prints_each_run_it_marks_and_a_count(
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith(f"KILLED {orphan} (owned by {pid}): process {pid} on host {platform.node()} (started ")
-    assert "is gone; marked KILLED by python -m tasks.orphans (pid " in lines[0]
+    assert "is gone; marked KILLED by python -m tasks.tracking.orphans (pid " in lines[0]
     assert lines[1] == "1 orphaned run(s) marked KILLED"
     assert store.status(orphan) == "KILLED" and store.reason(orphan) in lines[0]
     tags = store.client.get_run(orphan).data.tags  # what the MLflow UI shows: the reason as tag and description
@@ -297,12 +297,12 @@ def test_a_run_deleted_meanwhile_or_a_failing_store_is_a_warning_not_a_failed_pi
 
 
 def test_reproduce_marks_orphans_before_it_starts(store: Store, capsys: pytest.CaptureFixture[str]) -> None:
-    from tasks import reproduce
+    from tasks.tools import reproduce
 
     pid, started = _gone_process()
     orphan = _owned_by(store, pid, started)
     assert reproduce.main(["0" * 32]) == 2  # no such run: refused, after the sweep
-    assert "marked KILLED by python -m tasks.reproduce (pid " in store.reason(orphan)
+    assert "marked KILLED by python -m tasks.tools.reproduce (pid " in store.reason(orphan)
 
 
 def test_the_command_reads_the_store_lockstep_tracks_into(monkeypatch: pytest.MonkeyPatch) -> None:

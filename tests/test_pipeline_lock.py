@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import load_params, set_params
-from tasks.pipeline_lock import HOLDER_FILE, PipelineBusy, pipeline_lock
+from tasks.core.config import load_params, set_params
+from tasks.core.lock import HOLDER_FILE, PipelineBusy, pipeline_lock
 from tests.conftest import ROOT, copy_project, run
 
 
@@ -64,7 +64,7 @@ def test_overrides_are_written_into_params_yaml_keeping_comments(tmp_path: Path)
     ],
 )
 def test_bad_overrides_leave_params_yaml_untouched(tmp_path: Path, overrides: dict, fragment: str) -> None:
-    from tasks.config import ConfigError
+    from tasks.core.config import ConfigError
 
     path = Path(shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml"))
     with pytest.raises(ConfigError, match=fragment):
@@ -77,7 +77,7 @@ def test_the_download_task_retries_only_an_unreachable_source(tmp_path: Path) ->
     from prefect.states import Failed
 
     from flows.pipeline import STAGE_TASKS, _source_was_unreachable
-    from tasks.fetch import Checksum, DownloadError, Retry, fetch
+    from tasks.data.fetch import Checksum, DownloadError, Retry, fetch
     from tests.conftest import free_port
 
     quick = Retry(attempts=2, backoff_s=0.01, timeout_s=2)

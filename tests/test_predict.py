@@ -1,4 +1,4 @@
-"""Predict with the champion: `python -m tasks.predict` on the test split of a project the whole
+"""Predict with the champion: `python -m tasks.tools.predict` on the test split of a project the whole
 pipeline ran in (`dvc_repo`), written out as image files. Serving it over HTTP: tests/test_serve.py."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def split_pngs(dvc_repo: dict[str, Any], tmp_path_factory: pytest.TempPathFactor
 
 def write_split_pngs(repo: Path, folder: Path) -> Path:
     """The project's test split as PNG files, <folder>/<class>/<row>.png (PNG: the same pixels back)."""
-    from tasks.preprocess import load_split
+    from tasks.data.preprocess import load_split
 
     test = load_split(repo / "artifacts/preprocessed", "test")
     for row, (image, label) in enumerate(zip(test.images, test.labels, strict=True)):
@@ -36,7 +36,7 @@ def write_split_pngs(repo: Path, folder: Path) -> Path:
 
 
 def predict(repo: Path, *args: str, check: bool = True, **env: str) -> Any:
-    return run(["python", "-m", "tasks.predict", *args], repo, check=check, **env)
+    return run(["python", "-m", "tasks.tools.predict", *args], repo, check=check, **env)
 
 
 def rows(path: Path) -> list[dict[str, str]]:
@@ -129,7 +129,7 @@ def test_no_champion_or_no_image_is_one_line_and_the_csv_is_left_as_it_was(
     onnx.save(bare, str(tmp_path / "bare.onnx"))
     done = predict(repo, str(split_pngs), "--model", str(tmp_path / "bare.onnx"), "--out", str(out), check=False)
     assert done.returncode == 1 and "lockstep.classes" in done.stderr, done.stderr
-    # written whole or not at all (tasks/atomic.py): the old file, and no temporary beside it
+    # written whole or not at all (tasks/core/atomic.py): the old file, and no temporary beside it
     assert out.read_text() == "earlier results\n" and not list(tmp_path.glob(".kept.csv.tmp*"))
     predict(repo, str(split_pngs), "--model", "artifacts/export/model.onnx", "--out", str(out))
     assert len(rows(out)) == len(list(split_pngs.rglob("*.png"))) and not list(tmp_path.glob(".kept.csv.tmp*"))

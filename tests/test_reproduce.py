@@ -1,4 +1,4 @@
-"""`python -m tasks.reproduce RUN_ID`: a past train run rebuilt from what it logged, byte for byte.
+"""`python -m tasks.tools.reproduce RUN_ID`: a past train run rebuilt from what it logged, byte for byte.
 
 The slow tests take the session's trained project (`dvc repro`, real MLflow sqlite store), a clone
 each, then reproduce that run from the DVC cache, refuse when its data version is gone, and pull it from a
@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from tasks.reproduce import ReproduceError, find_train_run, main, reproduce
+from tasks.tools.reproduce import ReproduceError, find_train_run, main, reproduce
 from tests.conftest import TINY, client_for, clone_project, run, sha256
 
 # --------------------------------------------------------------------------- fast: refusals
@@ -101,12 +101,12 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def _reproduce(repo: Path, run_id: str, tmp_path: Path, *options: str) -> tuple[Any, dict[str, Any] | None]:
-    """`python -m tasks.reproduce` as a user runs it, against the copy's store, with its temporary
+    """`python -m tasks.tools.reproduce` as a user runs it, against the copy's store, with its temporary
     files in tmp_path/tmp; (the finished process, its JSON report)."""
     report = tmp_path / "report.json"
     (tmp_path / "tmp").mkdir()
     done = run(
-        ["python", "-m", "tasks.reproduce", run_id, "--json", str(report), *options],
+        ["python", "-m", "tasks.tools.reproduce", run_id, "--json", str(report), *options],
         repo,
         check=False,
         MLFLOW_TRACKING_URI=f"sqlite:///{repo / 'mlflow.db'}",

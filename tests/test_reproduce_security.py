@@ -1,11 +1,11 @@
-"""`python -m tasks.reproduce` against a run record planted by someone who can write runs on a shared
+"""`python -m tasks.tools.reproduce` against a run record planted by someone who can write runs on a shared
 tracking server (issue 18, points 1, 3 and 4): each attack is refused, exit 2 and one line, before
 anything is checked out, hashed or run; and a one-node DDP job listens on loopback only.
 
 Fast: the runs are planted in a sqlite MLflow store with tiny artifacts, the "project" is a small
 git repository with the refs an attacker could point at (a stash, an unreachable commit, a fetched
 pull request, a remote-tracking branch); reproduce runs in-process, except one real
-`python -m tasks.reproduce` and one real torchrun job of two gloo ranks.
+`python -m tasks.tools.reproduce` and one real torchrun job of two gloo ranks.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import psutil
 import pytest
 import yaml
 
-from tasks import layout
-from tasks import reproduce as reproduce_module
-from tasks.config import Params
-from tasks.ddp import launch_env, torchrun_command
-from tasks.reproduce import ReproduceError, main
+from tasks.core import layout
+from tasks.core.config import Params
+from tasks.tools import reproduce as reproduce_module
+from tasks.tools.reproduce import ReproduceError, main
+from tasks.train.launcher import launch_env, torchrun_command
 from tests.conftest import ROOT, merge, run
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid", "-c", "commit.gpgsign=false"]
@@ -130,7 +130,7 @@ def plant(
 def cli(
     store: dict[str, Any], project: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Any]:
-    """`python -m tasks.reproduce ...` in-process, on the planted store and project, its temporary
+    """`python -m tasks.tools.reproduce ...` in-process, on the planted store and project, its temporary
     directories in tmp_path/tmp; returns (exit code, stderr). Data is never fetched: the test stops
     there (after the checkout) with a refusal of its own."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
@@ -257,14 +257,14 @@ def _no_connection(sock: socket.socket) -> bool:
 def test_a_run_asking_for_other_machines_is_refused_and_its_rendezvous_never_contacted(
     project: dict[str, Any], store: dict[str, Any], tmp_path: Path
 ) -> None:
-    """The issue's attack, as a user meets it: `python -m tasks.reproduce` (a real process)."""
+    """The issue's attack, as a user meets it: `python -m tasks.tools.reproduce` (a real process)."""
     with _attacker() as attacker:
         endpoint = f"127.0.0.1:{attacker.getsockname()[1]}"
         params = {"train": {"strategy": "ddp", "nnodes": 2, "nproc_per_node": 1, "rdzv_endpoint": endpoint}}
         run_id = plant(store, project["commits"]["branch"], params)
         (tmp_path / "tmp").mkdir()
         done = run(
-            [sys.executable, "-m", "tasks.reproduce", run_id],
+            [sys.executable, "-m", "tasks.tools.reproduce", run_id],
             ROOT,
             check=False,
             MLFLOW_TRACKING_URI=store["uri"],
@@ -420,7 +420,7 @@ def test_dvc_remote_credentials_reach_dvc_in_memory_and_no_workspace_file(tmp_pa
 _RANK = """
 import json, os, sys, time
 from pathlib import Path
-from tasks.distributed import join_process_group
+from tasks.train.devices import join_process_group
 ranks, _ = join_process_group("cpu")
 gathered = ranks.gather({"rank": ranks.rank, "value": 0.1 + ranks.rank, "text": "x" * (1000 * ranks.rank)})
 out = Path(sys.argv[1])
@@ -459,7 +459,7 @@ def test_a_one_node_ddp_job_listens_on_loopback_only_and_ignores_rdzv_endpoint(t
             {"train": {"strategy": "ddp", "nproc_per_node": 2, "rdzv_endpoint": endpoint}, "determinism": {}}
         )
         cmd = torchrun_command(params, private)
-        assert cmd[-2:] == ["-m", "tasks.ddp"] and endpoint not in " ".join(cmd)
+        assert cmd[-2:] == ["-m", "tasks.train.launcher"] and endpoint not in " ".join(cmd)
         env = {**launch_env(params, private), "PYTHONPATH": str(ROOT)}  # as the train stage runs it
         with subprocess.Popen(
             [*cmd[:-2], str(tmp_path / "rank.py"), str(out)],

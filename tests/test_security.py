@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cli import exit_code
-from tasks.config import ConfigError, load_params, load_yaml, refuse_remote_overrides
-from tasks.errors import ExpectedFailure
-from tasks.redact import MASK, install, redact, redact_tree
+from tasks.core.cli import exit_code
+from tasks.core.config import ConfigError, load_params, load_yaml, refuse_remote_overrides
+from tasks.core.errors import ExpectedFailure
+from tasks.core.redact import MASK, install, redact, redact_tree
 from tests.conftest import ROOT
 
 SECRET = "s3cr3t-Value-42"

@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-import tasks.imagefolder
-from tasks.config import ConfigError, DataConfig, load_params
-from tasks.data_format import RawDataset, read_raw, write_raw
-from tasks.download import download
-from tasks.errors import ExpectedFailure
-from tasks.fetch import AUTH_ENV, TOKEN_ENV, Auth, Checksum, DownloadError, Retry, fetch
+import tasks.data.folders
+from tasks.core.config import ConfigError, DataConfig, load_params
+from tasks.core.errors import ExpectedFailure
+from tasks.data.download import download
+from tasks.data.fetch import AUTH_ENV, TOKEN_ENV, Auth, Checksum, DownloadError, Retry, fetch
+from tasks.data.formats import RawDataset, read_raw, write_raw
 from tests.conftest import ROOT, copy_project, run, write_params
 from tests.fakedata import imagefolder_tree, pack
 from tests.httpserver import FileServer
@@ -218,7 +218,7 @@ def test_a_large_first_image_sizes_no_buffer_before_every_size_is_checked(
     """The report: a first 9500x9500 image sized a 512x9500x9500x3 block (129 GiB) and died in a traceback."""
     imagefolder_tree(tmp_path / "tree", per_class=2, size=(12, 10))
     first = _big_png(tmp_path / "tree" / "cat" / "a_first.png", 4000, 4000)  # sorts first; within the pixel cap
-    monkeypatch.setattr(tasks.imagefolder, "decode", lambda *a: pytest.fail("decoded before the sizes were checked"))
+    monkeypatch.setattr(tasks.data.folders, "decode", lambda *a: pytest.fail("decoded before the sizes were checked"))
     mismatch = rf"cat_0\.png: 12x10 pixels, but {re.escape(str(first))} is 4000x4000; set data\.image_size"
     with pytest.raises(ExpectedFailure, match=mismatch):
         download(_folder(tmp_path / "tree"), data_dir, tmp_path / "cache")
@@ -233,7 +233,7 @@ def test_blocks_are_bounded_in_bytes_and_give_the_same_snapshot(
 ) -> None:
     imagefolder_tree(tmp_path / "tree", per_class=3, size=(7, 5))
     download(_folder(tmp_path / "tree"), tmp_path / "a", tmp_path / "cache")
-    monkeypatch.setattr(tasks.imagefolder, "BLOCK_BYTES", 1)  # one image per block
+    monkeypatch.setattr(tasks.data.folders, "BLOCK_BYTES", 1)  # one image per block
     download(_folder(tmp_path / "tree"), tmp_path / "b", tmp_path / "cache")
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
 
@@ -412,7 +412,7 @@ def test_a_fifo_named_like_an_image_is_refused_not_opened(tmp_path: Path, data_d
 @pytest.mark.parametrize(
     ("where", "name", "shown"),
     [
-        ("cat", "a\nINFO tasks.train: forged.png", r"a\nINFO tasks.train: forged.png"),
+        ("cat", "a\nINFO tasks.train.stage: forged.png", r"a\nINFO tasks.train.stage: forged.png"),
         ("cat", "evil\u202egnp.png", r"evil\u202egnp.png"),
         ("", "cr\rclass", r"cr\rclass"),
         ("dog", "\x1b[2Jclear.png", r"\x1b[2Jclear.png"),

@@ -1,5 +1,5 @@
 """Serve the champion over HTTP with MLflow's own server (`mlflow models serve`), as the README says, and
-check it answers as `python -m tasks.predict` does on the same image files, and refuses bad requests
+check it answers as `python -m tasks.tools.predict` does on the same image files, and refuses bad requests
 with a 4xx, never a 500."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.serving import MAX_IMAGE_BYTES, MAX_IMAGES
+from tasks.ship.serving import MAX_IMAGE_BYTES, MAX_IMAGES
 from tests.conftest import free_port, service
 from tests.test_predict import predict, rows, write_split_pngs
 

@@ -1,5 +1,5 @@
 """The pipeline as a service, with real servers on loopback: a Prefect server and the served
-deployment (`python -m flows.deployments serve`, what `make serve` runs), a process work pool with
+deployment (`python -m flows.deployments serve`, what `make schedule` runs), a process work pool with
 a real worker, an MLflow tracking server the runs log to over HTTP, and headless Chromium on the
 MLflow UI.
 
@@ -7,8 +7,9 @@ The tests share one module-wide stack, like a user's week: a first run, an uncha
 (nothing retrains), new data (retrains, champion/challenger), a failing stage, a changed parameter,
 two overlapping runs on a worker, the schedule, the UI, and what the server refuses (strangers,
 other origins, overrides that reach the network). That stopping `serve` takes its server down with
-it is tests/reliability/test_server_binds.py's (`make serve`). The data source is a local image folder (sklearn's digits
-written as PNGs), so that a test can change the data the way a real source changes.
+it is tests/reliability/test_server_binds.py's (`make schedule`). The data source is a local image
+folder (sklearn's digits written as PNGs), so that a test can change the data the way a real source
+changes.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from tasks.config import STAGES
-from tasks.dashboard import CURVES, run_page, runs_page
-from tasks.pipeline_lock import pipeline_lock
+from tasks.core.config import STAGES
+from tasks.core.lock import pipeline_lock
+from tasks.tracking.dashboard import CURVES, run_page, runs_page
 from tests.chromium import devtools
 from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env
 from tests.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
@@ -107,7 +108,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
         MLFLOW_DISABLE_TELEMETRY="true",
     ):
-        # what `make serve` runs: it starts its own Prefect server, then serves the deployment
+        # what `make schedule` runs: it starts its own Prefect server, then serves the deployment
         serve = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(prefect_port)]
         with (
             WebhookReceiver() as hook,
@@ -246,7 +247,7 @@ def test_unchanged_source_retrains_nothing_and_says_so(stack: Stack, first_run: 
 
 def _split_contents(repo: Path) -> dict[str, set[bytes]]:
     """Each split's images, by content (the preprocessed arrays: what was trained and tested on)."""
-    from tasks.preprocess import load_split
+    from tasks.data.preprocess import load_split
 
     pre = repo / "artifacts/preprocessed"
     return {name: {image.tobytes() for image in load_split(pre, name).images} for name in ("train", "val", "test")}
@@ -424,7 +425,7 @@ def _wait_for_final_states(stack: Stack, ids: list[str], timeout_s: float) -> li
 
 
 def test_the_server_refuses_strangers_and_other_origins(stack: Stack) -> None:
-    """`make serve`'s server, as a web page or a DNS-rebound host name reaches it: no credentials,
+    """`make schedule`'s server, as a web page or a DNS-rebound host name reaches it: no credentials,
     another origin, no CSRF token. Prefect 3.8's defaults answered all of these."""
     auth_file = stack.repo / ".prefect" / "api-auth"
     assert stat.S_IMODE(auth_file.stat().st_mode) == 0o600
@@ -451,7 +452,7 @@ def test_the_server_refuses_strangers_and_other_origins(stack: Stack) -> None:
 
 
 def test_the_prefect_ui_calls_the_api_on_the_port_the_server_runs_on(stack: Stack) -> None:
-    """`make serve PREFECT_PORT=...`: the UI's pages must call that port, not Prefect's default 4200."""
+    """`make schedule PREFECT_PORT=...`: the UI's pages must call that port, not Prefect's default 4200."""
     with urllib.request.urlopen(stack.api.removesuffix("/api") + "/ui-settings", timeout=10) as response:
         settings = json.loads(response.read())
     assert settings["api_url"] == stack.api, settings

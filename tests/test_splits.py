@@ -24,8 +24,11 @@ import pytest
 import torchvision.datasets
 from PIL import Image
 
-from tasks.config import DataConfig, SplitConfig
-from tasks.data_format import (
+from tasks.core.config import DataConfig, SplitConfig
+from tasks.core.errors import ExpectedFailure
+from tasks.data.download import download
+from tasks.data.fetch import Retry
+from tasks.data.formats import (
     SPLITS,
     PublishedSplits,
     RawDataset,
@@ -36,11 +39,8 @@ from tasks.data_format import (
     split_indices,
     write_raw,
 )
-from tasks.download import download
-from tasks.errors import ExpectedFailure
-from tasks.fetch import Retry
-from tasks.preprocess import load_split, preprocess
-from tasks.stats import compute_stats
+from tasks.data.preprocess import load_split, preprocess
+from tasks.data.stats import compute_stats
 from tests.fakedata import cifar_archive, imagefolder_tree, mnist_files, pack
 from tests.httpserver import FileServer
 

@@ -1,4 +1,4 @@
-"""Sweeps (tasks/sweep.py, flows/sweep.py): a study's trials, pruning and winner depend on the sweep
+"""Sweeps (tasks/tools/sweep.py, flows/sweep.py): a study's trials, pruning and winner depend on the sweep
 params and the data only — not on the order trials finish in, the number of workers, a restarted
 coordinator or a killed worker.
 
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tasks import sweep as search
-from tasks.cli import one_line
-from tasks.config import ConfigError, Params, load_params
+from tasks.core.cli import one_line
+from tasks.core.config import ConfigError, Params, load_params
+from tasks.tools import sweep as search
 from tests.conftest import write_params
 
 SPACE = {

@@ -3,7 +3,7 @@ killed here by PID (`python -m flows.sweep scheduler|worker`, as a user starts t
 
 The same sweep run with one worker and with two gives the same trial parameters, the same pruned set
 and byte-identical checkpoints; a worker SIGKILLed mid-trial changes nothing either; every trial is
-an MLflow run that `tasks.reproduce` rebuilds byte for byte; `--apply` hands the winner to the
+an MLflow run that `tasks.tools.reproduce` rebuilds byte for byte; `--apply` hands the winner to the
 pipeline, whose train stage then rebuilds the winner's weights, with `sweep.applied` in dvc.lock.
 """
 
@@ -230,7 +230,7 @@ def test_a_trial_reproduces_and_apply_hands_the_winner_to_the_pipeline(
 ) -> None:
     project = cluster.project
     best = json.loads((project / "artifacts/sweep/one/study/sweep.json").read_text())["best"]
-    rebuilt = run([sys.executable, "-m", "tasks.reproduce", best["run_id"]], project)  # exit 0: identical
+    rebuilt = run([sys.executable, "-m", "tasks.tools.reproduce", best["run_id"]], project)  # exit 0: identical
     assert f"reproduce {best['run_id']}: best.safetensors byte-identical" in rebuilt.stdout + rebuilt.stderr
 
     _sweep(cluster, "one", "--apply")  # finished: nothing runs again; the winner goes into params.yaml

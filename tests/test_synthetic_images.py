@@ -105,9 +105,9 @@ def test_the_check_data_downloads_in_its_sources_published_format(
 ) -> None:
     """What benchmarks/sources.py measures is the check data itself, split as published."""
     from benchmarks.sources import DATASET, publish
-    from tasks.config import DataConfig
-    from tasks.data_format import read_raw
-    from tasks.download import download
+    from tasks.core.config import DataConfig
+    from tasks.data.download import download
+    from tasks.data.formats import read_raw
     from tests.httpserver import FileServer
 
     with FileServer() as server:

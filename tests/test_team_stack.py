@@ -35,7 +35,7 @@ import yaml
 from stack.__main__ import down, join, up
 from stack.servers import ObjectStore, Orchestrator, Postgres, TrackingServer, s3_client
 from stack.state import DVC_BUCKET, MLFLOW_BUCKET, Stack, open_stack
-from tasks.dashboard import run_page
+from tasks.tracking.dashboard import run_page
 from tests.chromium import basic_auth_proxy, dom_and_screenshot
 from tests.conftest import ROOT, commit_all, copy_project, listening, run, service, sha256, subprocess_env
 from tests.prefect_client import PrefectAPI, wait_for_deployment
@@ -101,7 +101,7 @@ class FirstRun:
 
 @pytest.fixture(scope="module")
 def first_run(team: Team) -> FirstRun:
-    """`make serve` on the stack's Prefect server, one `prefect deployment run`; then, as a team member
+    """`make schedule` on the stack's Prefect server, one `prefect deployment run`; then, as a team member
     does after a run worth keeping, `dvc push` and a commit of dvc.lock."""
     api = team.env["PREFECT_API_URL"]
     serve = [sys.executable, "-m", "flows.deployments", "serve"]
@@ -218,7 +218,7 @@ def test_a_fresh_clone_pulls_from_s3_and_reproduces_the_train_run_byte_for_byte(
     pulled = run(["dvc", "pull"], clone, **team.env)
     assert "fetched" in pulled.stdout or "added" in pulled.stdout, pulled.stdout
     assert "up to date" in run(["dvc", "status", "data.dvc"], clone, **team.env).stdout  # data/ as recorded
-    done = run([sys.executable, "-m", "tasks.reproduce", first_run.train_run.info.run_id], clone, **team.env)
+    done = run([sys.executable, "-m", "tasks.tools.reproduce", first_run.train_run.info.run_id], clone, **team.env)
     assert "best.safetensors byte-identical" in done.stdout, done.stdout
     assert first_run.best_sha256 in done.stdout
 
@@ -382,7 +382,10 @@ def test_wrong_credentials_are_one_line_naming_the_service_and_no_secret(
         for key, value in {"endpointurl": team.stack.url("s3"), "credentialpath": str(keys)}.items():
             run(["dvc", "remote", "modify", "--local", "stack", key, value], clone)
         done = run(
-            [sys.executable, "-m", "tasks.reproduce", first_run.train_run.info.run_id], clone, check=False, **team.env
+            [sys.executable, "-m", "tasks.tools.reproduce", first_run.train_run.info.run_id],
+            clone,
+            check=False,
+            **team.env,
         )
         expected = "remote 'stack'"
     line = _error_line(done)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import TrackingConfig
-from tasks.layout import ROOT, project_root
-from tasks.tracking import PARENT_ENV, StageRun, stage_run, tracking_uri
+from tasks.core.config import TrackingConfig
+from tasks.core.layout import ROOT, project_root
+from tasks.tracking.runs import PARENT_ENV, StageRun, stage_run, tracking_uri
 
 
 def test_default_store_is_absolute_and_project_rooted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,7 +54,7 @@ def test_metrics_are_batched_and_a_failed_stage_still_writes_its_curve(
 
 
 def test_redaction_masks_secret_env_values_url_credentials_and_secret_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tasks.redact import redact, redact_mapping
+    from tasks.core.redact import redact, redact_mapping
 
     monkeypatch.setenv("SOME_API_TOKEN", "tok-123456789")
     monkeypatch.setenv("NOT_SENSITIVE", "plain-value-123")

@@ -13,15 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.checkpoints import CheckpointError, load_checkpoint, result_config
-from tasks.config import SOURCE_RECIPES, DataConfig, EvaluateConfig, Params, SplitConfig, TrainConfig
-from tasks.determinism import pin_everything
-from tasks.download import download
-from tasks.evaluate import evaluate
-from tasks.preprocess import Preprocessed, load_split, preprocess
-from tasks.stats import compute_stats
-from tasks.train import train
-from tasks.training import AugmentedBatches, build_training, shift_pixels
+from tasks.core.config import SOURCE_RECIPES, DataConfig, EvaluateConfig, Params, SplitConfig, TrainConfig
+from tasks.data.download import download
+from tasks.data.preprocess import Preprocessed, load_split, preprocess
+from tasks.data.stats import compute_stats
+from tasks.determinism.pinning import pin_everything
+from tasks.train.checkpoints import CheckpointError, load_checkpoint, result_config
+from tasks.train.evaluate import evaluate
+from tasks.train.loop import AugmentedBatches, build_training, shift_pixels
+from tasks.train.stage import train
 from tests.conftest import ROOT, run, subprocess_env, write_params
 
 SPLIT = SplitConfig()
@@ -187,7 +187,7 @@ def test_bf16_autocast_trains_on_cpu_and_fp16_and_syncbn_need_cuda(workdir: Path
 
 _PIN_THEN_COMPILE = """
 import sys
-from tasks.determinism import pin_everything
+from tasks.determinism.pinning import pin_everything
 pinned = pin_everything(0, 1, strict=True)
 assert pinned["deterministic_algorithms"] and not pinned["deterministic_warn_only"], pinned
 assert "torch._inductor.config" not in sys.modules, "pinning imported inductor (3.5 s per stage)"

@@ -17,19 +17,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks import portable_kernels
-from tasks.checkpoints import load_checkpoint
-from tasks.config import TORCHVISION_MODELS, ConfigError, SplitConfig, TrainConfig, load_params
-from tasks.data_format import RawDataset, write_raw
-from tasks.determinism import pin_everything
-from tasks.errors import ExpectedFailure
-from tasks.fetch import DownloadError
-from tasks.models import ModelError, build_model, head_name, predict, stem_name, torchvision_models
-from tasks.preprocess import Preprocessed, load_split, preprocess
-from tasks.pretrained import PretrainedError, load_pretrained
-from tasks.stats import compute_stats
-from tasks.train import train
-from tasks.training import build_training
+from tasks.core.config import TORCHVISION_MODELS, ConfigError, SplitConfig, TrainConfig, load_params
+from tasks.core.errors import ExpectedFailure
+from tasks.data.fetch import DownloadError
+from tasks.data.formats import RawDataset, write_raw
+from tasks.data.preprocess import Preprocessed, load_split, preprocess
+from tasks.data.stats import compute_stats
+from tasks.determinism import kernels
+from tasks.determinism.pinning import pin_everything
+from tasks.train.checkpoints import load_checkpoint
+from tasks.train.loop import build_training
+from tasks.train.models import ModelError, build_model, head_name, predict, stem_name, torchvision_models
+from tasks.train.pretrained import PretrainedError, load_pretrained
+from tasks.train.stage import train
 from tests.conftest import write_params
 from tests.httpserver import FileServer
 
@@ -102,12 +102,12 @@ def test_vit_runs_natively_and_is_refused_in_portable_mode_with_the_way_out() ->
     with pytest.raises(ExpectedFailure, match=r"train.model: vit_b_16 .* set determinism.cpu: native"):
         build_training(cfg, 0, _split(4, 3, 32), CPU)
     model = build_model("vit_b_16", 5, [0.5] * 3, [0.25] * 3, [32, 32])
-    portable_kernels.uninstall()  # this CPU's own kernels, as determinism.cpu: native computes
+    kernels.uninstall()  # this CPU's own kernels, as determinism.cpu: native computes
     try:
         logits = model(torch.rand(2, 3, 32, 32))
         logits.sum().backward()
     finally:
-        portable_kernels.install()
+        kernels.install()
     assert logits.shape == (2, 5) and model.net.heads.head.weight.grad is not None
 
 
@@ -254,7 +254,7 @@ def test_a_wrong_sha256_is_refused_before_the_file_is_parsed(tmp_path: Path, mon
     def never(*args: object) -> None:
         raise AssertionError("parsed before it was verified")
 
-    monkeypatch.setattr("tasks.pretrained._tensors", never)
+    monkeypatch.setattr("tasks.train.pretrained._tensors", never)
     model = build_model("small_cnn", 5, [0.5], [0.2], [16, 16])
     with pytest.raises(PretrainedError, match=r"w.safetensors: sha256 [0-9a-f]{64}, but train.pretrained_sha256"):
         load_pretrained(_cfg(path, "0" * 64), model, tmp_path)

@@ -27,7 +27,7 @@ from pydantic.fields import FieldInfo
 import flows.pipeline
 import tasks.__main__
 import tasks.stages
-from tasks.config import Params, load_params
+from tasks.core.config import Params, load_params
 from tests.conftest import ROOT
 
 BASE = yaml.safe_load((ROOT / "params.yaml").read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.checkpoints import load_checkpoint
+from tasks.train.checkpoints import load_checkpoint
 from tests.conftest import run, write_params
 from tests.reliability.conftest import Trained, checkpoint_epoch, clone, digests, stage
 

@@ -1,6 +1,6 @@
 """Servers started by the project's commands listen on 127.0.0.1 unless the user asks otherwise.
 
-`make mlflow-server`, `make ui`, `make serve` (a Prefect server and the deployment) and the Prefect
+`make mlflow-server`, `make ui`, `make schedule` (a Prefect server and the deployment) and the Prefect
 server `make run` starts for itself: every listening socket of each command's process tree.
 """
 
@@ -40,7 +40,7 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
             f"127.0.0.2:{ports['ui']}/health",
         ),
         "prefect": (
-            ["make", "serve", f"PREFECT_PORT={ports['prefect']}"],
+            ["make", "schedule", f"PREFECT_PORT={ports['prefect']}"],
             f"127.0.0.1:{ports['prefect']}/api/health",
         ),
     }
@@ -70,14 +70,14 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
         _team_recipe_refuses_strangers(f"127.0.0.1:{ports['mlflow']}", password)
     finally:
         for proc in procs.values():
-            stop_group(proc)  # SIGTERM to the group, by PID, as Ctrl-C reaches `make serve`
+            stop_group(proc)  # SIGTERM to the group, by PID, as Ctrl-C reaches `make schedule`
     assert f"127.0.0.1:{ports['mlflow']}" in bound["mlflow"]
     assert f"127.0.0.2:{ports['ui']}" in bound["ui"]
     assert f"127.0.0.1:{ports['prefect']}" in bound["prefect"]
     expected = {"mlflow": "127.0.0.1", "ui": "127.0.0.2", "prefect": "127.0.0.1"}
     for name, sockets in bound.items():
         assert {address.rsplit(":", 1)[0] for address in sockets} == {expected[name]}, (name, sockets)
-    # stopping a command stops its servers (make serve's Prefect server lives in a session of its own)
+    # stopping a command stops its servers (make schedule's Prefect server lives in a session of its own)
     for address in set().union(*bound.values()):
         assert _closes(address), f"{address}: still listening after its command was stopped"
     # every process of serve's tree goes, its Prefect server too (it is not in the group that got the signal)

@@ -1,7 +1,7 @@
 """`make run` twice at the same moment in one project, by a user with secrets in the environment, in a
 git remote URL and in a param: one run waits for the other, and no secret reaches MLflow.
 
-The second run waits for the project's pipeline lock (tasks/pipeline_lock.py), then finds everything
+The second run waits for the project's pipeline lock (tasks/core/lock.py), then finds everything
 up to date. Refusal after `orchestration.lock_wait_s`, and `dvc repro` against a running flow, are in
 tests/test_pipeline_lock.py; two overlapping deployment runs on a worker in tests/test_service.py.
 Secrets: values of environment variables named like token/password/secret/key, credentials in a

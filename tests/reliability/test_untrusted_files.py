@@ -115,9 +115,9 @@ UNPICKLING = {
     "np.lib.format.read_array",
 }
 # torch.distributed's object collectives unpickle what the other ranks send: ranks exchange tensors
-# only (tasks/distributed.py's gather sends JSON as bytes). torch's own rendezvous (the torchrun
+# only (tasks/train/devices.py's gather sends JSON as bytes). torch's own rendezvous (the torchrun
 # agent) unpickles the state in its store: a file in a private directory for a one-node job
-# (tasks/ddp.py); a multi-node job trusts the machines that can reach train.rdzv_endpoint.
+# (tasks/train/launcher.py); a multi-node job trusts the machines that can reach train.rdzv_endpoint.
 UNPICKLING_COLLECTIVES = (
     ".all_gather_object",
     ".gather_object",
@@ -127,11 +127,11 @@ UNPICKLING_COLLECTIVES = (
 )
 # torch.export.load / torch.jit.load read the files export has just written into its own staging
 # directory (the parity check); they never read a file from elsewhere.
-# tasks/config.py's yaml.load uses a yaml.SafeLoader subclass (no Python objects).
+# tasks/core/config.py's yaml.load uses a yaml.SafeLoader subclass (no Python objects).
 ALLOWED = {
-    ("tasks/export.py", "torch.export.load"),
-    ("tasks/export.py", "torch.jit.load"),
-    ("tasks/config.py", "yaml.load"),
+    ("tasks/ship/export.py", "torch.export.load"),
+    ("tasks/ship/export.py", "torch.jit.load"),
+    ("tasks/core/config.py", "yaml.load"),
 }
 
 
@@ -161,7 +161,9 @@ def test_no_code_path_unpickles_a_file() -> None:
         if name in UNPICKLING or name.endswith((".jit.load", ".export.load", *UNPICKLING_COLLECTIVES))
     } - ALLOWED
     assert not unpickling
-    assert ("tasks/pretrained.py", "torch.load(weights_only=True)") in {(w, n) for w, n, _ in calls}  # the scan sees it
+    assert ("tasks/train/pretrained.py", "torch.load(weights_only=True)") in {
+        (w, n) for w, n, _ in calls
+    }  # the scan sees it
     np_loads = [call for call in calls if call[1] in ("np.load", "numpy.load")]
     assert np_loads, "the scan sees the np.load calls"
     assert not [call for call in np_loads if call[2]], "np.load with allow_pickle other than False"

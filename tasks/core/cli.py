@@ -1,0 +1,89 @@
+"""What every command-line entry point shares: logging, and failures as one line and an exit code.
+
+`python -m tasks <stage>`, `python -m flows.pipeline`, `python -m flows.deployments` and
+`python -m tasks.tools.reproduce` print an invalid params.yaml (exit 2) and an expected failure (exit 1)
+as one line naming the file, URL or key; anything else is a bug and keeps its traceback. Every line
+they print or log passes tasks/core/redact.py first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from tasks.core.atomic import WRITE_ERRNOS
+from tasks.core.config import ConfigError
+from tasks.core.errors import ExpectedFailure
+from tasks.core.redact import install as install_redaction
+from tasks.core.redact import redact
+
+EXIT_FAILED, EXIT_BAD_PARAMS = 1, 2
+
+
+def configure_logging(fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
+    """Our progress at INFO; libraries (ONNX Runtime, onnxscript, ...) only when they warn. Secrets masked."""
+    install_redaction()
+    quiet_libraries()
+    logging.basicConfig(level=logging.WARNING, format=fmt)
+    logging.getLogger("tasks").setLevel(logging.INFO)
+
+
+def quiet_libraries() -> None:
+    """Library messages that say nothing to the person running the pipeline, silenced (before the
+    libraries load). What stays: their warnings and errors about the user's data, params and servers."""
+    # MLflow's INFO lines: its database migrations, "Detected uv project", "View run ... at"
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    # "Failed to resolve installed pip version": a uv environment has no pip, and every model is
+    # logged with explicit requirements (tasks/stages.py), so the conda.yaml it is about is unused
+    logging.getLogger("mlflow.utils.environment").setLevel(logging.ERROR)
+    # torchao registers an Enum with torch's pytree on import, which torch now calls deprecated:
+    # a note to torchao's developers, printed on every run that quantizes
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
+def dvc_logs_once() -> None:
+    """DVC used in this process: its messages printed once, and only its warnings and errors.
+
+    DVC puts its own console handlers on its loggers when imported, and its records also reach the
+    root logger's (Prefect's console, `logging.basicConfig`'s): each line came out twice. Its INFO lines
+    ("Updating lock file", "To track the changes with git, run: git add data.dvc") repeat what our own
+    stage log and closing summary say.
+    """
+    import dvc  # noqa: F401 - sets up its handlers
+
+    for name in ("dvc", "dvc_data", "dvc_objects"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.WARNING)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+
+
+def exit_code(body: Callable[[], int], context: str = "") -> int:
+    """Run `body` (an entry point's work, returning its exit code); an expected failure becomes one
+    line on stderr, prefixed with `context`, and its exit code."""
+    install_redaction()  # tracebacks of bugs too
+    try:
+        return body()
+    except ConfigError as exc:  # raised before anything was written
+        _error(str(exc))
+        return EXIT_BAD_PARAMS
+    except ExpectedFailure as exc:
+        _error(f"{context}{exc}")
+        return EXIT_FAILED
+    except OSError as exc:  # a full disk met outside our own writes (DVC's, MLflow's): still one line
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        _error(f"{context}{exc.filename or 'a write'} failed: {exc.strerror}")
+        return EXIT_FAILED
+
+
+def one_line(message: str) -> str:
+    """`message` masked and on one line: a value with a newline (a file name, a run record's tag)
+    must not forge a second line."""
+    return redact(message).replace("\n", "\\n").replace("\r", "\\r")
+
+
+def _error(message: str) -> None:
+    print(f"error: {one_line(message)}", file=sys.stderr)

@@ -1,0 +1,251 @@
+"""Stage 1 — download: ingest a data source into `data/` (format in tasks/data/formats.py).
+
+Sources (`data.source`):
+    digits         scikit-learn's 8x8 digits; ships inside scikit-learn, so it works offline
+    mnist, fashion_mnist, cifar10, cifar100
+                   the published files, URLs and md5 checksums of torchvision's dataset classes,
+                   fetched by tasks/data/fetch.py (retries, resume, verify, lock) and read by those classes
+    imagefolder    class sub-folders: a local folder or archive (`data.path`), or an archive URL
+                   with its sha256 (`data.url`, `data.sha256`)
+
+Downloads land in a cache outside data/ (`cache_dir`); data/ is replaced in one atomic step only
+after everything was fetched, verified and decoded, so a failure at any point leaves it as it was.
+Every download, archive and image is held to the limits in `data` (size, deadline, extracted size,
+ratio and member count, pixels per image, decoded bytes); credentials come from the environment
+or ~/.netrc (tasks/data/fetch.py), so that params.yaml and dvc.lock need not hold them.
+Train and test parts of the published datasets are concatenated (train first) and their row ranges
+recorded in meta.json (`published_splits`), so that the split stage can keep the published test set.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import posixpath
+import shutil
+import tempfile
+from collections.abc import Callable, Sized
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import numpy as np
+
+from tasks.core.atomic import atomic_dir
+from tasks.core.config import DataConfig
+from tasks.core.errors import ExpectedFailure
+from tasks.core.redact import SECRET_NAME, redact
+from tasks.data.archive import ArchiveLimits, extract, is_archive
+from tasks.data.fetch import AUTH_ENV, TOKEN_ENV, Auth, Checksum, Retry, fetch, verify
+from tasks.data.folders import ImageLimits, ingest_folder
+from tasks.data.formats import PublishedSplits, RawDataset, RawSnapshot, open_raw, read_raw, write_raw
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DownloadResult:
+    source: str
+    num_images: int
+    num_classes: int
+    image_shape: tuple[int, ...]
+    files: dict[str, str] = field(default_factory=dict)  # verified input file -> "algorithm:hexdigest"
+    skipped_files: int = 0  # imagefolder: files without an image extension
+
+
+@dataclass
+class _Context:
+    cfg: DataConfig
+    cache: Path  # this source's download cache folder
+    retry: Retry
+    auth: Auth
+    files: dict[str, str] = field(default_factory=dict)  # filled with what was fetched and verified
+    skipped_files: int = 0
+
+    def fetch(self, name: str, published: list[str], checksum: Checksum) -> Path:
+        """`name` from the mirror if one is set (else the published base URLs), verified, cached."""
+        bases = [self.cfg.mirror] if self.cfg.mirror else published
+        urls = [f"{base.rstrip('/')}/{name}" for base in bases]
+        path = fetch(urls, self.cache / name, checksum, self.retry, self.cfg.max_download_bytes, self.auth)
+        self.files[name] = f"{checksum.algorithm}:{checksum.hexdigest}"
+        return path
+
+    def extract(self, archive: Path, dest: Path) -> Path:
+        cfg = self.cfg
+        limits = ArchiveLimits(cfg.max_extracted_bytes, cfg.max_compression_ratio, cfg.max_archive_files)
+        return extract(archive, dest, limits)
+
+
+def _digits(ctx: _Context) -> RawDataset:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    # Pixel values are counts 0..16 of a 4x4 block; rescale exactly onto the common 0..255 range.
+    images = np.rint(bunch.images * (255.0 / 16.0)).astype(np.uint8)[..., np.newaxis]
+    return RawDataset(
+        images=images,
+        labels=bunch.target.astype(np.int64),
+        classes=[str(name) for name in bunch.target_names],
+        source="digits",
+    )
+
+
+def _mnist_like(dataset_class: str) -> Callable[[_Context], RawDataset]:
+    def load(ctx: _Context) -> RawDataset:
+        import torchvision.datasets
+
+        cls = getattr(torchvision.datasets, dataset_class)
+        with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
+            raw_folder = Path(scratch) / cls.__name__ / "raw"  # where torchvision's class looks
+            raw_folder.mkdir(parents=True)
+            for name, md5 in cls.resources:
+                archive = ctx.fetch(name, cls.mirrors, Checksum("md5", md5))
+                with gzip.open(archive, "rb") as src, open(raw_folder / name.removesuffix(".gz"), "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            parts = [cls(scratch, train=train, download=False) for train in (True, False)]
+            images = np.concatenate([part.data.numpy() for part in parts])[..., np.newaxis]
+            labels = np.concatenate([part.targets.numpy() for part in parts]).astype(np.int64)
+            return RawDataset(images, labels, list(parts[0].classes), ctx.cfg.source, _train_then_test(parts))
+
+    return load
+
+
+def _cifar(dataset_class: str) -> Callable[[_Context], RawDataset]:
+    def load(ctx: _Context) -> RawDataset:
+        import torchvision.datasets
+
+        cls = getattr(torchvision.datasets, dataset_class)
+        base_url = cls.url.rsplit("/", 1)[0]
+        archive = ctx.fetch(cls.filename, [base_url], Checksum("md5", cls.tgz_md5))
+        with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
+            ctx.extract(archive, Path(scratch) / "x")
+            # The CIFAR batches are Python pickles, which torchvision unpickles. Safe here only
+            # because the archive matched its published md5 above, and torchvision checks each
+            # batch's md5 again before loading it.
+            parts = [cls(Path(scratch) / "x", train=train, download=False) for train in (True, False)]
+            images = np.concatenate([part.data for part in parts])
+            labels = np.concatenate([np.asarray(part.targets) for part in parts]).astype(np.int64)
+            return RawDataset(images, labels, list(parts[0].classes), ctx.cfg.source, _train_then_test(parts))
+
+    return load
+
+
+def _train_then_test(parts: list[Sized]) -> PublishedSplits:
+    """The rows of the published train and test parts, concatenated in that order."""
+    n_train, n_test = (len(part) for part in parts)
+    return {"train": (0, n_train), "test": (n_train, n_train + n_test)}
+
+
+def _in_memory(load: Callable[[_Context], RawDataset]) -> Callable[[_Context, Path], None]:
+    """Sources small enough to hold in memory (at most CIFAR's 184 MB) are written in one go."""
+    return lambda ctx, out_dir: write_raw(load(ctx), out_dir)
+
+
+def _imagefolder(ctx: _Context, out_dir: Path) -> None:
+    """Streamed block by block (user folders can be any size)."""
+    cfg = ctx.cfg
+    archive = _imagefolder_archive(ctx)
+    with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
+        folder = Path(cfg.path or "") if archive is None else ctx.extract(archive, Path(scratch) / "x")
+        limits = ImageLimits(cfg.max_image_pixels, cfg.max_dataset_bytes)
+        found = ingest_folder(folder, out_dir, cfg.channels or 3, cfg.image_size, "imagefolder", limits)
+    ctx.skipped_files = len(found.skipped)
+
+
+def _imagefolder_archive(ctx: _Context) -> Path | None:
+    """The verified archive to extract (fetched when `data.url`), or None for a local folder."""
+    cfg = ctx.cfg
+    if cfg.url is not None:
+        assert cfg.sha256 is not None  # DataConfig requires it with url
+        name = _file_name(cfg.url)
+        # one folder per content hash: two URLs with the same file name never share a cache entry
+        dest, checksum = ctx.cache / cfg.sha256[:16] / name, Checksum("sha256", cfg.sha256)
+        archive = fetch([cfg.url], dest, checksum, ctx.retry, cfg.max_download_bytes, ctx.auth)
+        ctx.files[name] = f"sha256:{cfg.sha256}"
+        return archive
+    local = Path(cfg.path or "")
+    if not local.exists():
+        raise ExpectedFailure(f"data.path: {local} does not exist")
+    if local.is_dir():
+        return None
+    if not is_archive(local):
+        raise ExpectedFailure(f"data.path: {local} is neither a folder nor an archive (.tar.gz, .zip, ...)")
+    if cfg.sha256 is not None:
+        verify(local, Checksum("sha256", cfg.sha256))
+        ctx.files[local.name] = f"sha256:{cfg.sha256}"
+    return local
+
+
+def _file_name(url: str) -> str:
+    """The archive's file name: the URL path's last segment, never its query (a signed URL's token
+    would otherwise name a cache file and the receipt's entry)."""
+    name = posixpath.basename(unquote(urlsplit(url).path))
+    if not name or name in (".", "..") or not name.isprintable() or "\\" in name:
+        raise ExpectedFailure(f"data.url: {redact(url)} does not end in a file name (e.g. .../flowers.tar.gz)")
+    return name
+
+
+def _holds_credentials(url: str) -> bool:
+    """User info, or a query or fragment parameter named like a secret (`?token=`, `&X-Amz-Signature=`)."""
+    try:
+        parts = urlsplit(url)
+        names = [name for name, _ in parse_qsl(f"{parts.query}&{parts.fragment}")]
+    except ValueError:
+        return False
+    return "@" in parts.netloc or any(SECRET_NAME.search(name) or "sig" in name.lower() for name in names)
+
+
+def _warn_about_credentials_in_params(cfg: DataConfig) -> None:
+    for key, url in (("data.mirror", cfg.mirror), ("data.url", cfg.url)):
+        if url and _holds_credentials(url):  # params.yaml, dvc.lock and git hold them now
+            log.warning(
+                "%s carries credentials, which params.yaml and dvc.lock record; set %s or %s, or use ~/.netrc",
+                key,
+                TOKEN_ENV,
+                AUTH_ENV,
+            )
+
+
+# Each source writes `out_dir` (atomically, through tasks/data/formats.py).
+SOURCES: dict[str, Callable[[_Context, Path], None]] = {
+    "digits": _in_memory(_digits),
+    "mnist": _in_memory(_mnist_like("MNIST")),
+    "fashion_mnist": _in_memory(_mnist_like("FashionMNIST")),
+    "cifar10": _in_memory(_cifar("CIFAR10")),
+    "cifar100": _in_memory(_cifar("CIFAR100")),
+    "imagefolder": _imagefolder,
+}
+
+
+def download(
+    cfg: DataConfig,
+    out_dir: Path,
+    cache_dir: Path,
+    retry: Retry | None = None,
+    check: Callable[[RawSnapshot], None] | None = None,
+) -> DownloadResult:
+    """Ingest `cfg.source` into `out_dir`, replacing any previous snapshot atomically.
+
+    `check` sees the new snapshot before it replaces the old one, and refuses it by raising (the
+    data checks, tasks/data/checks.py). Raises ExpectedFailure (a DownloadError for network and checksum
+    failures, DataRefused for a refused snapshot) with a message naming the file, URL or check;
+    `out_dir` is then exactly as it was.
+    """
+    retry = retry or Retry(attempts=cfg.retries + 1, timeout_s=cfg.timeout_s, deadline_s=cfg.deadline_s)
+    _warn_about_credentials_in_params(cfg)
+    cache = Path(cache_dir) / cfg.source
+    cache.mkdir(parents=True, exist_ok=True)
+    ctx = _Context(cfg, cache, retry, Auth.from_environment([cfg.mirror, cfg.url]))
+    with atomic_dir(Path(out_dir)) as staging:
+        SOURCES[cfg.source](ctx, staging)
+        if check is not None:
+            check(open_raw(staging))
+    written = read_raw(out_dir)  # read back: what later stages will see
+    return DownloadResult(
+        source=written.source,
+        num_images=len(written.labels),
+        num_classes=len(written.classes),
+        image_shape=tuple(written.images.shape[1:]),
+        files=dict(ctx.files),
+        skipped_files=ctx.skipped_files,
+    )

@@ -1,0 +1,151 @@
+"""Which CPU code paths a run computes with: `determinism.cpu`, portable or native.
+
+CPU kernels pick their code by the CPU they run on, so the same run gives other weight bytes on
+another machine (Intel vs AMD, AVX2 vs AVX-512):
+- ATen's vectorised kernels (batch norm, activations, reductions, optimisers) are built once per
+  instruction set and chosen at start-up; ATEN_CPU_CAPABILITY pins the choice.
+- MKL (torch's matrix products and slow-path convolutions) has a reproducibility mode, but its ISA
+  branches (MKL_CBWR=AVX2) exist on Intel CPUs only: on AMD it silently runs AUTO, other kernels
+  (oneMKL developer guide, "Specifying Code Branches"). Its one vendor-neutral branch, COMPATIBLE
+  (SSE2), is slower than a pinned OpenBLAS.
+- oneDNN (convolutions) and NNPACK pick kernels and blocking by ISA and cache sizes.
+
+Portable mode therefore pins ATen to AVX2 and sends convolutions and matrix products to OpenBLAS
+(the BLAS numpy ships) with its kernel set pinned to Haswell's (AVX2 + FMA, blocking fixed at
+compile time): tasks/determinism/kernels.py, tasks/determinism/blas.py. oneDNN and NNPACK are switched off and
+MKL is held to COMPATIBLE for anything that still reaches it. The result is the same bytes on every x86-64 CPU
+with AVX2, for a fixed thread count. Native mode leaves every library its fastest path.
+
+These variables are read when torch and numpy load, so `pin_env` runs before either is imported
+in every process that computes (`python -m tasks`, the flow, DDP ranks); `activate` (torch loaded,
+called by `pin_everything`) checks that they were, and refuses to compute otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+from tasks.core.config import ConfigError
+
+MODES = ("portable", "native")
+# Set with the variables below: the mode this process's environment was pinned for. Children
+# inherit both, so a DDP rank or a stage subprocess computes as its launcher does.
+MODE_ENV = "LOCKSTEP_CPU"
+PORTABLE_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # ATen's AVX2 kernels, also on AVX-512 CPUs
+    "OPENBLAS_CORETYPE": "Haswell",  # numpy's OpenBLAS: AVX2 + FMA kernels whatever the CPU
+    "MKL_CBWR": "COMPATIBLE,STRICT",  # MKL's one vendor-neutral branch, for what still reaches it
+    "MKL_DYNAMIC": "FALSE",  # MKL keeps the thread count it is given
+    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN is off in portable mode; capped should anything call it
+}
+_LOADED_FIRST = ("torch", "numpy")
+
+
+class CpuModeError(ConfigError):
+    """The process cannot compute in the configured mode (exit 2 at the entry points)."""
+
+
+def pin_env(mode: str) -> None:
+    """Set (portable) or clear (native) the variables, before torch or numpy is imported.
+
+    Native clears only what a portable launcher of ours set (MODE_ENV says so): a variable the user
+    set stays, and the run's fingerprint records it.
+    """
+    if mode not in MODES:
+        raise CpuModeError(f"determinism.cpu: {mode!r} is not one of {', '.join(MODES)}")
+    if os.environ.get(MODE_ENV) == mode:
+        return
+    loaded = [name for name in _LOADED_FIRST if name in sys.modules]
+    if loaded:
+        raise CpuModeError(
+            f"determinism.cpu: {mode} must be set before {' and '.join(loaded)} is imported, but this process "
+            f"imported it in {os.environ.get(MODE_ENV, 'native')} mode; run the stage as its own process "
+            f"(python -m tasks <stage> --params ...), or set {MODE_ENV}={mode} and the variables of "
+            "tasks.determinism.cpu_mode.PORTABLE_ENV in its environment"
+        )
+    if mode == "portable":
+        os.environ.update(PORTABLE_ENV)
+    elif os.environ.get(MODE_ENV) == "portable":
+        for name in PORTABLE_ENV:
+            os.environ.pop(name, None)
+    os.environ[MODE_ENV] = mode
+
+
+def clean_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the variables a portable launcher of ours set, for a child that pins its own mode."""
+    if env.get(MODE_ENV) != "portable":
+        return {k: v for k, v in env.items() if k != MODE_ENV}
+    return {k: v for k, v in env.items() if k != MODE_ENV and k not in PORTABLE_ENV}
+
+
+def current() -> str:
+    """The mode this process's environment was pinned for (native if none)."""
+    return os.environ.get(MODE_ENV, "native")
+
+
+def activate(mode: str, num_threads: int) -> dict[str, Any]:
+    """Check that `mode` is in force in this (torch-loaded) process, set its switches; what is in force."""
+    import torch
+
+    from tasks.determinism import kernels
+
+    pinned = current()
+    if pinned != mode:
+        raise CpuModeError(
+            f"determinism.cpu: {mode}, but this process loaded torch in {pinned} mode (it cannot change "
+            "once torch is loaded); run the stage as its own process: python -m tasks <stage> --params ..."
+        )
+    portable = mode == "portable"
+    if portable:
+        _check_portable(torch)
+    torch.backends.mkldnn.enabled = not portable
+    torch.backends.nnpack.set_flags(not portable)
+    if portable:
+        kernels.install()
+    else:
+        kernels.uninstall()
+    # Portable products run their chunks on torch's threads (tasks/determinism/blas.py), each chunk one
+    # OpenBLAS call on one thread; native leaves numpy's OpenBLAS the run's thread count.
+    _set_blas_threads(1 if portable else num_threads)
+    return {
+        "cpu": mode,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn": torch.backends.mkldnn.enabled,
+        "nnpack": torch._C._get_nnpack_enabled(),
+        "openblas_coretype": blas_coretype() or "none",
+        "portable_kernels": kernels.installed(),
+    }
+
+
+def _check_portable(torch: Any) -> None:
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        raise CpuModeError(f"determinism.cpu: portable needs an x86-64 CPU with AVX2; this is {machine}: use native")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX2":
+        raise CpuModeError(
+            f"determinism.cpu: portable needs ATen's AVX2 kernels, but torch runs {capability} "
+            f"(a CPU without AVX2, or {MODE_ENV} set without ATEN_CPU_CAPABILITY=avx2): use native"
+        )
+    coretype = blas_coretype()
+    if coretype != PORTABLE_ENV["OPENBLAS_CORETYPE"]:
+        raise CpuModeError(
+            f"determinism.cpu: portable needs numpy's OpenBLAS on its Haswell kernels, but it runs {coretype} "
+            "(numpy was imported before OPENBLAS_CORETYPE was set): use native, or start a new process"
+        )
+
+
+def blas_coretype() -> str | None:
+    """The kernel set numpy's OpenBLAS runs (torch loaded)."""
+    from tasks.determinism import blas
+
+    return blas.openblas().get("architecture")
+
+
+def _set_blas_threads(num_threads: int) -> None:
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=num_threads, user_api="blas")

@@ -1,0 +1,376 @@
+"""Convolutions and matrix products whose bytes do not depend on the CPU (determinism.cpu: portable).
+
+Why not torch's own CPU paths is in tasks/determinism/cpu_mode.py: MKL's reproducible branches are Intel-only,
+oneDNN and NNPACK choose kernels by ISA and cache size. `install` registers CPU kernels for torch's
+matrix products and 1-D/2-D convolutions that compute with numpy's OpenBLAS, pinned to its Haswell
+kernels, in chunks on torch's threads (tasks/determinism/blas.py; only these ops pay a Python call; autograd
+and every other op stay torch's own). A convolution is one matrix product over its im2col columns
+(forward, and the weight gradient) and one into columns that are added back in a fixed order (the
+input gradient); the columns are strided copies and adds in ATen, pinned to AVX2 like every ATen
+kernel. The few other ops that would reach MKL are refused rather than computed with CPU-dependent
+bytes.
+
+Which matrix is which operand of a BLAS call decides the order of its additions; whether an operand
+is stored row- or column-major does not (OpenBLAS packs both the same way), so the kernels pass
+views, not copies. Temporaries the products fill come from numpy: torch, in deterministic mode,
+fills every new tensor first, a pass over memory for nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from tasks.determinism import blas
+
+_NO_NUMPY = (torch.float16, torch.bfloat16)
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+# ops that compute with MKL or oneDNN and have no portable route here
+_REFUSED = ("addmv", "mv", "dot", "baddbmm", "addbmm", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+class PortableOpError(RuntimeError):
+    """An op with no CPU-independent implementation ran in portable mode."""
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """mm and bmm (2-D or 3-D operands): one `blas.gemm` per matrix; half and bfloat16 are
+    multiplied in float32, the same way on every CPU."""
+    compute = torch.float32 if a.dtype in _NO_NUMPY else a.dtype
+    a3, b3 = a.detach().to(compute), b.detach().to(compute)
+    a3, b3 = (a3, b3) if a.dim() == 3 else (a3.unsqueeze(0), b3.unsqueeze(0))
+    out = _product(a3, b3, _buffer((a3.shape[0], a3.shape[1], b3.shape[2]), a3))
+    out = out if a.dim() == 3 else out[0]
+    return out if compute == a.dtype else out.to(a.dtype)
+
+
+def _out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def _shapes(x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> tuple[int, int, int, int]:
+    """(kh, kw, oh, ow) of a convolution."""
+    stride, padding, dilation = geometry
+    kh, kw = weight.shape[2:]
+    oh = _out_size(x.shape[2], kh, stride[0], padding[0], dilation[0])
+    ow = _out_size(x.shape[3], kw, stride[1], padding[1], dilation[1])
+    return kh, kw, oh, ow
+
+
+def _buffer(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """New memory for a result that is written in full before it is read: from numpy, unfilled.
+
+    In deterministic mode torch fills every new tensor (torch.utils.deterministic.
+    fill_uninitialized_memory), a pass over memory that buys nothing here. Returned tensors stay
+    torch's own (resizable, aligned as ATen allocates).
+    """
+    dtype = _NUMPY_DTYPES.get(like.dtype)
+    return like.new_empty(shape) if dtype is None else torch.from_numpy(np.empty(shape, dtype))
+
+
+class _Pool(threading.local):
+    """Temporaries by (shape, dtype), reused from one step to the next.
+
+    A convolution's columns and products are megabytes that live for one call (or from a forward to
+    its backward). Fresh memory of that size comes from the kernel page by page, faulted in on first
+    touch every step again; the same shapes come back every step, so their memory is kept (like a
+    caching allocator: the process keeps about one step's worth). Per thread (no locks); bounded in
+    count per shape. Only temporaries that never escape the kernels come from here: every tensor
+    handed back to autograd is new memory (`_buffer`).
+    """
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[np.ndarray]] = {}
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
+        dtype = _NUMPY_DTYPES.get(like.dtype)
+        if dtype is None:
+            return like.new_empty(shape), None
+        free = self.free.get((shape, dtype))
+        array = free.pop() if free else np.empty(shape, dtype)
+        return torch.from_numpy(array), array
+
+    def give(self, array: np.ndarray | None) -> None:
+        if array is not None:
+            free = self.free.setdefault((array.shape, array.dtype.type), [])
+            if len(free) < _POOLED_PER_SHAPE:
+                free.append(array)
+
+    def clear(self) -> None:
+        self.free.clear()
+
+
+_POOLED_PER_SHAPE = 4
+_pool = _Pool()
+
+
+@contextmanager
+def _temporaries() -> Iterator:
+    """`take(shape, like)` for the duration of a block; what it gave out returns to the pool after."""
+    taken: list[np.ndarray | None] = []
+
+    def take(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        tensor, array = _pool.take(shape, like)
+        taken.append(array)
+        return tensor
+
+    try:
+        yield take
+    finally:
+        for array in taken:
+            _pool.give(array)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` = a @ b per group (3-D), one `blas.gemm` each, written in place; half and bfloat16 as
+    in `_matmul`."""
+    for a_group, b_group, out_group in zip(a, b, out, strict=True):
+        if out.dtype in _NO_NUMPY:
+            a32, b32 = a_group.float(), b_group.float()
+            out_group.copy_(blas.gemm(a32, b32, _buffer(tuple(out_group.shape), a32)))
+        else:
+            blas.gemm(a_group, b_group, out_group)
+    return out
+
+
+def _columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int, take: Any) -> torch.Tensor:
+    """Every receptive field as a row: (groups, N * oh * ow, kh * kw * C/groups), channels fastest,
+    in memory from `take(shape, like)`.
+
+    Channels-last, so each copied run is kw * C contiguous values rather than a few pixels; the
+    padded channels-last image is written in one pass, the rows in a second.
+    """
+    stride, padding, dilation = geometry
+    n, c, h, w = x.shape
+    kh, kw, oh, ow = _shapes(x, weight, geometry)
+    with _temporaries() as temporary:
+        padded = temporary((n, h + 2 * padding[0], w + 2 * padding[1], c), x)
+        _zero_border(padded, padding)
+        padded[:, padding[0] : padding[0] + h, padding[1] : padding[1] + w].copy_(x.permute(0, 2, 3, 1))
+        sn, sh, sw, sc = padded.stride()
+        fields = padded.as_strided(
+            (n, oh, ow, kh, kw, c), (sn, sh * stride[0], sw * stride[1], sh * dilation[0], sw * dilation[1], sc)
+        )
+        columns = take((groups, n * oh * ow, kh * kw * (c // groups)), x)
+        if groups == 1:
+            columns.view(n, oh, ow, kh, kw, c).copy_(fields)
+        else:
+            per_group = fields.reshape(n, oh, ow, kh, kw, groups, c // groups).permute(5, 0, 1, 2, 3, 4, 6)
+            columns.view(groups, n, oh, ow, kh, kw, -1).copy_(per_group)
+    return columns
+
+
+def _zero_border(padded: torch.Tensor, padding: tuple) -> None:
+    """Zero the padding rows and columns of a channels-last (N, H, W, C) image (its inside is
+    written next): reused memory holds the last image's values."""
+    top, left = padding
+    if top:
+        padded[:, :top].zero_()
+        padded[:, -top:].zero_()
+    if left:
+        padded[:, :, :left].zero_()
+        padded[:, :, -left:].zero_()
+
+
+# Forward columns kept for the same convolution's backward (its weight gradient needs them again):
+# keyed by the input tensor itself, which the entry holds, so its memory cannot be reused for another
+# tensor, and by its version counter, so an in-place change since makes it a miss. Bounded: a forward
+# without a backward (an exception, an abandoned graph) is dropped after _KEPT newer ones. The
+# columns' memory is the pool's: it goes back once the backward has used it (or the entry is dropped).
+_KEPT = 256
+_kept: dict[tuple, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]] = {}
+
+
+def _key(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int) -> tuple:
+    return (x._cdata, x._version, tuple(x.shape), tuple(weight.shape), geometry, groups)
+
+
+def _forward_columns(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int):  # noqa: ANN202
+    """`_columns` of `x2` for a forward, and a function to call once the forward is done with them:
+    it keeps them for the backward when autograd will ask for the weight gradient, else frees them."""
+    arrays: list[np.ndarray | None] = []
+
+    def take(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        tensor, array = _pool.take(shape, like)
+        arrays.append(array)
+        return tensor
+
+    columns = _columns(x2, weight, geometry, groups, take)
+
+    def done() -> None:
+        if torch.is_grad_enabled() and weight.requires_grad:
+            if len(_kept) >= _KEPT:
+                _pool.give(_kept.pop(next(iter(_kept)))[2])
+            _kept[_key(x, weight, geometry, groups)] = (x, columns, arrays[0])
+        else:
+            _pool.give(arrays[0])
+
+    return columns, done
+
+
+def _weight_matrix(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """(O, C/g, kh, kw) -> (groups, kh * kw * C/g, O/g), the rows ordered as `_columns`' columns."""
+    o, cg, kh, kw = weight.shape
+    return weight.reshape(groups, o // groups, cg, kh, kw).permute(0, 3, 4, 2, 1).reshape(groups, kh * kw * cg, -1)
+
+
+def _add_columns(columns: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> torch.Tensor:
+    """col2im: each row of (groups, N * oh * ow, kh * kw * C/g) back onto the input positions it was
+    read from, kernel offset by kernel offset: a fixed order of additions, the same bytes anywhere."""
+    stride, padding, dilation = geometry
+    n, c, h, w = x.shape
+    kh, kw, oh, ow = _shapes(x, weight, geometry)
+    groups = columns.shape[0]
+    fields = columns.reshape(groups, n, oh, ow, kh, kw, c // groups).permute(1, 2, 3, 4, 5, 0, 6)
+    fields = fields.reshape(n, oh, ow, kh, kw, c)
+    with _temporaries() as temporary:
+        grad = temporary((n, h + 2 * padding[0], w + 2 * padding[1], c), x).zero_()
+        for i in range(kh):
+            for j in range(kw):
+                top, left = i * dilation[0], j * dilation[1]
+                rows = slice(top, top + stride[0] * (oh - 1) + 1, stride[0])
+                cols = slice(left, left + stride[1] * (ow - 1) + 1, stride[1])
+                grad[:, rows, cols, :] += fields[:, :, :, i, j, :]
+        grad = grad[:, padding[0] : padding[0] + h, padding[1] : padding[1] + w, :]
+        return _buffer((n, c, h, w), x).copy_(grad.permute(0, 3, 1, 2))
+
+
+def _geometry_1d(stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]) -> tuple:
+    return ((1, stride[0]), (0, padding[0]), (1, dilation[0]))
+
+
+def _to_2d(
+    x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
+):
+    if x.dim() == 4:
+        return x, weight, (tuple(stride), tuple(padding), tuple(dilation))
+    if x.dim() == 3:
+        return x.unsqueeze(2), weight.unsqueeze(2), _geometry_1d(stride, padding, dilation)
+    raise PortableOpError(f"determinism.cpu: portable has no {x.dim() - 2}-D convolution; use native")
+
+
+def convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):  # noqa: ANN001, ANN201
+    """aten.convolution: one product of the input's receptive fields with the weights, per group."""
+    if transposed:
+        raise PortableOpError("determinism.cpu: portable has no transposed convolution; use native")
+    x2, w2, geometry = _to_2d(x, weight, stride, padding, dilation)
+    n, out_channels = x.shape[0], weight.shape[0]
+    _, _, oh, ow = _shapes(x2, w2, geometry)
+    columns, done = _forward_columns(x, x2, w2, geometry, groups)
+    with _temporaries() as temporary:
+        product = temporary((groups, n * oh * ow, out_channels // groups), columns)
+        _product(columns, _weight_matrix(w2, groups), product)
+        done()
+        # (g, N, oh, ow, O/g) -> the NCHW output, split by group, in one pass with the bias
+        product = product.view(groups, n, oh, ow, -1).permute(1, 0, 4, 2, 3)
+        out = _buffer((n, out_channels, oh, ow), x2)
+        grouped = out.view(n, groups, -1, oh, ow)
+        if bias is None:
+            grouped.copy_(product)
+        else:
+            torch.add(product, bias.view(1, groups, -1, 1, 1), out=grouped)
+    return out if x.dim() == 4 else out.squeeze(2)
+
+
+def convolution_backward(
+    grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask
+):  # noqa: ANN001, ANN201, E501
+    """aten.convolution_backward: (input, weight, bias) gradients, those `mask` asks for."""
+    x2, w2, geometry = _to_2d(x, weight, stride, padding, dilation)
+    grad2 = grad if grad.dim() == 4 else grad.unsqueeze(2)
+    n, out_channels, oh, ow = grad2.shape
+    grad_input = grad_weight = grad_bias = None
+    with _temporaries() as temporary:
+        # (g, N*oh*ow, O/g): the output gradient channels-last, split by group
+        per_group = temporary((groups, n * oh * ow, out_channels // groups), grad2)
+        per_group.view(groups, n, oh, ow, -1).copy_(grad2.view(n, groups, -1, oh, ow).permute(1, 0, 3, 4, 2))
+        if mask[1]:
+            grad_weight = _weight_gradient(x, x2, w2, geometry, groups, per_group, temporary).reshape(weight.shape)
+        if mask[0]:
+            weights = _weight_matrix(w2, groups).transpose(1, 2)  # (g, O/g, kh*kw*C/g)
+            columns = _product(per_group, weights, temporary((groups, n * oh * ow, weights.shape[2]), per_group))
+            grad_input = _add_columns(columns, x2, w2, geometry)
+            grad_input = grad_input if x.dim() == 4 else grad_input.squeeze(2)
+    if mask[2]:
+        grad_bias = grad.sum([d for d in range(grad.dim()) if d != 1])
+    return grad_input, grad_weight, grad_bias
+
+
+def _weight_gradient(
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    w2: torch.Tensor,
+    geometry: tuple,
+    groups: int,
+    per_group: torch.Tensor,
+    take: Any,
+) -> torch.Tensor:
+    """(O, C/g, kh, kw), new memory: the forward's columns (kept, or made again) times the output
+    gradient, per group, laid out as the weight."""
+    kept = _kept.pop(_key(x, w2, geometry, groups), None)
+    columns, array = (kept[1], kept[2]) if kept is not None else (_columns(x2, w2, geometry, groups, take), None)
+    columns = columns.transpose(1, 2)  # (g, kh*kw*C/g, N*oh*ow)
+    product = _product(columns, per_group, take((groups, columns.shape[1], per_group.shape[2]), columns))
+    _pool.give(array)
+    o, cg, kh, kw = w2.shape
+    grad_weight = _buffer((o, cg, kh, kw), w2)
+    grad_weight.view(groups, -1, cg, kh, kw).copy_(product.view(groups, kh, kw, cg, -1).permute(0, 4, 3, 1, 2))
+    return grad_weight
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+    product = _matmul(a, b)
+    product = product if alpha == 1 else product * alpha
+    return product + (bias if beta == 1 else bias * beta)
+
+
+def _refuse(name: str):  # noqa: ANN202
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        raise PortableOpError(f"determinism.cpu: portable has no CPU-independent aten::{name}; use native")
+
+    return kernel
+
+
+_ROUTES = {
+    "mm": _matmul,
+    "bmm": _matmul,
+    "addmm": _addmm,
+    "convolution": convolution,
+    "convolution_backward": convolution_backward,
+    **{name: _refuse(name) for name in _REFUSED},
+}
+_library: torch.library.Library | None = None
+
+
+def install() -> None:
+    """Route the ops to the kernels above, for every CPU tensor of this process, until `uninstall`."""
+    global _library
+    if _library is not None:
+        return
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "overriding a previously registered kernel": that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        for name, kernel in _ROUTES.items():
+            library.impl(name, kernel, "CPU")
+    _library = library
+
+
+def uninstall() -> None:
+    """torch's own CPU kernels again (native mode)."""
+    global _library
+    _kept.clear()
+    _pool.clear()
+    if _library is not None:
+        _library._destroy()
+        _library = None
+
+
+def installed() -> bool:
+    """Whether this process computes with the portable kernels."""
+    return _library is not None

@@ -1,0 +1,338 @@
+"""Stage 7 — export: the files that ship, after they pass their gates.
+
+Outputs (`artifacts/export/`):
+
+- `model_fp32.onnx`, and `model.onnx`: the first of `export.candidates` that passes its gates (a
+  copy of the fp32 file when that is fp32); dynamic batch axis, weights inside, the very files the
+  compression table measured;
+- `torch/`: the fp32 model in the other `export.formats`: `model.pt2` (`torch.export`, the current
+  PyTorch format) and, only when asked, `model.torchscript.pt` (TorchScript is deprecated in torch;
+  kept for consumers that still load it);
+- `gates.json` (for `dvc metrics show`; its flat `shipped` section: the shipped model's accuracy, and
+  its size and latency as compress measured them) and `model_card.md`.
+
+Gates, all computed before anything is written:
+
+- fp32 parity: on the first `parity_batch` test images, the logits of the fp32 ONNX model and of
+  each torch format are within `max_abs_diff` of the eager model's. A failure here is a bug in the
+  export path, never a property of the data: the stage fails.
+- each candidate, over the test split, against fp32: top-1 agreement on the images fp32 is
+  confident about (top softmax probability >= `confidence`) >= `min_top1_agreement`, and fp32
+  accuracy minus its accuracy <= `max_accuracy_drop`. fp32 itself has no such gates.
+
+The candidates are tried in order and the first that passes ships: a weak int8 copy does not take
+the whole run down, and the reason it was passed over stays in `gates.json`, the card and the run.
+When no candidate passes, or a parity gate fails, `GateError` names each measured and allowed
+value and `out_dir` is left as it was. Registering the model (MLflow) is the stage wrapper's next
+step, so nothing failing is registered.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tasks.core.atomic import atomic_dir
+from tasks.core.config import ExportConfig
+from tasks.core.errors import ExpectedFailure
+from tasks.core.hashing import file_digest
+from tasks.core.redact import redact, redact_tree
+from tasks.data.preprocess import Preprocessed, load_split
+from tasks.ship.onnx_model import as_pixels, predict, session
+from tasks.train.checkpoints import load_checkpoint
+
+SHIPPED, FP32 = "model.onnx", "model_fp32.onnx"
+TORCH_DIR = "torch"  # the fp32 model in the torch formats of export.formats
+PT2, TORCHSCRIPT = f"{TORCH_DIR}/model.pt2", f"{TORCH_DIR}/model.torchscript.pt"
+TORCH_FORMATS = {"pt2": PT2, "torchscript": TORCHSCRIPT}
+CARD, GATES = "model_card.md", "gates.json"
+
+
+class GateError(ExpectedFailure):
+    """A shipped model failed a gate (an expected failure: one line, exit code 1)."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    name: str
+    measured: float
+    allowed: float
+    at_most: bool  # True: measured <= allowed passes; False: measured >= allowed passes
+    candidate: str = ""  # the candidate this gate judges ("": an fp32 parity gate)
+
+    @property
+    def passed(self) -> bool:
+        return self.measured <= self.allowed if self.at_most else self.measured >= self.allowed
+
+    def describe(self) -> str:
+        relation = ("<=" if self.passed else ">") if self.at_most else (">=" if self.passed else "<")
+        return f"{self.name} {self.measured:.6g} {relation} allowed {self.allowed:.6g}"
+
+
+@dataclass(frozen=True)
+class CardContext:
+    """What the model card records beyond the stage's own results."""
+
+    data_md5: str
+    params: dict[str, Any]
+    lineage: dict[str, str] = field(default_factory=dict)
+    machine: dict[str, str] = field(default_factory=dict)  # the exporting machine's hardware fingerprint
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    variant: str  # what ships as model.onnx: the first of export.candidates that passed
+    fp32_accuracy: float  # test split, fp32 ONNX in ONNX Runtime
+    accuracy: float  # test split, the shipped model.onnx in ONNX Runtime
+    gates: list[Gate]  # parity gates, then each tried candidate's own
+    sha256: dict[str, str]  # exported file (relative to out_dir) -> digest
+    input_shape: tuple[int, int, int]  # (C, H, W) of one image; the batch axis is dynamic
+    num_classes: int
+    fallback_reason: str = ""  # why the first candidate did not ship ("" when it did)
+
+
+@dataclass(frozen=True)
+class _Judged:
+    """One candidate measured against fp32 on the test split."""
+
+    variant: str
+    accuracy: float
+    gates: list[Gate]
+
+    @property
+    def passed(self) -> bool:
+        return all(gate.passed for gate in self.gates)
+
+
+def export(
+    cfg: ExportConfig,
+    threads: int,
+    checkpoint: Path,
+    pre_dir: Path,
+    compress_dir: Path,
+    evaluate_metrics: Path,
+    out_dir: Path,
+    card: CardContext,
+) -> ExportResult:
+    """Write the shipped files to `out_dir` if fp32 parity holds and a candidate passes; raise GateError otherwise."""
+    test = load_split(pre_dir, "test")
+    model, meta = load_checkpoint(checkpoint, test)
+    model.eval()
+    parity = torch.from_numpy(as_pixels(test.images[: cfg.parity_batch]))
+    with torch.no_grad():
+        eager = model(parity).numpy()
+
+    with atomic_dir(out_dir) as staging:
+        shutil.copyfile(compress_dir / "models" / "fp32.onnx", staging / FP32)
+        _save_torch_programs(model, parity, staging, cfg.formats)
+        gates = _parity_gates(cfg, threads, staging, test, parity, eager)
+        if failed := [gate for gate in gates if not gate.passed]:
+            raise GateError(f"{len(failed)} export parity gate(s) failed: " + "; ".join(g.describe() for g in failed))
+        fp32_logits = predict(session(staging / FP32, threads), test.images)
+        tried = _try_candidates(cfg, threads, compress_dir, test, fp32_logits)
+        shipped = tried[-1]
+        gates += [gate for judged in tried for gate in judged.gates]
+        if not shipped.passed:
+            raise GateError("no export candidate passed its gates: " + "; ".join(_failures(tried)))
+        shutil.copyfile(_candidate_file(compress_dir, staging, shipped.variant), staging / SHIPPED)
+        reason = f"{'; '.join(_failures(tried[:-1]))}: {shipped.variant} shipped instead" if len(tried) > 1 else ""
+
+        files = [SHIPPED, FP32, *(TORCH_FORMATS[name] for name in cfg.formats if name in TORCH_FORMATS)]
+        result = ExportResult(
+            variant=shipped.variant,
+            fallback_reason=reason,
+            fp32_accuracy=_accuracy(fp32_logits, test.labels),
+            accuracy=shipped.accuracy,
+            gates=gates,
+            sha256={name: file_digest(staging / name) for name in files},
+            input_shape=tuple(test.images.shape[1:]),
+            num_classes=len(test.classes),
+        )
+        _write_reports(result, cfg, meta, evaluate_metrics, compress_dir, staging, card)
+    return result
+
+
+def _write_reports(
+    result: ExportResult,
+    cfg: ExportConfig,
+    meta: dict[str, Any],
+    evaluate_metrics: Path,
+    compress_dir: Path,
+    staging: Path,
+    card: CardContext,
+) -> None:
+    gate_report = {
+        "variant": result.variant,
+        "requested_variant": cfg.candidates[0],
+        "candidates": list(cfg.candidates),
+        "fallback_reason": result.fallback_reason,
+        "fp32_accuracy": result.fp32_accuracy,
+        "accuracy": result.accuracy,
+        "gates": [{**asdict(g), "passed": g.passed} for g in result.gates],
+        "shipped": _shipped(result, compress_dir),
+    }
+    (staging / GATES).write_text(json.dumps(gate_report, indent=2) + "\n")
+    evaluated = json.loads(evaluate_metrics.read_text())
+    table = (compress_dir / "compression.md").read_text()
+    # the card ships with the model (and to DVC remotes): every secret masked
+    (staging / CARD).write_text(redact(_model_card(result, meta, evaluated, table, card)))
+
+
+def _shipped(result: ExportResult, compress_dir: Path) -> dict[str, float]:
+    """The headline numbers of what ships, flat: `dvc exp show` gives each experiment one column per
+    number, whichever variant shipped (compress's metrics.json has a column per variant instead)."""
+    measured = json.loads((compress_dir / "metrics.json").read_text())[result.variant]
+    keys = ("size_bytes", "latency_b1_ms", "latency_b64_ms")
+    return {"accuracy": result.accuracy, **{key: measured[key] for key in keys}}
+
+
+def _failures(tried: list[_Judged]) -> list[str]:
+    return [
+        f"{judged.variant} failed its gates ({'; '.join(g.describe() for g in judged.gates if not g.passed)})"
+        for judged in tried
+        if not judged.passed
+    ]
+
+
+def _accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
+    return float((logits.argmax(1) == labels).mean())
+
+
+def _candidate_file(compress_dir: Path, staging: Path, variant: str) -> Path:
+    return staging / FP32 if variant == "fp32" else compress_dir / "models" / f"{variant}.onnx"
+
+
+def _try_candidates(
+    cfg: ExportConfig, threads: int, compress_dir: Path, test: Preprocessed, fp32_logits: np.ndarray
+) -> list[_Judged]:
+    """The candidates in order, up to and including the first that passes (or all of them)."""
+    fp32_pred = fp32_logits.argmax(1)
+    shifted = fp32_logits - fp32_logits.max(1, keepdims=True)  # softmax without overflow
+    confidence = np.exp(shifted).max(1) / np.exp(shifted).sum(1)
+    confident = confidence >= cfg.confidence
+    fp32_acc = _accuracy(fp32_logits, test.labels)
+    tried: list[_Judged] = []
+    for variant in cfg.candidates:
+        if variant == "fp32":  # the reference: its parity gates already passed
+            tried.append(_Judged(variant, fp32_acc, []))
+            break
+        pred = predict(session(compress_dir / "models" / f"{variant}.onnx", threads), test.images).argmax(1)
+        # Where fp32 is unsure, a quantized copy flips predictions either way (the accuracy gate
+        # bounds the net effect); where fp32 is confident, a flip is a defect of the copy.
+        agreement = float((pred[confident] == fp32_pred[confident]).mean()) if confident.any() else 1.0
+        acc = float((pred == test.labels).mean())
+        where = f"on the {int(confident.sum())} test images fp32 gives p >= {cfg.confidence:g}"
+        gates = [
+            Gate(f"{variant} top-1 agreement with fp32 {where}", agreement, cfg.min_top1_agreement, False, variant),
+            Gate(f"{variant} accuracy drop from fp32", fp32_acc - acc, cfg.max_accuracy_drop, True, variant),
+        ]
+        tried.append(_Judged(variant, acc, gates))
+        if tried[-1].passed:
+            break
+    return tried
+
+
+def _bytes_note(mode: str) -> str:
+    where = "the same on any x86-64 CPU with AVX2" if mode == "portable" else "other bytes on another CPU"
+    return (
+        f"The machine this pipeline run exported on (the train run's own is on its MLflow run, hw.* tags). "
+        f"Weight bytes depend on these (determinism.cpu: {mode}, {where})."
+    )
+
+
+def _save_torch_programs(model: torch.nn.Module, parity: torch.Tensor, staging: Path, formats: tuple[str, ...]) -> None:
+    """The fp32 model in the torch formats asked for: a torch.export program (.pt2), TorchScript."""
+    (staging / TORCH_DIR).mkdir()
+    if "pt2" in formats:
+        program = torch.export.export(model, (parity,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+        for node in program.graph.nodes:  # stack traces name this checkout's paths: bytes would depend on it
+            node.meta.pop("stack_trace", None)
+        torch.export.save(program, staging / PT2)
+    if "torchscript" in formats:
+        with torch.no_grad():
+            # Not byte-reproducible: TorchScript archives carry a random serialization id and pickled
+            # debug info. It is for legacy consumers; the ONNX and .pt2 files are reproducible.
+            torch.jit.save(torch.jit.trace(model, parity), staging / TORCHSCRIPT)
+
+
+def _parity_gates(
+    cfg: ExportConfig, threads: int, staging: Path, test: Preprocessed, parity: torch.Tensor, eager: np.ndarray
+) -> list[Gate]:
+    """fp32 ONNX and each torch format, reloaded from the files as written, against the eager model."""
+    reloaded = {"fp32 ONNX": predict(session(staging / FP32, threads), test.images[: cfg.parity_batch])}
+    if "pt2" in cfg.formats:
+        reloaded[".pt2"] = _run_torch(torch.export.load(staging / PT2).module(), parity)
+    if "torchscript" in cfg.formats:
+        reloaded["TorchScript"] = _run_torch(torch.jit.load(staging / TORCHSCRIPT), parity)
+    return [
+        Gate(f"{name} vs eager max |logit diff|", float(np.abs(out - eager).max()), cfg.max_abs_diff, True)
+        for name, out in reloaded.items()
+    ]
+
+
+@torch.no_grad()
+def _run_torch(module: torch.nn.Module, pixels: torch.Tensor) -> np.ndarray:
+    return module(pixels).numpy()
+
+
+def _model_card(
+    result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float], table: str, card: CardContext
+) -> str:
+    params = json.dumps(redact_tree(card.params), indent=2, sort_keys=True)
+    beside = ", ".join(f"`{name}`" for name in result.sha256 if name != SHIPPED)
+    lines = [
+        f"# Model card: {meta['model']} on {len(meta['classes'])} classes",
+        "",
+        f"Shipped: `{SHIPPED}` ({result.variant}), beside {beside} (fp32).",
+        *([f"**Fallback:** {result.fallback_reason}."] if result.fallback_reason else []),
+        "Input: float32 pixels in [0, 1], shape (N, C, H, W), named `pixels`; output: `logits`. "
+        "Normalisation is inside the model.",
+        "",
+        "## Provenance",
+        "",
+        f"- data (DVC md5 of `data/`): `{card.data_md5}`",
+        f"- seed: {meta['seed']} (training), {card.params.get('seed')} (pipeline)",
+        f"- best epoch: {meta['epoch']}, validation accuracy {meta['val_accuracy']:.4f}",
+        f"- classes: {', '.join(map(str, meta['classes']))}",
+        *(f"- {key}: `{value}`" for key, value in sorted(card.lineage.items())),
+        "",
+        "## Machine",
+        "",
+        _bytes_note(card.machine.get("hw.cpu.mode", "native")),
+        "",
+        *(f"- {key.removeprefix('hw.')}: `{value}`" for key, value in sorted(card.machine.items())),
+        "",
+        "## Metrics (test split)",
+        "",
+        "| metric | value |",
+        "| --- | ---: |",
+        *(f"| evaluate {k} | {v:.4f} |" for k, v in evaluated.items()),
+        f"| fp32 ONNX accuracy | {result.fp32_accuracy:.4f} |",
+        f"| shipped ({result.variant}) ONNX accuracy | {result.accuracy:.4f} |",
+        "",
+        "## Gates",
+        "",
+        *(f"- {'pass' if g.passed else 'FAIL'}: {g.describe()}" for g in result.gates),
+        "",
+        "## Compression",
+        "",
+        table.strip(),
+        "",
+        "## Files (sha256)",
+        "",
+        *(f"- `{name}`: `{digest}`" for name, digest in result.sha256.items()),
+        "",
+        "## Parameters",
+        "",
+        "```json",
+        params,
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""int8 quantization for the compress stage, with maintained tools only.
+
+- post-training (dynamic and static): ONNX Runtime's quantizer, applied to the fp32 ONNX file. Its
+  QDQ graphs are the ones ORT's int8 kernels are written for, and ORT is what runs them here.
+- quantization-aware training: torchao's pt2e flow (`prepare_qat_pt2e` / `convert_pt2e`, the
+  successor of the deprecated `torch.ao.quantization` eager API), exported to the same QDQ ONNX.
+
+Conv-BN-ReLU fusion: BatchNorm is folded into the conv by torch's ONNX exporter (post-training) or
+before QAT starts (qat); the quantizers absorb ReLU into the conv's output quantization range.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tasks.core.atomic import atomic_file
+from tasks.ship.onnx_model import INPUT, as_pixels, export_onnx, save_onnx
+
+
+def _preprocessed(fp32: Path, workdir: Path) -> Path:
+    # ORT's recommended first step: shape inference + graph optimisation (fusions) before quantizing.
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    out = workdir / "preprocessed.onnx"
+    quant_pre_process(str(fp32), str(out), skip_symbolic_shape=False)
+    return out
+
+
+def dynamic_int8(fp32: Path, out: Path) -> None:
+    """int8 weights, activations quantized on the fly (ORT `quantize_dynamic`, ConvInteger kernels).
+
+    Measured ~10x slower than fp32 on CNNs (ORT's ConvInteger path): it is built for the table,
+    not recommended for shipping convnets.
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(dir=out.parent) as workdir, atomic_file(out) as tmp:
+        quantize_dynamic(_preprocessed(fp32, Path(workdir)), tmp, weight_type=QuantType.QInt8)
+    _strip(out)
+
+
+class _Calibration:
+    """ORT's CalibrationDataReader protocol over fixed batches of uint8 images."""
+
+    def __init__(self, images: np.ndarray, batch_size: int) -> None:
+        self._batches: Iterator[dict[str, np.ndarray]] = iter(
+            {INPUT: as_pixels(images[i : i + batch_size])} for i in range(0, len(images), batch_size)
+        )
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._batches, None)
+
+
+def static_int8(fp32: Path, out: Path, calibration: np.ndarray, batch_size: int = 64) -> None:
+    """int8 weights (per output channel) and activations (ranges calibrated on `calibration`), QDQ format.
+
+    Weights use 7 bits (`reduce_range`): on x86 CPUs without VNNI, ORT's u8 x s8 kernels add pairs of
+    products in int16 (vpmaddubsw), which saturates with full-range weights, so the same int8 file
+    computed other logits there than on a VNNI CPU. Seen on resnet9 on 32-px RGB shapes on an AMD
+    EPYC without VNNI: top-1 agreement with fp32 0.973 (accuracy 0.860 vs 0.877); with 7-bit weights
+    1.000 (0.876), and the first conv's wide-ranged inputs were the ones saturating.
+    """
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    with tempfile.TemporaryDirectory(dir=out.parent) as workdir, atomic_file(out) as tmp:
+        quantize_static(
+            _preprocessed(fp32, Path(workdir)),
+            tmp,
+            _Calibration(calibration, batch_size),
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            reduce_range=True,
+            calibrate_method=CalibrationMethod.MinMax,
+        )
+    _strip(out)
+
+
+def _strip(path: Path) -> None:
+    import onnx
+
+    save_onnx(onnx.load(str(path)), path)
+
+
+def qat_int8(model: nn.Module, example: torch.Tensor, fine_tune: Callable[[nn.Module], object], out: Path) -> None:
+    """Quantization-aware training: fake-quantize `model` (pt2e, x86 int8 config), let `fine_tune`
+    train it for a few epochs, convert to int8 and export as QDQ ONNX."""
+    from torch.fx.experimental.optimization import fuse
+    from torchao.quantization.pt2e import allow_exported_model_train_eval, move_exported_model_to_eval
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+
+    # BatchNorm is folded into the convs once, up front, so QAT fine-tunes with frozen BN statistics
+    # (usual for the last epochs of QAT). pt2e would otherwise simulate the folding in training and
+    # undo it in convert_pt2e, which traces 96 pattern graphs: 12 s on 2 cores for any model.
+    folded = fuse(model.eval())
+    graph = torch.export.export(folded.train(), (example,), dynamic_shapes=({0: torch.export.Dim("batch")},)).module()
+    quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_qat=True))
+    prepared = prepare_qat_pt2e(graph, quantizer)
+    allow_exported_model_train_eval(prepared)  # so the shared training loop's .train()/.eval() work
+    fine_tune(prepared)
+    move_exported_model_to_eval(prepared)
+    converted = convert_pt2e(prepared)
+    for module in converted.modules():  # the graph is in eval form already; this is the flag the exporter checks
+        module.training = False
+    export_onnx(converted, example, out)

@@ -1,0 +1,1 @@
+"""MLflow at the edge: the pipeline's runs, the UI's training dashboard, orphaned runs."""

@@ -1,0 +1,528 @@
+"""MLflow tracking: one parent run per pipeline execution, one nested run per stage that ran.
+
+How a stage finds its parent run, whichever entry point started it:
+
+1. `LOCKSTEP_PARENT_RUN_ID` is set (the Prefect flow sets it for the stages it runs, and it is
+   inherited by subprocesses such as torchrun ranks): use that run; its owner ends it.
+2. Otherwise the stage runs under `dvc repro` / `dvc exp run` (or by hand): every stage process of
+   one DVC invocation shares that DVC process as an ancestor, so the parent run is tagged with it
+   (`lockstep.session`). The first stage creates it, later ones resume it, and each stage marks it
+   finished when it is done, so it is never left "running".
+
+Every run records its owner (tasks/tracking/orphans.py `owner_tags`): the process that ends it, which for a DVC
+session's parent run is the dvc process. A run whose owner was killed stays RUNNING; the next pipeline
+execution marks it KILLED, with the reason (`sweep`, at the start of `pipeline_run` and of a stage
+that creates or resumes a session's parent run).
+
+MLflow is imported lazily: a GPU box with torch alone can still run the train stage with
+`tracking.enabled: false`.
+
+Everything logged goes through tasks/core/redact.py (no secret reaches params, tags or artifacts), and
+the store is checked before a run starts (`check_store`): a tracking server that is down fails the
+pipeline in seconds, not after minutes of retries (or after training).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tasks.core.config import Params, TrackingConfig
+from tasks.core.errors import ExpectedFailure
+from tasks.core.hashing import data_md5, file_digest
+from tasks.core.layout import project_root
+from tasks.core.redact import redact, redact_mapping
+from tasks.tracking.dashboard import ensure_training_view, record_pipeline, start_pipeline
+from tasks.tracking.orphans import owner_tags, sweep
+
+log = logging.getLogger(__name__)
+
+PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
+SESSION_TAG = "lockstep.session"
+METRICS_WRITE_EVERY_S = 1.0  # how stale a stage's metrics in the store may get (StageRun.log_metrics)
+CHECK_TIMEOUT_S = 4.0  # the store check's request: with start-up, a dead server fails a run in < 10 s
+
+
+def tracking_uri() -> str:
+    """`MLFLOW_TRACKING_URI` if set, else an sqlite store at the absolute project root."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or _default_uri()
+
+
+def _default_uri() -> str:
+    return f"sqlite:///{project_root() / 'mlflow.db'}"
+
+
+def _mlflow():
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # system metrics (the train run): a point every second (MLflow: every 10 s). MLflow drops the samples
+    # not yet logged when the run ends, so a coarser setting leaves a short training with no point at all.
+    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
+    import mlflow
+
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    _open_sqlite_store(mlflow, uri)
+    return mlflow
+
+
+_opened_stores: set[str] = set()  # sqlite URIs this process has opened (MLflow caches the store per URI)
+
+
+def _open_sqlite_store(mlflow: Any, uri: str) -> None:
+    """Open (and, the first time, create) an sqlite store while holding a lock on it.
+
+    MLflow creates an empty store's tables and runs its ~70 schema migrations from whichever process
+    opens it first, with no lock between processes. Two stages that start together (`dvc queue start
+    -j 2` on a fresh clone) both did, and one failed with "table latest_metrics already exists"
+    (tests/test_dvc_queue.py). Under the lock the second waits, then finds the tables made. The lock file
+    lives in the temporary directory, keyed by the database's path, like the lock MLflow takes for this
+    in its job and workspace stores (not in the tracking store): no file appears in the project.
+    """
+    if urllib.parse.urlparse(uri).scheme != "sqlite" or uri in _opened_stores:
+        return
+    with store_lock(uri, "store"):
+        mlflow.MlflowClient(uri)  # builds the store: creates the tables if there are none
+    _opened_stores.add(uri)
+
+
+def store_lock(uri: str, purpose: str) -> AbstractContextManager[Any]:
+    """A lock that this machine's processes take on a local sqlite store for `purpose` (creating it,
+    a promotion decision), kept in the temporary directory and keyed by the database's path; for a
+    tracking server, no lock (the caller then re-checks what it read)."""
+    if urllib.parse.urlparse(uri).scheme != "sqlite":
+        return nullcontext()
+    import hashlib
+
+    from filelock import FileLock
+
+    database = Path(urllib.parse.urlparse(uri).path[1:]).resolve()  # sqlite:///<path>, absolute or not
+    key = hashlib.sha256(str(database).encode()).hexdigest()[:16]
+    return FileLock(Path(tempfile.gettempdir()) / f"lockstep-mlflow-{purpose}-{key}.lock")
+
+
+class TrackingUnavailable(ExpectedFailure):
+    """The MLflow store cannot take this run's records (server down or failing, store not writable)."""
+
+
+def check_store(cfg: TrackingConfig) -> None:
+    """Fail fast, before anything runs, if the tracking store cannot be written to.
+
+    A server gets one real API request (MLflow's own client code, so its auth and TLS settings
+    apply), no retries, CHECK_TIMEOUT_S at most: refused, timing out, 5xx or 401/403 is an error.
+    MLflow's client would otherwise retry for minutes, and only once the first record is due.
+    """
+    if not cfg.enabled:
+        return
+    uri = tracking_uri()
+    shown = redact(uri)
+    fix = "start it, point MLFLOW_TRACKING_URI at one that runs, or set tracking.enabled: false in params.yaml"
+    scheme = urllib.parse.urlparse(uri).scheme
+    if scheme in ("http", "https"):
+        from mlflow.utils.credentials import get_default_host_creds
+        from mlflow.utils.rest_utils import http_request
+
+        try:
+            response = http_request(
+                get_default_host_creds(uri),
+                "/api/2.0/mlflow/experiments/get-by-name",
+                "GET",
+                max_retries=0,
+                timeout=CHECK_TIMEOUT_S,
+                raise_on_status=False,
+                params={"experiment_name": cfg.experiment},
+            )
+        except Exception as exc:  # noqa: BLE001 - requests/urllib3/MLflow raise many kinds; all mean "unreachable"
+            text = str(exc).lower()
+            reason = (
+                f"no answer within {CHECK_TIMEOUT_S:g} s"
+                if "timed out" in text or "timeout" in text
+                else "connection refused"
+                if "refused" in text
+                else f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            )
+            raise TrackingUnavailable(
+                f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) is unreachable: {reason}; {fix}"
+            ) from None
+        if response.status_code in (401, 403):
+            raise TrackingUnavailable(
+                f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) refused the credentials "
+                f"(HTTP {response.status_code}): check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+            ) from None
+        if response.status_code >= 500:
+            raise TrackingUnavailable(
+                f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) answered HTTP {response.status_code}; {fix}"
+            ) from None
+        if response.status_code not in (200, 404):  # 404: no such experiment yet, created on first use
+            raise TrackingUnavailable(
+                f"{shown} (MLFLOW_TRACKING_URI) does not answer like an MLflow tracking "
+                f"server (HTTP {response.status_code}); {fix}"
+            )
+    elif scheme == "sqlite":
+        folder = Path(urllib.parse.urlparse(uri).path).parent
+        if not os.access(folder, os.W_OK):
+            raise TrackingUnavailable(f"MLflow store {shown}: {folder} is not a writable directory; {fix}")
+
+
+# --------------------------------------------------------------------------- lineage
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def _sha256(path: Path) -> str:
+    return file_digest(path) if path.exists() else "none"
+
+
+def lineage_tags() -> dict[str, str]:
+    """Where a run came from: code, data, pipeline state and library versions.
+
+    The CUDA/cuDNN versions need torch imported; a stage has imported it by now, the flow's parent
+    run (which computes nothing) records the installed torch version without importing it (~1 s
+    of every no-op flow run).
+    """
+    import sys
+    from importlib.metadata import version
+
+    commit = _git("rev-parse", "HEAD")
+    # dvc.lock and data.dvc are rewritten by the pipeline itself and are recorded by hash below;
+    # counting them would mark every run after the first stage as dirty.
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock", ":!data.dvc")
+    tags = {
+        "git.commit": commit or "none (not a git repository)",
+        "git.dirty": "unknown" if status is None else str(bool(status)).lower(),
+        "data.md5": data_md5(),
+        "dvc_lock.sha256": _sha256(Path("dvc.lock")),
+        "version.python": platform.python_version(),
+        "version.torch": version("torch"),
+        "version.torchvision": version("torchvision"),  # not imported: ~3.5 s
+        "host": platform.node(),
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        tags.update(
+            {"version.torch": torch.__version__, "version.cuda": str(torch.version.cuda), "version.cudnn": str(cudnn)}
+        )
+    return tags
+
+
+# --------------------------------------------------------------------------- stage runs
+
+
+class StageRun:
+    """What a stage logs to. With tracking disabled every method does nothing (by request)."""
+
+    def __init__(self, mlflow_module: Any | None = None, run_id: str | None = None) -> None:
+        self._mlflow = mlflow_module
+        self.run_id = run_id
+        self._pending: list[Any] = []  # mlflow Metric entities not yet written
+        self._written_at = float("-inf")  # time.monotonic() of the last write
+
+    @property
+    def enabled(self) -> bool:
+        return self._mlflow is not None
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self._mlflow:
+            self._mlflow.log_params(redact_mapping(params))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Metrics stamped now, written at most every METRICS_WRITE_EVERY_S (and by `flush`).
+
+        One write to the sqlite store takes ~11 ms: once per epoch it cost 6% of training digits
+        (B4 in benchmarks/). Batched by time instead, a short epoch's curve reaches the UI a second
+        late and a long one's at once. (MLflow's own `synchronous=False` queue was slower still:
+        its logging thread competes with training for the 2 cores, 1.25x.)
+        """
+        if not self._mlflow:
+            return
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        self._pending += [Metric(key, float(value), stamp, step or 0) for key, value in metrics.items()]
+        if time.monotonic() - self._written_at >= METRICS_WRITE_EVERY_S:
+            self.flush()
+
+    def log_history(self, rows: Iterable[dict[str, float]], prefix: str = "") -> None:
+        """Per-epoch rows (each with its `epoch`) as metric series stepped by epoch: the one way a
+        curve is logged (training, its resumed part, DDP's history.json, fine-tuning in compress)."""
+        for row in rows:
+            self.log_metrics({f"{prefix}{k}": v for k, v in row.items() if k != "epoch"}, step=int(row["epoch"]))
+
+    def flush(self) -> None:
+        """Write the metrics logged so far; raises if MLflow cannot."""
+        if self._mlflow and self._pending:
+            client = self._mlflow.MlflowClient()
+            for start in range(0, len(self._pending), 1000):  # MLflow's limit per batch
+                client.log_batch(self.run_id, metrics=self._pending[start : start + 1000])
+            self._pending = []
+        self._written_at = time.monotonic()
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        if self._mlflow:
+            self._mlflow.set_tags(redact_mapping(tags))
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        """Log a file; a text file that holds a secret (a resolved params.yaml, dvc.lock) is logged as a
+        copy with the secret masked, under the same name."""
+        if not self._mlflow:
+            return
+        path = Path(path)
+        text = _text_of(path)
+        if text is None or redact(text) == text:
+            self._mlflow.log_artifact(str(path), artifact_path=artifact_path)
+            return
+        with tempfile.TemporaryDirectory(prefix="lockstep-redacted-") as tmp:
+            copy = Path(tmp) / path.name
+            copy.write_text(redact(text))
+            shutil.copymode(path, copy)
+            self._mlflow.log_artifact(str(copy), artifact_path=artifact_path)
+
+    @property
+    def mlflow(self) -> Any:
+        """The mlflow module, for flavour-specific calls (log_model); only when enabled."""
+        if self._mlflow is None:
+            raise RuntimeError("tracking is disabled (tracking.enabled: false)")
+        return self._mlflow
+
+
+def _text_of(path: Path, limit: int = 16 * 2**20) -> str | None:
+    """The file's text if it is a modest UTF-8 text file (what could carry a secret), else None."""
+    if path.stat().st_size > limit:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _session_owner() -> tuple[str, psutil.Process]:
+    """The process every stage process of one `dvc repro` / `dvc exp run` invocation shares: that dvc
+    process ("dvc"), or this process itself ("process") outside DVC."""
+    me = psutil.Process()
+    for proc in me.parents():
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "dvc" in (Path(part).name for part in cmd[:3]):  # `dvc ...` or `python -m dvc ...`
+            return "dvc", proc
+    return "process", me
+
+
+def _session_key(owner: tuple[str, psutil.Process] | None = None) -> str:
+    """An id shared by every stage process of one `dvc repro` / `dvc exp run` invocation."""
+    kind, proc = owner or _session_owner()
+    return f"{kind}:{proc.pid}:{proc.create_time():.3f}"
+
+
+def _experiment_id(mlflow: Any, name: str) -> str:
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment:
+        ensure_training_view(mlflow.MlflowClient(), experiment)  # made by an older lockstep, or by hand
+        return experiment.experiment_id
+    # With the default sqlite store, keep artifacts beside it (absolute, project-rooted) rather
+    # than in whatever directory the first stage happened to run from. A server decides itself.
+    location = None
+    # (Not "is MLFLOW_TRACKING_URI unset": mlflow.set_tracking_uri sets it, for subprocesses.)
+    if tracking_uri() == _default_uri():
+        location = (project_root() / "mlartifacts").as_uri()
+    from mlflow.exceptions import MlflowException
+
+    try:
+        created = mlflow.create_experiment(name, artifact_location=location)
+    except MlflowException as exc:
+        # Another process (a parallel DVC experiment, a sweep trial) created it since we looked.
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return mlflow.get_experiment_by_name(name).experiment_id
+    ensure_training_view(mlflow.MlflowClient(), mlflow.get_experiment(created))
+    return created
+
+
+def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point: str, params: Params | None) -> str:
+    client = mlflow.MlflowClient()
+    sweep(client, [experiment_id], f"a {entry_point} stage")
+    owner = _session_owner()
+    key = _session_key(owner)
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{SESSION_TAG}` = '{key}'", max_results=1)
+    if found:
+        run_id = found[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    run = client.create_run(
+        experiment_id,
+        run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        tags=redact_mapping(
+            {SESSION_TAG: key, "lockstep.entry_point": entry_point, **lineage_tags(), **owner_tags(owner[1])}
+        ),
+    )
+    if params is not None:
+        start_pipeline(client, run.info.run_id, params)
+    return run.info.run_id
+
+
+@contextmanager
+def pipeline_run(cfg: TrackingConfig, entry_point: str, params: Params | None = None) -> Iterator[str | None]:
+    """The parent run of one pipeline execution, for an orchestrator (the Prefect flow).
+
+    Stages started inside the block, in this process or in subprocesses, nest under it. With the
+    pipeline's `params`, the run is the pipeline's dashboard row (tasks/tracking/dashboard.py): key params and
+    dataset now, a name and the headline numbers at the end. (A sweep's run has trials, not stages.)
+    """
+    if not cfg.enabled:
+        yield None
+        return
+    check_store(cfg)
+    mlflow = _mlflow()
+    client = mlflow.MlflowClient()
+    experiment_id = _experiment_id(mlflow, cfg.experiment)
+    sweep(client, [experiment_id], f"the {entry_point} pipeline run")
+    run = client.create_run(
+        experiment_id,
+        run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        tags=redact_mapping({"lockstep.entry_point": entry_point, **lineage_tags(), **owner_tags()}),
+    )
+    run_id = run.info.run_id
+    if params is not None:
+        start_pipeline(client, run_id, params)
+    previous = os.environ.get(PARENT_ENV)
+    os.environ[PARENT_ENV] = run_id
+    status = "FAILED"
+    try:
+        yield run_id
+        status = "FINISHED"
+    finally:
+        if params is not None:
+            _record_pipeline(client, run_id, entry_point, params, status)
+        client.set_terminated(run_id, status)
+        if previous is None:
+            os.environ.pop(PARENT_ENV, None)
+        else:
+            os.environ[PARENT_ENV] = previous
+
+
+def _record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, status: str) -> None:
+    """The pipeline run's name and headline numbers (tasks/tracking/dashboard.py). After a failure, a store
+    that cannot take them is logged, not raised: the failure itself is what the caller must see."""
+    try:
+        record_pipeline(client, run_id, entry_point, params, finished=status == "FINISHED")
+    except Exception as exc:
+        if status == "FINISHED":
+            raise
+        log.warning("MLflow run %s: its summary was not recorded: %s", run_id, redact(" ".join(str(exc).split()))[:300])
+
+
+def _store_failed(exc: BaseException) -> bool:
+    """Whether MLflow's client gave up on a request to a tracking server (after its own retries)."""
+    from mlflow.exceptions import MlflowException, RestException
+    from requests.exceptions import RequestException
+
+    if isinstance(exc, RestException | RequestException):
+        return True
+    return isinstance(exc, MlflowException) and "API request to" in str(exc)
+
+
+def _records_lost(stage: str, exc: BaseException) -> str:
+    """One line for a store that failed mid-stage (its database or artifact store down, say): which
+    store, what it answered, and that the stage's outputs stay (DVC has not recorded the stage: the
+    next run does it again)."""
+    text = " ".join(str(exc).split())
+    status = re.search(r"too many (\d{3}) error responses|error code (\d{3})", text)
+    if status:
+        code = status.group(1) or status.group(2)
+        reason = f"it answered HTTP {code} (its log says why: its database or artifact store down?)"
+    else:
+        reason = "connection refused" if "refused" in text.lower() else text[:300]
+    return (
+        f"MLflow tracking store {redact(tracking_uri())} failed the {stage} stage's records: {reason}; "
+        "the stage's outputs stay on disk, and the next run does the stage again"
+    )
+
+
+def tag_run(run_id: str, tags: dict[str, str]) -> None:
+    """Add tags to a run that is not this process's active one (the flow's parent run)."""
+    client = _mlflow().MlflowClient()
+    for key, value in redact_mapping(tags).items():
+        client.set_tag(run_id, key, value)
+
+
+def _redacted_context_tags() -> dict[str, str]:
+    """The tags MLflow's start_run adds by itself (git remote URL, source, user) that hold a secret, masked.
+
+    Passed to start_run, they win over MLflow's own values, so the secret is never written at all: a
+    remote such as https://oauth2:<token>@host/repo.git would otherwise be stored as mlflow.source.git.repoURL.
+    """
+    from mlflow.tracking.context.registry import resolve_tags
+
+    return {key: redact(value) for key, value in resolve_tags().items() if redact(value) != value}
+
+
+@contextmanager
+def stage_run(
+    stage: str, cfg: TrackingConfig, params: dict[str, Any], pipeline: Params | None = None
+) -> Iterator[StageRun]:
+    """A nested MLflow run for one stage, with its params and lineage tags already logged.
+
+    Outside an orchestrator the stage makes or resumes its session's parent run, which becomes the
+    pipeline's dashboard row when the stage is given the `pipeline`'s params (tasks/tracking/dashboard.py).
+    The train stage's run records the machine's CPU, memory (and GPU) use: MLflow's system metrics.
+    """
+    if not cfg.enabled:
+        yield StageRun()
+        return
+    parent_id = os.environ.get(PARENT_ENV)
+    owns_parent = parent_id is None
+    if owns_parent:  # under the flow, the flow has checked the store already
+        check_store(cfg)
+    mlflow = _mlflow()
+    experiment_id = _experiment_id(mlflow, cfg.experiment)
+    if owns_parent:
+        entry_point = "dvc" if os.environ.get("DVC_STAGE") else "cli"
+        parent_id = _find_or_create_session_parent(mlflow, experiment_id, entry_point, pipeline)
+    status = "FAILED"
+    try:
+        with mlflow.start_run(
+            run_name=stage,
+            experiment_id=experiment_id,
+            parent_run_id=parent_id,
+            tags={**_redacted_context_tags(), **redact_mapping(owner_tags())},
+            log_system_metrics=stage == "train",
+        ) as active:
+            run = StageRun(mlflow, active.info.run_id)
+            run.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})
+            run.log_params(params)
+            try:
+                yield run
+            except Exception as exc:
+                if _store_failed(exc):
+                    raise TrackingUnavailable(_records_lost(stage, exc)) from exc
+                raise
+            finally:  # a failed stage's curve up to the failure is what its user needs to see
+                run.flush()
+        status = "FINISHED"
+    finally:
+        if owns_parent:
+            client = mlflow.MlflowClient()
+            if pipeline is not None:
+                _record_pipeline(client, parent_id, entry_point, pipeline, status)
+            client.set_terminated(parent_id, status)

@@ -1,0 +1,349 @@
+"""The training loop, built once: what the train stage, fine-tuning (compress) and the benchmarks step.
+
+`build_training` puts together the model, optimiser, scheduler, GradScaler, loss and the seeded data
+loader for one process (a lone one, or one rank of a torchrun job); `Training.epoch` runs one epoch
+of it and returns that epoch's row of the history. Nothing here writes files or logs to MLflow.
+
+Data path: the split sits in memory as uint8 tensors; the DataLoader fetches whole batches
+(`__getitems__`), workers apply the random shift and mirror, and the model normalises on the device. No
+per-sample Python work, no PIL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from tasks.core.config import TrainConfig
+from tasks.core.errors import ExpectedFailure
+from tasks.data.preprocess import Preprocessed, load_split
+from tasks.determinism.kernels import installed as portable_installed
+from tasks.determinism.pinning import loader_kwargs
+from tasks.train.devices import Distributed, resolve_device
+from tasks.train.models import build_model, head_name, predict, to_float, uses_attention
+
+# How often a GPU run reads back whether a loss was non-finite: each read makes the host wait for the
+# queued kernels, so it is amortised over steps (a diverged run wastes at most this many). On the CPU
+# there is nothing to wait for: every step is checked, before its update.
+FINITE_CHECK_EVERY_CUDA = 50
+ALONE = Distributed()  # a lone process: rank 0 of 1
+
+
+class TrainingDiverged(ExpectedFailure):
+    """The loss became NaN or infinite; nothing of the failing epoch was written."""
+
+
+def shift_pixels(cfg: TrainConfig, image_size: tuple[int, ...]) -> int:
+    """`train.random_shift` in pixels: `auto` is an eighth of the shorter side, at least 1."""
+    return max(1, round(min(image_size) / 8)) if cfg.random_shift == "auto" else int(cfg.random_shift)
+
+
+class AugmentedBatches(Dataset):
+    """A split as uint8 tensors, fetched a batch at a time, randomly shifted and mirrored if asked.
+
+    A batch's shifts and flips are drawn from a generator seeded by (seed, the batch's sample
+    indices), so augmentation does not depend on which worker fetches the batch or on how many
+    workers there are: `num_workers` 0 and 2 give the same weights.
+    """
+
+    def __init__(self, split: Preprocessed, max_shift: int, hflip: bool, seed: int) -> None:
+        self.images = torch.from_numpy(np.ascontiguousarray(split.images))
+        self.labels = torch.from_numpy(np.ascontiguousarray(split.labels))
+        self.max_shift = max_shift
+        self.hflip = hflip
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.as_tensor(indices)
+        images, labels = self.images[index], self.labels[index]
+        if self.max_shift or self.hflip:
+            state = np.random.SeedSequence([self.seed, *indices]).generate_state(2, dtype=np.uint32)
+            if self.max_shift:
+                images = _random_shift(images, self.max_shift, torch.Generator().manual_seed(int(state[0])))
+            if self.hflip:
+                images = _random_hflip(images, torch.Generator().manual_seed(int(state[1])))
+        return images, labels
+
+
+def _random_hflip(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Mirror each image left-right with probability 1/2."""
+    flip = torch.rand(len(images), generator=generator) < 0.5
+    return torch.where(flip[:, None, None, None], images.flip(-1), images)
+
+
+def _random_shift(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Translate each image by up to `max_shift` pixels in x and y, filling with zeros."""
+    n, c, h, w = images.shape
+    padded = nn.functional.pad(images, (max_shift,) * 4)
+    dy, dx = torch.randint(0, 2 * max_shift + 1, (2, n, 1), generator=generator)
+    rows = (dy + torch.arange(h))[:, None, :, None]
+    cols = (dx + torch.arange(w))[:, None, None, :]
+    return padded[torch.arange(n)[:, None, None, None], torch.arange(c)[None, :, None, None], rows, cols]
+
+
+def _whole_batches(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch  # __getitems__ already returns stacked tensors
+
+
+def _loader(split: Preprocessed, cfg: TrainConfig, seed: int, ranks: Distributed, device: torch.device):
+    dataset = AugmentedBatches(split, shift_pixels(cfg, split.images.shape[2:]), cfg.hflip, seed)
+    # The shuffle order is a function of (seed, epoch) alone, set through `set_epoch`, not of how
+    # much the loader's generator has been drawn from; the same sampler shards it across ranks.
+    sampler = DistributedSampler(dataset, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=True, seed=seed)
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size // ranks.world_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0,
+        collate_fn=_whole_batches,
+        pin_memory=device.type == "cuda",
+        # forkserver, not fork: workers forked from an orchestrator's process (Prefect's threads and
+        # handlers) died at shutdown; a forkserver child starts clean. Costs one import of torch.
+        multiprocessing_context="forkserver" if cfg.num_workers > 0 else None,
+        **loader_kwargs(seed),
+    )
+    return sampler, loader
+
+
+def head_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the classifier head (tasks.train.models.head_name) of a `Classifier`."""
+    return list(model.get_submodule(f"net.{head_name(model.net)}").parameters())
+
+
+def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params: Iterable = model.parameters()
+    if cfg.head_lr is not None:  # a new head learns faster than the pretrained weights under it may move
+        head = {id(p) for p in head_parameters(model)}
+        backbone = [p for p in model.parameters() if id(p) not in head]
+        params = [{"params": backbone}, {"params": head_parameters(model), "lr": cfg.head_lr}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    # Stepped once per epoch, after the optimiser steps of that epoch.
+    if cfg.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs)
+    if cfg.scheduler == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=cfg.step_size, gamma=cfg.gamma)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
+
+
+def _autocast(amp: str, device: torch.device) -> AbstractContextManager:
+    if amp == "none":
+        return nullcontext()
+    if amp == "fp16" and device.type != "cuda":
+        raise ValueError("train.amp: fp16 needs a CUDA device (use bf16 on CPU)")
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+@dataclass
+class Training:
+    """One training run's moving parts, as `build_training` puts them together."""
+
+    cfg: TrainConfig
+    model: nn.Module  # what is validated and saved
+    net: nn.Module  # what steps: `model`, or `model` wrapped for DDP by `distribute`
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    criterion: nn.Module
+    autocast: AbstractContextManager
+    sampler: DistributedSampler
+    loader: DataLoader
+    device: torch.device
+    ranks: Distributed
+    frozen: bool = False  # the backbone is held this epoch (train.freeze_backbone_epochs)
+
+    def distribute(self) -> None:
+        """Wrap the model for DDP when there are several ranks (after a resume has restored it)."""
+        if self.ranks.world_size > 1:
+            net = nn.SyncBatchNorm.convert_sync_batchnorm(self.model) if self.cfg.sync_batchnorm else self.model
+            self.net = DistributedDataParallel(
+                net, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+
+    def epoch(self, epoch: int, val: Preprocessed) -> dict[str, float]:
+        """Train one epoch, step the schedule, validate: the epoch's row of the history."""
+        train_loss, train_acc = self.train_epoch(epoch)
+        self.scheduler.step()
+        val_loss, val_acc = self.validate(val)
+        return {
+            "epoch": epoch,
+            "train_loss": train_loss,
+            "train_accuracy": train_acc,
+            "val_loss": val_loss,
+            "val_accuracy": val_acc,
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+
+    def train_epoch(self, epoch: int) -> tuple[float, float]:
+        """One pass over the (sharded, shuffled, at most `max_batches`) training split: loss, accuracy."""
+        self.sampler.set_epoch(epoch)
+        self.hold_backbone(epoch <= self.cfg.freeze_backbone_epochs)
+        return _run_epoch(self, _limited(self.loader, self.cfg.max_batches), epoch)
+
+    def hold_backbone(self, frozen: bool) -> None:
+        """Freeze (or release) every parameter but the head's.
+
+        Set from the epoch number alone, so a resumed run holds exactly the epochs an uninterrupted one
+        does. Frozen parameters get no gradient, so the optimiser leaves them (and their momentum and
+        weight decay) alone; their BatchNorm statistics are held too (`_run_epoch`), so the features the
+        head learns on stay the same function throughout the frozen epochs.
+        """
+        if frozen == self.frozen:
+            return
+        head = {id(p) for p in head_parameters(self.model)}
+        for parameter in self.model.parameters():
+            if id(parameter) not in head:
+                parameter.requires_grad_(not frozen)
+        self.frozen = frozen
+        self.distribute()  # DDP registers the parameters that need gradients when it wraps: wrap again
+
+    @torch.no_grad()
+    def validate(self, split: Preprocessed) -> tuple[float, float]:
+        """Loss and accuracy over the whole split, each sample counted once: rank r takes r::world."""
+        if len(split.labels) == 0:
+            return float("nan"), float("nan")
+        ranks = self.ranks
+        ranks.share_buffers(self.model)
+        mine = slice(ranks.rank, None, ranks.world_size)
+        logits = predict(self.model, split.images[mine], self.device, batch_size=1024)
+        labels = torch.from_numpy(split.labels[mine])
+        loss = nn.functional.cross_entropy(
+            logits, labels, label_smoothing=self.cfg.label_smoothing, reduction="sum"
+        ).item()
+        loss_sum, correct, seen = ranks.all_reduce([loss, (logits.argmax(1) == labels).sum().item(), len(labels)])
+        return loss_sum / seen, correct / seen
+
+
+def build_training(
+    cfg: TrainConfig,
+    seed: int,
+    split: Preprocessed,
+    device: torch.device,
+    ranks: Distributed = ALONE,
+    model: nn.Module | None = None,
+) -> Training:
+    """The loop's parts for `split`: a new `cfg.model` (from torch's seeded RNG) unless `model` is given."""
+    if "auto" in (cfg.model, cfg.epochs, cfg.hflip):
+        raise ValueError("train.model/epochs/hflip 'auto' depend on data.source: resolve with TrainConfig.for_source")
+    if cfg.sync_batchnorm and device.type != "cuda":
+        raise ValueError("train.sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; set it false on CPU")
+    if cfg.batch_size % ranks.world_size:
+        raise ValueError(
+            f"train.batch_size {cfg.batch_size} is global and must divide by the {ranks.world_size} processes"
+        )
+    if model is None:
+        model = build_model(cfg.model, len(split.classes), split.mean, split.std, list(split.images.shape[2:]))
+    if device.type == "cpu" and portable_installed() and uses_attention(model):
+        raise ExpectedFailure(
+            f"train.model: {cfg.model} computes attention with torch's fused CPU kernel, which "
+            "determinism.cpu: portable refuses (its bytes depend on the CPU); set determinism.cpu: native "
+            "(this CPU's own kernels), or train on a CUDA device"
+        )
+    model = model.to(device)
+    optimizer = _optimizer(cfg, model)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    scheduler = _scheduler(cfg, optimizer)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
+    autocast = _autocast(cfg.amp, device)
+    sampler, loader = _loader(split, cfg, seed, ranks, device)
+    return Training(
+        cfg, model, model, optimizer, scheduler, scaler, criterion, autocast, sampler, loader, device, ranks
+    )
+
+
+def _limited(loader: DataLoader, max_batches: int | None) -> Iterator:
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            return
+        yield batch
+
+
+def _run_epoch(t: Training, batches: Iterable, epoch: int) -> tuple[float, float]:
+    t.net.train()
+    if t.frozen:  # the backbone's BatchNorm layers keep their running statistics (the head has none)
+        for module in t.model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+    # Sums stay on the device and are read once per epoch: a per-step `.item()` would make the
+    # host wait for every step's kernels on a GPU instead of queueing the next batch's.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
+    correct = torch.zeros((), dtype=torch.int64, device=t.device)
+    # The first step whose loss was not finite, and that loss, recorded on the device (no sync).
+    bad_step = torch.full((), -1, dtype=torch.int64, device=t.device)
+    bad_loss = torch.zeros((), dtype=torch.float32, device=t.device)
+    check_every = FINITE_CHECK_EVERY_CUDA if t.device.type == "cuda" else 1
+    seen, step = 0, 0
+    for step, (images, labels) in enumerate(batches, start=1):
+        x, y = to_float(images, t.device), labels.to(t.device)
+        t.optimizer.zero_grad(set_to_none=True)
+        with t.autocast:
+            logits = t.net(x)
+            loss = t.criterion(logits, y)
+        first = (bad_step < 0) & ~torch.isfinite(loss.detach())
+        bad_step = torch.where(first, step, bad_step)
+        bad_loss = torch.where(first, loss.detach().float(), bad_loss)
+        if step % check_every == 0:
+            _stop_if_diverged(bad_step, bad_loss, epoch, t.ranks)
+        t.scaler.scale(loss).backward()
+        t.scaler.step(t.optimizer)
+        t.scaler.update()
+        loss_sum += loss.detach().double() * len(y)
+        correct += (logits.argmax(1) == y).sum()
+        seen += len(y)
+    if step % check_every:
+        _stop_if_diverged(bad_step, bad_loss, epoch, t.ranks)
+    total_loss, total_correct, seen = t.ranks.all_reduce([loss_sum.item(), float(correct.item()), seen])
+    return total_loss / seen, total_correct / seen
+
+
+def _stop_if_diverged(bad_step: torch.Tensor, bad_loss: torch.Tensor, epoch: int, ranks: Distributed) -> None:
+    """Raise `TrainingDiverged` on every rank if any rank has seen a NaN/inf loss this epoch.
+
+    A collective under DDP (all ranks check at the same steps), so the ranks stop together instead
+    of the healthy ones waiting forever for a gradient all-reduce the failed one never joins.
+    """
+    never = float(2**62)
+    step = int(bad_step.item())
+    first = ranks.minimum(step if step >= 0 else never)
+    if first == never:
+        return
+    shown = f" ({bad_loss.item()})" if step == first else ""  # the rank that saw it knows the value
+    raise TrainingDiverged(
+        f"training diverged: the loss is not finite{shown} at epoch {epoch}, step {int(first)}; "
+        f"nothing of epoch {epoch} was written, earlier checkpoints are kept. Lower train.lr, "
+        "or check the data and its mean/std"
+    )
+
+
+def fine_tune(model: nn.Module, cfg: TrainConfig, seed: int, pre_dir: Path, epochs: int, lr: float) -> list[dict]:
+    """`epochs` more epochs of the training loop on an already trained `model`, in this process.
+
+    Pruning and quantization-aware training recover accuracy with it. Optimiser, batch size,
+    augmentation and label smoothing follow `cfg`; the learning rate starts at `lr` and decays on
+    a cosine, in fp32. torch's RNG is re-seeded with `seed` first, so the result does not depend on
+    what ran before in the process. Returns the per-epoch history (train and validation).
+    """
+    torch.manual_seed(seed)
+    train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
+    # no backbone held, one learning rate: fine-tuning a compressed model is not fine-tuning a pretrained one
+    update = {"lr": lr, "epochs": epochs, "scheduler": "cosine", "amp": "none", "freeze_backbone_epochs": 0}
+    tuning = cfg.model_copy(update={**update, "head_lr": None})
+    training = build_training(tuning, seed, train_split, resolve_device(cfg.device), model=model)
+    return [training.epoch(epoch, val_split) for epoch in range(1, epochs + 1)]

@@ -1,0 +1,136 @@
+"""Resumable training state: everything a restarted train stage needs to continue bit for bit.
+
+Every `train.checkpoint_every` epochs the train stage writes `resume_dir/resume.safetensors`: the
+model, the optimiser (tensors as tensors, the rest as JSON), scheduler and GradScaler state, the best
+model so far, the history, and the RNG states of every rank. A restarted stage (or a torchrun
+restart) that finds it continues, and its final weights equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tasks.core.atomic import write_bytes
+from tasks.core.config import TrainConfig
+from tasks.determinism.pinning import rng_state, set_rng_state
+from tasks.train.checkpoints import CheckpointError, checkpoint_bytes, cpu_state, read_safetensors, result_config
+from tasks.train.loop import Training
+
+log = logging.getLogger(__name__)
+RESUME_FILE = "resume.safetensors"
+
+
+@dataclass
+class Progress:
+    """Where a training run stands after an epoch: what a resume checkpoint carries besides tensors."""
+
+    history: list[dict[str, float]]
+    best_acc: float = -1.0
+    best_epoch: int = 0
+    best_state: dict[str, torch.Tensor] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return int(self.history[-1]["epoch"]) if self.history else 0
+
+    def record(self, row: dict[str, float], model: torch.nn.Module) -> None:
+        """Add an epoch's row; keep a copy of `model`'s weights if it is the best so far on validation."""
+        self.history.append(row)
+        if row["val_accuracy"] > self.best_acc:
+            self.best_acc, self.best_epoch = row["val_accuracy"], int(row["epoch"])
+            self.best_state = cpu_state(model)
+
+
+def signature(cfg: TrainConfig, seed: int, pre_dir: Path) -> str:
+    """What a resume checkpoint must match: the config that shapes the result, the seed, the data."""
+    # Not the world size: a checkpoint from another world size is refused by name, not ignored.
+    # The data by its meta.json, which holds the sha256 of every array file (checked when a split is
+    # loaded): reading the arrays again here would hash the whole dataset a second time.
+    digest = hashlib.sha256(json.dumps({"config": result_config(cfg), "seed": seed}, sort_keys=True).encode())
+    digest.update((Path(pre_dir) / "meta.json").read_bytes())
+    return digest.hexdigest()
+
+
+def save(path: Path, training: Training, progress: Progress, run_signature: str) -> None:
+    """Every rank contributes its RNG state; rank 0 writes the file atomically."""
+    rng_states = training.ranks.gather(rng_state())
+    if training.ranks.rank != 0:
+        return
+    tensors = {f"model.{k}": v for k, v in cpu_state(training.model).items()}
+    tensors.update({f"best.{k}": v for k, v in (progress.best_state or {}).items()})
+    optim = training.optimizer.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, values in optim["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{index}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    meta = {
+        "signature": run_signature,
+        "epoch": progress.epoch,
+        "history": progress.history,
+        "best_acc": progress.best_acc,
+        "best_epoch": progress.best_epoch,
+        "world_size": training.ranks.world_size,
+        "rng": rng_states,
+        "scheduler": training.scheduler.state_dict(),
+        "scaler": training.scaler.state_dict(),
+        "optim_groups": optim["param_groups"],
+        "optim_scalars": scalars,
+    }
+    write_bytes(path, checkpoint_bytes(tensors, meta))
+
+
+def restore(path: Path, training: Training, run_signature: str) -> Progress | None:
+    """Load the checkpoint at `path` into `training` if it belongs to this run; its progress, or None.
+
+    A checkpoint of another config, seed or data is ignored (with a warning); one written by another
+    world size is refused, since continuing it would not reproduce the run.
+    """
+    if not path.exists():
+        return None
+    # A corrupt or foreign file is an error, not a reason to start over silently: it may be the
+    # only copy of a night's training (a disk error, a copy cut short) and deserves a look.
+    meta, _ = read_safetensors(path, tensors=False)
+    if meta.get("signature") != run_signature:
+        log.warning("%s: from another config, seed or data; starting from scratch", path)
+        return None
+    if meta["world_size"] != training.ranks.world_size:
+        raise CheckpointError(
+            f"{path}: written by {meta['world_size']} process(es), this run has {training.ranks.world_size}; "
+            "a different world size would not reproduce the run. Delete the file to start over, or "
+            "resume with the same train.nproc_per_node x train.nnodes"
+        )
+    tensors = read_safetensors(path)[1]
+    training.model.load_state_dict(_prefixed(tensors, "model."))
+    _restore_optimizer(training.optimizer, meta, tensors)
+    training.scheduler.load_state_dict(meta["scheduler"])
+    training.scaler.load_state_dict(meta["scaler"])
+    set_rng_state(meta["rng"][training.ranks.rank])
+    log.info("resuming from %s after epoch %d", path, meta["epoch"])
+    best = _prefixed(tensors, "best.") or None
+    return Progress(meta["history"], meta["best_acc"], meta["best_epoch"], best)
+
+
+def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def _restore_optimizer(
+    optimizer: torch.optim.Optimizer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in _prefixed(tensors, "optim.").items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    for index, values in meta["optim_scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    optimizer.load_state_dict({"state": state, "param_groups": meta["optim_groups"]})

@@ -1,0 +1,160 @@
+"""Stage 4 — train: fit the model `train.model` names on the preprocessed training split.
+
+Outputs (`artifacts/train/`): `best.safetensors` (best validation accuracy) and
+`last.safetensors` (final epoch) — weights only, loadable without unpickling code, with the
+resolved config and epoch in the safetensors metadata (tasks/train/checkpoints.py) — `history.json`
+(per-epoch loss, accuracy and learning rate, also a DVC plot) and `train.json` (the result).
+
+One code path for one process and for DDP: under torchrun (RANK/WORLD_SIZE set) `train` joins the
+process group (tasks/train/devices.py), shards batches with the same seeded DistributedSampler,
+reduces validation metrics across ranks, and lets rank 0 alone write files. `train.batch_size` is
+the global batch; each of N processes takes batch_size / N. The loop itself is tasks/train/loop.py;
+resuming an interrupted run bit for bit is tasks/train/resume.py; pretrained weights (`train.pretrained_*`),
+verified and fitted to the model before the first epoch, are tasks/train/pretrained.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from tasks.core import layout
+from tasks.core.atomic import atomic_files
+from tasks.core.config import TrainConfig
+from tasks.data.preprocess import Preprocessed, load_split
+from tasks.train import resume
+from tasks.train.checkpoints import checkpoint_bytes, cpu_state, result_config
+from tasks.train.devices import join_process_group
+from tasks.train.loop import Training, build_training
+from tasks.train.pretrained import Pretrained, load_pretrained
+
+OnEpoch = Callable[[dict[str, float]], None]  # called with each epoch's history row, in order
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    best_epoch: int
+    best_val_accuracy: float
+    final: dict[str, float]  # last epoch's train/val loss and accuracy
+    device: str
+    world_size: int
+    backend: str
+    amp: str
+    resumed_from_epoch: int | None
+    pretrained: dict[str, str] | None = None  # the weights fine-tuned from: sha256, source, re-initialised tensors
+    random_shift_px: int = 0  # train.random_shift in pixels (auto: from the image size)
+
+
+def train(
+    cfg: TrainConfig,
+    seed: int,
+    pre_dir: Path,
+    out_dir: Path,
+    resume_dir: Path | None = None,
+    on_epoch: OnEpoch | None = None,
+    weights_cache: Path | None = None,
+) -> TrainResult:
+    """Train on `pre_dir`'s train split, select on val, write checkpoints to `out_dir`.
+
+    Alone or as one rank of a torchrun job. With `resume_dir`, continue from the checkpoint there
+    when it belongs to this config, seed and data (a resumed run's earlier rows reach `on_epoch`
+    too, so the new run carries the whole curve). Assumes `tasks.determinism.pinning.pin_everything` was
+    called (the stage runner and tasks/train/launcher.py do it). Pretrained weights from a URL are cached in
+    `weights_cache` (default: the download cache, tasks/core/layout.py).
+    """
+    on_epoch = on_epoch or (lambda row: None)
+    ranks, device = join_process_group(cfg.device)
+    train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
+    training = build_training(cfg, seed, train_split, device, ranks)
+    # After the model drew its init from the seeded RNG (what the pretrained file lacks stays as a
+    # from-scratch run would have it), before a resume overwrites the weights with later ones.
+    pretrained = load_pretrained(cfg, training.model, weights_cache or layout.download_cache())
+    signature = resume.signature(cfg, seed, pre_dir)
+    resume_path = Path(resume_dir) / resume.RESUME_FILE if resume_dir is not None else None
+    resumed = resume.restore(resume_path, training, signature) if resume_path else None
+    progress = resumed or resume.Progress(history=[])
+    resumed_from = progress.epoch if resumed else None
+    for row in progress.history:
+        on_epoch(row)
+    training.distribute()
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    epochs = range(progress.epoch + 1, cfg.epochs + 1)
+    bar = tqdm(epochs, desc="train", unit="epoch", dynamic_ncols=True, disable=ranks.rank != 0)
+    for epoch in bar:
+        row = training.epoch(epoch, val_split)
+        progress.record(row, training.model)
+        on_epoch(row)
+        bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=f"{row['val_accuracy']:.4f}")
+        if resume_path is not None and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs):
+            resume.save(resume_path, training, progress, signature)
+
+    if progress.best_state is None:  # validation never scored (an empty split): the last weights are the best known
+        progress.best_state, progress.best_epoch = cpu_state(training.model), cfg.epochs
+    result = _result(training, progress, resumed_from, pretrained)
+    if ranks.rank == 0:
+        metadata = _metadata(cfg, seed, train_split, ranks.world_size, pretrained)
+        _write_outputs(out_dir, training, progress, result, metadata)
+        if resume_path is not None:
+            resume_path.unlink(missing_ok=True)  # finished: a later run starts fresh
+    if ranks.world_size > 1:
+        dist.barrier()  # no rank leaves (and no launcher reports success) before the files exist
+    return result
+
+
+def _result(
+    training: Training, progress: resume.Progress, resumed_from: int | None, pretrained: Pretrained | None
+) -> TrainResult:
+    return TrainResult(
+        best_epoch=progress.best_epoch,
+        best_val_accuracy=progress.best_acc,
+        final={k: v for k, v in progress.history[-1].items() if k != "epoch"},
+        device=str(training.device),
+        world_size=training.ranks.world_size,
+        backend=training.ranks.backend,
+        amp=training.cfg.amp,
+        resumed_from_epoch=resumed_from,
+        pretrained=pretrained.lineage() if pretrained else None,
+        random_shift_px=training.loader.dataset.max_shift,
+    )
+
+
+def _metadata(
+    cfg: TrainConfig, seed: int, split: Preprocessed, world_size: int, pretrained: Pretrained | None
+) -> dict[str, Any]:
+    """What every checkpoint records: enough to rebuild the model and to know what it was trained on."""
+    return {
+        "model": cfg.model,
+        "image_size": list(split.images.shape[2:]),  # decides a torchvision model's stem (tasks/train/models.py)
+        "pretrained": pretrained.lineage() if pretrained else None,
+        "num_classes": len(split.classes),
+        "classes": split.classes,
+        "mean": split.mean,
+        "std": split.std,
+        "config": result_config(cfg),
+        "seed": seed,
+        "world_size": world_size,
+    }
+
+
+def _write_outputs(
+    out_dir: Path, training: Training, progress: resume.Progress, result: TrainResult, metadata: dict[str, Any]
+) -> None:
+    """All four outputs replaced together: a kill or a full disk leaves the previous four."""
+    best = {**metadata, "epoch": progress.best_epoch, "val_accuracy": progress.best_acc}
+    last = {**metadata, "epoch": training.cfg.epochs, "val_accuracy": progress.history[-1]["val_accuracy"]}
+    contents = {
+        "best.safetensors": checkpoint_bytes(progress.best_state, best),
+        "last.safetensors": checkpoint_bytes(cpu_state(training.model), last),
+        "history.json": (json.dumps(progress.history, indent=2) + "\n").encode(),
+        "train.json": (json.dumps(asdict(result), indent=2) + "\n").encode(),
+    }
+    with atomic_files([out_dir / name for name in contents]) as temporaries:
+        for tmp, data in zip(temporaries, contents.values(), strict=True):
+            tmp.write_bytes(data)
