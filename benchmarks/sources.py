@@ -13,7 +13,7 @@ its own, with params.yaml's defaults (`epochs`, `random_shift`, `hflip`: auto) a
     cifar100       shapes100: shapes x 10 hue bands          digits         scikit-learn's 8x8 digits (offline)
 
 The published checksums are those of the real files, so this process points torchvision's tables
-(md5 of each file) at the generated ones, as tests/test_download.py does; nothing else is changed.
+(md5 of each file) at the generated ones, as tests/data/test_download.py does; nothing else is changed.
 A table per source goes to stdout and `<out>/sources.json`: images, epochs, train seconds, fp32 test
 accuracy, the shipped variant and its accuracy.
 """
@@ -58,7 +58,7 @@ def publish(source: str, served: Path, url: str, train_images: int, test_images:
     """
     import torchvision
 
-    from tests.fakedata import cifar_archive, mnist_files, pack
+    from benchmarks.fakedata import cifar_archive, mnist_files, pack
 
     if source == "digits":
         return {"source": "digits"}, {}
@@ -107,7 +107,7 @@ def run_source(
     source: str, work: Path, train_images: int, test_images: int, variants: list[str], train: dict[str, Any]
 ) -> dict:
     """One source through the whole pipeline; its row of the table."""
-    from tests.httpserver import FileServer
+    from benchmarks.httpserver import FileServer
 
     served = work / source / "served"
     served.mkdir(parents=True, exist_ok=True)

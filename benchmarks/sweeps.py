@@ -1,6 +1,6 @@
 """B10: a sweep's speed-up from 1 to 2 Dask workers (flows/sweep.py), on an 8-trial study.
 
-The same study (same params: the results are identical, tests/test_sweep_dask.py) runs on a local
+The same study (same params: the results are identical, tests/tools/test_sweep_dask.py) runs on a local
 cluster of 1 worker and of 2, one trial per worker at a time with `determinism.num_threads: 1`, so
 two workers use the machine's two cores. The figure is the trial phase (the study's batches, from the
 first trial asked to the last result told: `seconds` in the sweep's sweep.json), which is what more

@@ -39,7 +39,7 @@ TINY: dict[str, Any] = {
     # machine's run sat at 0.72 and its int8 copy failed the export gates, another's passed.
     "train": {"epochs": 6, "num_workers": 0},
     "determinism": {"num_threads": 1},
-    # one quantized and one pruned variant; the others are built in tests/test_compress_export.py
+    # one quantized and one pruned variant; the others are built in tests/ship/test_compress_export.py
     "compress": {
         "variants": ["static_int8", "pruned_l1"],
         "calibration_size": 128,
@@ -49,7 +49,7 @@ TINY: dict[str, Any] = {
         "latency_warmup": 1,
     },
     # A short-trained model sits nearer decision boundaries, so int8 flips a few more of its 271
-    # test predictions than a fully trained one does (failing gates: tests/test_compress_export.py).
+    # test predictions than a fully trained one does (failing gates: tests/ship/test_compress_export.py).
     "export": {"min_top1_agreement": 0.95, "max_accuracy_drop": 0.03},
 }
 

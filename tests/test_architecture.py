@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.code_graph import PACKAGES, ROOT, imports, module_path, project_modules
+from tests.support.code_graph import PACKAGES, ROOT, imports, module_path, project_modules
 
 # Lower layers never import higher ones: the stages know nothing of the orchestrator or benchmarks.
 LAYER = {"tasks": 0, "flows": 1, "stack": 2, "benchmarks": 2}
@@ -83,3 +83,21 @@ def test_no_function_in_tasks_flows_or_stack_is_longer_than_60_lines() -> None:
                             f"{module_path(module).relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)"
                         )
     assert not long, "split these: " + ", ".join(long)
+
+
+def test_nothing_outside_tests_imports_from_tests() -> None:
+    """Test helpers live in tests/support/; what benchmarks share with tests (fake published archives,
+    the loopback file server) lives in benchmarks/, which tests may import."""
+    importers = []
+    for package in PACKAGES:
+        for module in project_modules(package):
+            for node in ast.walk(ast.parse(module_path(module).read_text())):
+                names = (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else [alias.name for alias in node.names]
+                    if isinstance(node, ast.Import)
+                    else []
+                )
+                importers += [(module, name) for name in names if name.split(".")[0] == "tests"]
+    assert not importers, f"imports from tests/: {importers}"

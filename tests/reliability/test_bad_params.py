@@ -3,7 +3,7 @@
 Property-based (hypothesis): the faults are drawn from the pydantic models themselves (every key of
 every section, its type and its bounds), so a new key is covered without touching this file. Each
 example runs the entry points' `main()` in this process (`python -m tasks`, and `python -m
-flows.pipeline`, which `make run` runs); tests/test_config.py runs both as real processes.
+flows.pipeline`, which `make run` runs); tests/core/test_config.py runs both as real processes.
 """
 
 from __future__ import annotations

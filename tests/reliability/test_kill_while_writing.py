@@ -3,7 +3,7 @@
 Rows "SIGKILL during training, then re-run" and "SIGKILL while a checkpoint or any output is being
 written". The kill strikes half-way through a write (faults/sitecustomize.py), the worst moment: the
 half-written bytes are on disk. Killing at arbitrary moments of a run (one process, DDP, a torchrun
-restart) is in tests/test_ddp_resume.py.
+restart) is in tests/train/test_ddp_resume.py.
 """
 
 from __future__ import annotations

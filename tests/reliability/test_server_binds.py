@@ -17,8 +17,8 @@ import pytest
 
 from flows.prefect_env import LocalServer, wait_until_healthy
 from tests.conftest import copy_project, free_port, listening, stop_group, subprocess_env
-from tests.prefect_client import basic_auth, status_of, wait_for_deployment
 from tests.reliability.conftest import with_environment
+from tests.support.prefect_client import basic_auth, status_of, wait_for_deployment
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ git remote URL and in a param: one run waits for the other, and no secret reache
 
 The second run waits for the project's pipeline lock (tasks/core/lock.py), then finds everything
 up to date. Refusal after `orchestration.lock_wait_s`, and `dvc repro` against a running flow, are in
-tests/test_pipeline_lock.py; two overlapping deployment runs on a worker in tests/test_service.py.
+tests/core/test_lock.py; two overlapping deployment runs on a worker in tests/flows/test_service.py.
 Secrets: values of environment variables named like token/password/secret/key, credentials in a
 param's URL and in the git remote's URL; everything MLflow holds is searched for them: params, tags,
 every artifact file, the raw bytes of the store. (One module: the two runs are made once for both.)

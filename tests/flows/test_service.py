@@ -36,10 +36,10 @@ from PIL import Image
 from tasks.core.config import STAGES
 from tasks.core.lock import pipeline_lock
 from tasks.tracking.dashboard import CURVES, run_page, runs_page
-from tests.chromium import devtools
 from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env
-from tests.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
-from tests.webhook import WebhookReceiver
+from tests.support.chromium import devtools
+from tests.support.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
+from tests.support.webhook import WebhookReceiver
 
 pytestmark = pytest.mark.slow
 

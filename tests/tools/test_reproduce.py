@@ -197,7 +197,7 @@ def test_a_failing_stage_is_reported_with_its_output_and_workdir_is_kept(
     repo, train = trained["repo"], trained["train"]
     train_id = train.info.run_id
     # The run's commit: one on a local branch (so trusted) whose stats stage fails. (Params that fail
-    # validation are refused before anything runs: tests/test_reproduce_security.py.)
+    # validation are refused before anything runs: tests/tools/test_reproduce_security.py.)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
     run([*git, "checkout", "-q", "-b", "broken"], repo)
     with (repo / "tasks" / "stats.py").open("a") as stats:

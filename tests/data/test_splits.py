@@ -1,7 +1,7 @@
 """Splits: a source's published test set is the test split, image for image; cut splits stay put.
 
 The published-split tests run the real download (against a loopback HTTP server serving
-tests/fakedata.py's files in the published formats, or a local folder/archive), stats and preprocess
+benchmarks/fakedata.py's files in the published formats, or a local folder/archive), stats and preprocess
 functions, then compare what preprocess wrote with the fake published files by content hash. Every
 fake image is distinct (checked), so an image found in two splits can only mean a split that leaks.
 
@@ -24,6 +24,8 @@ import pytest
 import torchvision.datasets
 from PIL import Image
 
+from benchmarks.fakedata import cifar_archive, imagefolder_tree, mnist_files, pack
+from benchmarks.httpserver import FileServer
 from tasks.core.config import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
@@ -41,8 +43,6 @@ from tasks.data.formats import (
 )
 from tasks.data.preprocess import load_split, preprocess
 from tasks.data.stats import compute_stats
-from tests.fakedata import cifar_archive, imagefolder_tree, mnist_files, pack
-from tests.httpserver import FileServer
 
 FAST = Retry(attempts=2, backoff_s=0.05, timeout_s=2.0)
 SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # published: true, assign: hash, the defaults

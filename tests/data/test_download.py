@@ -1,6 +1,6 @@
 """The download stage against a real HTTP server on 127.0.0.1 serving the published formats.
 
-The archives are built by tests/fakedata.py in the real formats (MNIST idx .gz, CIFAR python
+The archives are built by benchmarks/fakedata.py in the real formats (MNIST idx .gz, CIFAR python
 .tar.gz, ImageFolder .tar.gz/.zip). For the torchvision sources only the catalogue differs from
 what users get (the published URLs and md5s on torchvision's dataset classes point at the test
 server and the test files); the code path is the one `python -m tasks download` runs.
@@ -21,15 +21,7 @@ import numpy as np
 import pytest
 import torchvision.datasets
 
-from tasks.core.config import DataConfig, SplitConfig
-from tasks.core.errors import ExpectedFailure
-from tasks.data.download import download
-from tasks.data.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
-from tasks.data.formats import open_raw, read_raw, split_indices
-from tasks.data.images import IMG_EXTENSIONS
-from tasks.data.stats import compute_stats
-from tests.conftest import ROOT, copy_project, run, subprocess_env
-from tests.fakedata import (
+from benchmarks.fakedata import (
     cifar_archive,
     imagefolder_tree,
     mnist_files,
@@ -39,7 +31,15 @@ from tests.fakedata import (
     zip_with_member,
     zip_with_symlink,
 )
-from tests.httpserver import FileServer
+from benchmarks.httpserver import FileServer
+from tasks.core.config import DataConfig, SplitConfig
+from tasks.core.errors import ExpectedFailure
+from tasks.data.download import download
+from tasks.data.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
+from tasks.data.formats import open_raw, read_raw, split_indices
+from tasks.data.images import IMG_EXTENSIONS
+from tasks.data.stats import compute_stats
+from tests.conftest import ROOT, copy_project, run, subprocess_env
 
 FAST = Retry(attempts=4, backoff_s=0.05, timeout_s=2.0)  # real backoff, test-sized
 

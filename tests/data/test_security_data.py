@@ -1,7 +1,7 @@
 """Issue 18, the data side: hostile servers, archives, images and folders are refused, and download
 credentials never reach a message, a log line or a file.
 
-Each test plants the attack (a loopback server from tests/httpserver.py, an archive or a folder
+Each test plants the attack (a loopback server from benchmarks/httpserver.py, an archive or a folder
 built here) and shows it refused: one line naming the file or URL, and nothing written (data/ as it
 was, no extracted or partial file left). In-process, tiny inputs; two subprocesses show the exit
 codes (1 for a bomb, 2 for an unbounded param).
@@ -29,14 +29,14 @@ import pytest
 from PIL import Image, ImageFile
 
 import tasks.data.folders
+from benchmarks.fakedata import imagefolder_tree, pack
+from benchmarks.httpserver import FileServer
 from tasks.core.config import ConfigError, DataConfig, load_params
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
 from tasks.data.fetch import AUTH_ENV, TOKEN_ENV, Auth, Checksum, DownloadError, Retry, fetch
 from tasks.data.formats import RawDataset, read_raw, write_raw
 from tests.conftest import ROOT, copy_project, run, write_params
-from tests.fakedata import imagefolder_tree, pack
-from tests.httpserver import FileServer
 
 FAST = Retry(attempts=2, backoff_s=0.01, timeout_s=2.0, deadline_s=30.0)
 SECRETS = ("pw-secret-1", "tok-secret-2", "env-secret-3")

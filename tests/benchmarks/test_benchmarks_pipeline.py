@@ -1,6 +1,6 @@
 """The whole-pipeline benchmarks (B2: the flow vs plain stage calls; B3: no-op runs; B10: a sweep on 1 and
 2 Dask workers, in the same project copy) run in their smoke
-form; a module of their own, so that they and the other suites (tests/test_benchmarks.py) can run on
+form; a module of their own, so that they and the other suites (tests/benchmarks/test_benchmarks.py) can run on
 different xdist workers. The smoke run times B2 on digits only: its 20x dataset (a generated snapshot
 in data/) is `make bench`'s alone: three more pipeline runs, over a minute of CI, for no verdict."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_benchmarks import smoke_run
+from tests.benchmarks.test_benchmarks import smoke_run
 
 
 @pytest.mark.slow

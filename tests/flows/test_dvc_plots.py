@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.chromium import devtools
 from tests.conftest import ROOT, clone_project, commit_all, run
+from tests.support.chromium import devtools
 
 VENDOR = ROOT / ".dvc" / "plots" / "vendor"
 SCREENSHOTS = ROOT / "test-artifacts"  # kept for a person to look at

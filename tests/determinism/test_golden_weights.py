@@ -1,5 +1,5 @@
 """The default run's weights, pinned: a change to the code that changes them on the same machine is a
-change in results, and must be meant (tests/golden/default_weights.json says which bytes to expect).
+change in results, and must be meant (tests/determinism/golden/default_weights.json says which bytes to expect).
 
 In portable mode (determinism.cpu, the default) the bytes are the same on every x86-64 CPU with AVX2,
 so one record per torch version holds on every machine CI gets: a cross-machine check over time, whose
@@ -7,7 +7,7 @@ failure names the fingerprint differences (tasks/determinism/fingerprint.py). Na
 and a machine with no record yet is skipped. Record (after checking that the change in results is
 intended) with:
 
-    LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden_weights.py
+    LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/determinism/test_golden_weights.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ stage refusing a snapshot with one line, leaving data/, data.dvc and the trained
 The end-to-end cases run `python -m tasks download` (the stage as dvc.yaml runs it, MLflow on) in a
 project copy whose source is an image folder the test changes, the way a real source changes. The
 train stage is what records the trained snapshot's profile; here the test copies it as that stage
-does (tests/test_service.py runs the whole chain through a Prefect deployment).
+does (tests/flows/test_service.py runs the whole chain through a Prefect deployment).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from benchmarks.fakedata import imagefolder_tree
 from tasks.core.config import ChecksConfig
 from tasks.core.errors import DataRefused
 from tasks.data.checks import Profile, check_snapshot, duplicates_across_splits, refuse_if_failed
 from tests.conftest import client_for, copy_project, run
-from tests.fakedata import imagefolder_tree
 
 BASE = Profile(
     num_images=1000,

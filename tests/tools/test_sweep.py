@@ -4,7 +4,7 @@ coordinator or a killed worker.
 
 The fast tests drive the real Optuna study with a synthetic objective (a made-up learning curve per
 trial): they check the coordinator's logic in a second. The slow ones run real sweeps of real trainings
-on a real Dask scheduler and real worker processes on 127.0.0.1 (tests/test_sweep_dask.py).
+on a real Dask scheduler and real worker processes on 127.0.0.1 (tests/tools/test_sweep_dask.py).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from benchmarks.fakedata import imagefolder_tree
 from tests.conftest import clone_project, run, write_params
-from tests.fakedata import imagefolder_tree
 
 pytestmark = pytest.mark.slow
 

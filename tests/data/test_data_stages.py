@@ -16,7 +16,7 @@ from tasks.data.formats import FORMAT, RawDataset, open_raw, read_raw, split_ind
 from tasks.data.preprocess import load_split, preprocess
 from tasks.data.stats import channel_stats, compute_stats
 
-SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # assign: hash, the default (tests/test_splits.py)
+SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # assign: hash, the default (tests/data/test_splits.py)
 RANDOM = SplitConfig(train=0.7, val=0.15, test=0.15, assign="random")
 
 

@@ -185,7 +185,7 @@ def test_second_repro_does_nothing_and_a_changed_param_reruns_what_reads_it(
     assert len(pipeline_runs(repo)) == before  # nothing ran, nothing logged
 
     # a param only the last stage reads re-runs that stage alone (a train param re-runs train and all
-    # after it: tests/test_service.py, through the flow; every stage's params: tests/test_dvc_yaml.py)
+    # after it: tests/flows/test_service.py, through the flow; every stage's params: tests/flows/test_dvc_yaml.py)
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["export"]["parity_batch"] = 128
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

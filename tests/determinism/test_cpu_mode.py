@@ -1,12 +1,12 @@
 """determinism.cpu: portable kernels compute what torch's do, and the same bytes whatever the CPU says.
 
 The cross-machine check: a small fixed training in portable mode must give the sha256 committed in
-tests/golden/portable_training.json on every machine CI gets (Intel and AMD, AVX2 and AVX-512 have
+tests/determinism/golden/portable_training.json on every machine CI gets (Intel and AMD, AVX2 and AVX-512 have
 all been seen). On one machine, the three variables that changed native weights (ATen's capability,
 oneDNN's ISA, MKL's branch) are set in every combination: portable bytes must not move, native ones
 do. Record a new hash (after checking the change is meant) with:
 
-    LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/test_cpu_mode.py
+    LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/determinism/test_cpu_mode.py
 """
 
 from __future__ import annotations

@@ -36,10 +36,10 @@ from stack.__main__ import down, join, up
 from stack.servers import ObjectStore, Orchestrator, Postgres, TrackingServer, s3_client
 from stack.state import DVC_BUCKET, MLFLOW_BUCKET, Stack, open_stack
 from tasks.tracking.dashboard import run_page
-from tests.chromium import basic_auth_proxy, dom_and_screenshot
 from tests.conftest import ROOT, commit_all, copy_project, listening, run, service, sha256, subprocess_env
-from tests.prefect_client import PrefectAPI, wait_for_deployment
-from tests.test_service import write_digits
+from tests.flows.test_service import write_digits
+from tests.support.chromium import basic_auth_proxy, dom_and_screenshot
+from tests.support.prefect_client import PrefectAPI, wait_for_deployment
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 webhook, once per event; a slow or dead receiver never fails or stalls a run; the URL, which holds a
 token, is never written anywhere.
 
-Unit tests call the hooks and the sender directly against a receiver on 127.0.0.1 (tests/webhook.py).
+Unit tests call the hooks and the sender directly against a receiver on 127.0.0.1 (tests/support/webhook.py).
 End-to-end tests run the real flow (`python -m flows.pipeline`) in clones of the session's trained
 project, and the served deployment (`python -m flows.deployments serve`) for crashes: its flow-run
 process is killed with SIGKILL (the Runner reports the crash) or SIGTERM (the engine does).
@@ -35,8 +35,8 @@ from tasks.core.errors import DataRefused, ExpectedFailure
 from tasks.core.lock import pipeline_lock
 from tasks.core.redact import redact
 from tests.conftest import client_for, clone_project, free_port, run, service
-from tests.prefect_client import PrefectAPI, wait_for_deployment
-from tests.webhook import WebhookReceiver
+from tests.support.prefect_client import PrefectAPI, wait_for_deployment
+from tests.support.webhook import WebhookReceiver
 
 # A token that tasks/core/redact.py would NOT mask (one case, no secret-like name): finding it nowhere
 # shows that nothing wrote the URL, not that a log filter hid it. Made here, so that this file's own

@@ -49,7 +49,7 @@ def smoke_run(tmp_path: Path, suites: list[str]) -> tuple[dict[str, dict], str]:
 
 @pytest.mark.slow
 def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
-    """Every suite but the whole-pipeline ones (tests/test_benchmarks_pipeline.py)."""
+    """Every suite but the whole-pipeline ones (tests/benchmarks/test_benchmarks_pipeline.py)."""
     figures, table = smoke_run(tmp_path, ["B1", "B4", "B5", "B6", "B7", "B9"])
     expected = {"B1", "B1-data", "B4", "B4-dvc", "B5", "B6-size", "B6-speed", "B6-acc", "B6-pruned", "B8", "B9"}
     assert expected | {"B9-rgb"} <= set(figures)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.httpserver import FileServer
 from tasks.core.config import TORCHVISION_MODELS, ConfigError, SplitConfig, TrainConfig, load_params
 from tasks.core.errors import ExpectedFailure
 from tasks.data.fetch import DownloadError
@@ -31,7 +32,6 @@ from tasks.train.models import ModelError, build_model, head_name, predict, stem
 from tasks.train.pretrained import PretrainedError, load_pretrained
 from tasks.train.stage import train
 from tests.conftest import write_params
-from tests.httpserver import FileServer
 
 CPU = torch.device("cpu")
 
@@ -97,7 +97,7 @@ def _split(n: int, channels: int, size: int, num_classes: int = 3) -> Preprocess
 
 
 def test_vit_runs_natively_and_is_refused_in_portable_mode_with_the_way_out() -> None:
-    pin_everything(0, 2)  # portable, as tests run (tests/cpu_pin.py)
+    pin_everything(0, 2)  # portable, as tests run (tests/support/cpu_pin.py)
     cfg = TrainConfig(model="vit_b_16", num_workers=0, device="cpu")
     with pytest.raises(ExpectedFailure, match=r"train.model: vit_b_16 .* set determinism.cpu: native"):
         build_training(cfg, 0, _split(4, 3, 32), CPU)

@@ -17,7 +17,7 @@ from PIL import Image
 
 from tasks.ship.serving import MAX_IMAGE_BYTES, MAX_IMAGES
 from tests.conftest import free_port, service
-from tests.test_predict import predict, rows, write_split_pngs
+from tests.tools.test_predict import predict, rows, write_split_pngs
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.config import STAGE_PARAMS, STAGES
-from tests.code_graph import PACKAGES, ROOT, closure, module_path
+from tests.support.code_graph import PACKAGES, ROOT, closure, module_path
 
 
 def _stages() -> dict:

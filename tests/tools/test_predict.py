@@ -1,5 +1,5 @@
 """Predict with the champion: `python -m tasks.tools.predict` on the test split of a project the whole
-pipeline ran in (`dvc_repo`), written out as image files. Serving it over HTTP: tests/test_serve.py."""
+pipeline ran in (`dvc_repo`), written out as image files. Serving it over HTTP: tests/ship/test_serve.py."""
 
 from __future__ import annotations
 
