@@ -21,7 +21,7 @@ The mechanisms, all Prefect's own flow state hooks (the pipeline flow's `on_runn
   running. A crash the engine itself catches (SIGTERM, Ctrl-C) runs the same hook in the flow's
   process; the runner then finds the outcome handled (and a Crashed proposal on a run already
   terminal is refused by the server: "already in terminal state"), so its hooks do not run again:
-  one message either way (tests/test_notify.py kills a served run both ways).
+  one message either way (tests/flows/test_notify.py kills a served run both ways).
 
 Why hooks rather than an automation (`prefect.flow-run.Crashed` -> send-notification): an
 automation's message is rendered on the server from the flow run's event, which does not know

@@ -145,7 +145,7 @@ class DeterminismConfig(_Section):
 
 # torchvision's classification builders (`torchvision.models.list_models(module=torchvision.models)`,
 # torchvision 0.29): written out because importing torchvision to ask costs 3-6 s in every process that
-# reads params.yaml. tests/test_zoo.py holds the list to the installed torchvision; tasks/train/models.py asks
+# reads params.yaml. tests/train/test_zoo.py holds the list to the installed torchvision; tasks/train/models.py asks
 # torchvision again when it builds (an older torchvision, e.g. on a GPU box, may lack a name).
 TORCHVISION_MODELS = frozenset(
     """

@@ -69,7 +69,7 @@ DEFAULT_JSON = Path("artifacts") / "gpu-check.json"
 COMPRESS_NEEDS = ("onnx", "onnxruntime", "onnxscript")
 VARIANT_NEEDS = {"qat_int8": "torchao", "pruned_ln": "torch_pruning"}
 FINE_TUNED = {"qat_int8", "pruned_l1", "pruned_ln"}  # variants that train on train.device (the GPU)
-# The CPU leaves out qat_int8: ~9 s on 2 cores, and tests/test_compress_export.py builds it on the CPU
+# The CPU leaves out qat_int8: ~9 s on 2 cores, and tests/ship/test_compress_export.py builds it on the CPU
 # already; what is new here is fine-tuning on the GPU. Both fine-tune (pruned_l1 and qat_int8) on CUDA.
 DEFAULT_VARIANTS = {"cuda": ("static_int8", "pruned_l1", "qat_int8"), "cpu": ("static_int8", "pruned_l1")}
 # torch's messages when strict mode refuses an op: "<op> does not have a deterministic implementation"

@@ -290,7 +290,7 @@ def _age_text(seconds: float) -> str:
 
 def default_store() -> str:
     """The store lockstep tracks into: tasks/tracking/runs.py's `tracking_uri` (which imports this module;
-    tests/test_orphans.py holds the two together)."""
+    tests/tracking/test_orphans.py holds the two together)."""
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
 
 
