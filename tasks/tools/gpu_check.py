@@ -54,7 +54,7 @@ from tasks.core.config import CompressConfig, DeterminismConfig, ExportConfig, T
 from tasks.data.preprocess import Preprocessed
 from tasks.data.stats import channel_stats
 from tasks.determinism.pinning import CUBLAS_WORKSPACE_CONFIG, pin_everything
-from tasks.train.checkpoints import checkpoint_bytes, cpu_state, result_config
+from tasks.train.checkpoints import checkpoint_bytes, checkpoint_metadata, cpu_state
 from tasks.train.loop import Training, build_training
 
 PASS, FAIL, SKIPPED, NA, REPORT = "pass", "FAIL", "skipped", "n/a", "report"
@@ -640,14 +640,7 @@ def _checkpoint(options: CheckOptions, work: Path) -> TrainConfig:
     training = build_training(cfg, options.seed, train, device)
     history = [training.epoch(epoch, val) for epoch in range(1, cfg.epochs + 1)]
     metadata = {
-        "model": cfg.model,
-        "num_classes": NUM_CLASSES,
-        "classes": train.classes,
-        "mean": train.mean,
-        "std": train.std,
-        "config": result_config(cfg),
-        "seed": options.seed,
-        "world_size": 1,
+        **checkpoint_metadata(cfg, options.seed, train, world_size=1),
         "epoch": cfg.epochs,
         "val_accuracy": history[-1]["val_accuracy"],
     }

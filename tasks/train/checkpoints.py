@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -21,6 +21,9 @@ from tasks.core.config import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed
 from tasks.train.models import Classifier, build_model
+
+if TYPE_CHECKING:
+    from tasks.train.pretrained import Pretrained
 
 # How a job is launched, not what it computes: two nodes x 1 process give the weights of one node x 2,
 # and neither checkpoint cadence, restarts nor loader workers change a bit. Left out of the
@@ -38,6 +41,26 @@ def result_config(cfg: TrainConfig) -> dict[str, Any]:
     """The train config that shapes the weights (everything but LAUNCH_KEYS). Its `seed` is left out
     too: the checkpoints record the seed actually used (train.seed or the top-level one) beside it."""
     return cfg.model_dump(exclude={*LAUNCH_KEYS, "seed"})
+
+
+def checkpoint_metadata(
+    cfg: TrainConfig, seed: int, split: Preprocessed, world_size: int, pretrained: Pretrained | None = None
+) -> dict[str, Any]:
+    """What every checkpoint records (the epoch and its val accuracy are added per file): enough to
+    rebuild the model and to know what it was trained on. The one builder: the train stage's and the
+    GPU check's checkpoints carry the same keys."""
+    return {
+        "model": cfg.model,
+        "image_size": list(split.images.shape[2:]),  # decides a torchvision model's stem (tasks/train/models.py)
+        "pretrained": pretrained.lineage() if pretrained else None,
+        "num_classes": len(split.classes),
+        "classes": split.classes,
+        "mean": split.mean,
+        "std": split.std,
+        "config": result_config(cfg),
+        "seed": seed,
+        "world_size": world_size,
+    }
 
 
 def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:

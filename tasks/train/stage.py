@@ -27,9 +27,9 @@ from tqdm.auto import tqdm
 from tasks.core import layout
 from tasks.core.atomic import atomic_files
 from tasks.core.config import TrainConfig
-from tasks.data.preprocess import Preprocessed, load_split
+from tasks.data.preprocess import load_split
 from tasks.train import resume
-from tasks.train.checkpoints import checkpoint_bytes, cpu_state, result_config
+from tasks.train.checkpoints import checkpoint_bytes, checkpoint_metadata, cpu_state
 from tasks.train.devices import join_process_group
 from tasks.train.loop import Training, build_training
 from tasks.train.pretrained import Pretrained, load_pretrained
@@ -99,7 +99,7 @@ def train(
         progress.best_state, progress.best_epoch = cpu_state(training.model), cfg.epochs
     result = _result(training, progress, resumed_from, pretrained)
     if ranks.rank == 0:
-        metadata = _metadata(cfg, seed, train_split, ranks.world_size, pretrained)
+        metadata = checkpoint_metadata(cfg, seed, train_split, ranks.world_size, pretrained)
         _write_outputs(out_dir, training, progress, result, metadata)
         if resume_path is not None:
             resume_path.unlink(missing_ok=True)  # finished: a later run starts fresh
@@ -123,24 +123,6 @@ def _result(
         pretrained=pretrained.lineage() if pretrained else None,
         random_shift_px=training.loader.dataset.max_shift,
     )
-
-
-def _metadata(
-    cfg: TrainConfig, seed: int, split: Preprocessed, world_size: int, pretrained: Pretrained | None
-) -> dict[str, Any]:
-    """What every checkpoint records: enough to rebuild the model and to know what it was trained on."""
-    return {
-        "model": cfg.model,
-        "image_size": list(split.images.shape[2:]),  # decides a torchvision model's stem (tasks/train/models.py)
-        "pretrained": pretrained.lineage() if pretrained else None,
-        "num_classes": len(split.classes),
-        "classes": split.classes,
-        "mean": split.mean,
-        "std": split.std,
-        "config": result_config(cfg),
-        "seed": seed,
-        "world_size": world_size,
-    }
 
 
 def _write_outputs(
