@@ -22,8 +22,7 @@ from pathlib import Path
 
 from benchmarks.harness import RESULTS, ROOT, Figure, machine
 from tasks.core.atomic import write_text
-from tasks.core.config import load_params
-from tasks.determinism import cpu_mode
+from tasks.determinism.bootstrap import bootstrap
 
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars of the stages would drown the table
     # the defaults users get, stages run in this process included: pinned before torch and numpy load
-    cpu_mode.pin_env(load_params(ROOT / "params.yaml").determinism.cpu)
+    bootstrap(ROOT / "params.yaml")
     suites = _suites(args.smoke)
     unknown = set(args.only or []) - set(suites)
     if unknown:

@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.harness import ROOT
-from tasks.core.config import DataConfig, Params, load_params
+from tasks.core.config.data import DataConfig
+from tasks.core.config.params import Params
+from tasks.core.config.yaml_io import load_params
 from tasks.data.download import download
 from tasks.data.formats import RawDataset, read_raw, write_raw
 from tasks.data.preprocess import preprocess

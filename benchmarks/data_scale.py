@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP = r"""
 import json, resource, sys, time
 from pathlib import Path
-from tasks.core.config import DataConfig, SplitConfig
+from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.data.download import download
 from tasks.data.preprocess import preprocess
 from tasks.data.stats import compute_stats, ChannelStats

@@ -26,7 +26,8 @@ from pathlib import Path
 from benchmarks.data import raw
 from benchmarks.harness import ROOT, Figure, alternate, median, run_timed
 from tasks.core import layout
-from tasks.core.config import STAGES, set_params
+from tasks.core.config.params import STAGES
+from tasks.core.config.yaml_io import set_params
 
 BUDGET_S = {"dvc": 2.0, "flow": 10.0}
 B2_TARGETS = {1: 1.5, 20: 1.1}  # dataset scale -> the most the flow may cost, as a multiple of plain

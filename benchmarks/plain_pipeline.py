@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from tasks.core import layout
-from tasks.core.config import load_params
+from tasks.core.config.yaml_io import load_params
 from tasks.determinism.pinning import pin_everything
 
 

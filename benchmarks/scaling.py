@@ -63,7 +63,8 @@ from typing import TYPE_CHECKING, Any
 from benchmarks.harness import ROOT, Figure
 
 if TYPE_CHECKING:
-    from tasks.core.config import Params, TrainConfig
+    from tasks.core.config.params import Params
+    from tasks.core.config.train import TrainConfig
 
 STEPS = ("stats", "preprocess", "epoch")
 DATA_UNIT = 32  # copies of digits at 1x for stats and preprocess (see the module docstring)
@@ -114,7 +115,7 @@ def child(step: str, data: Path, folder: Path, repeats: int, smoke: bool = False
 
     The step runs once (cold: its peak RSS is read after it), then `repeats` times timed.
     """
-    from tasks.core.config import load_params
+    from tasks.core.config.yaml_io import load_params
 
     p = load_params(ROOT / "params.yaml")
     output: Path | None = None

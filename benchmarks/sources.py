@@ -33,7 +33,8 @@ import yaml
 
 from benchmarks.harness import ROOT, machine
 from benchmarks.synthetic_images import DATASETS, generate, write_imagefolder
-from tasks.core.config import DataConfig, load_params, load_yaml
+from tasks.core.config.data import DataConfig
+from tasks.core.config.yaml_io import load_params, load_yaml
 from tasks.data.download import download
 
 DATASET = {

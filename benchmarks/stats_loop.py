@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks.harness import Figure, alternate, median
 
 if TYPE_CHECKING:
-    from tasks.core.config import SplitConfig
+    from tasks.core.config.data import SplitConfig
 
 TOLERANCE = 1e-6  # absolute, on mean and std in the stage's units (pixel values / 255)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks.harness import Figure, run_timed
 from benchmarks.pipeline_overhead import project_copy
-from tasks.core.config import set_params
+from tasks.core.config.yaml_io import set_params
 
 TARGET = 1.8  # speed-up of 2 workers over 1
 
@@ -79,10 +79,8 @@ def b10(work: Path, smoke: bool = False) -> list[Figure]:
 _TRAIN = """
 import sys, time
 from pathlib import Path
-from tasks.determinism import cpu_mode
-from tasks.core.config import load_params
-params = load_params()
-cpu_mode.pin_env(params.determinism.cpu)
+from tasks.determinism.bootstrap import bootstrap
+params = bootstrap()
 from tasks.determinism.pinning import pin_everything
 from tasks.train.stage import train
 pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu)

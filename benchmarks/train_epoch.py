@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.data import params, prepared
 from benchmarks.harness import ROOT, Figure, alternate, fixed_threads, median, run_python
-from tasks.core.config import with_overrides
+from tasks.core.config.yaml_io import with_overrides
 
 
 class TutorialDigits(Dataset):
@@ -251,7 +251,7 @@ def _b4_project(work: Path, epochs: int | None) -> Path:
 def b4(work: Path, rounds: int, epochs: int | None = None, warmup: int = 1) -> list[Figure]:
     """Tracking on vs off, the train stage as the flow runs it (in one process: MLflow imported
     once per pipeline) and as `dvc repro` runs it (a fresh process: the import paid every time)."""
-    from tasks.core.config import load_params
+    from tasks.core.config.yaml_io import load_params
     from tasks.stages import run_stage
 
     project = _b4_project(work, epochs)

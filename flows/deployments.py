@@ -32,7 +32,9 @@ from typing import Any
 
 from flows import prefect_env
 from tasks.core.cli import exit_code
-from tasks.core.config import PARAMS_FILE, REMOTE_KEYS, OrchestrationConfig, load_params
+from tasks.core.config.policy import REMOTE_KEYS
+from tasks.core.config.service import OrchestrationConfig
+from tasks.core.config.yaml_io import PARAMS_FILE, load_params
 from tasks.core.layout import ROOT
 
 
@@ -132,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
             f"(refused by default; repeatable; one of {', '.join(REMOTE_KEYS)})",
         )
     args = parser.parse_args(argv)
-    prefect_env.configure()  # before Prefect is imported, and inherited by the server we start
     return exit_code(lambda: _run(args))
 
 

@@ -1,6 +1,6 @@
 """Telling the people who run the service: a failed, crashed or refused run, and each promotion decision.
 
-Configured in params.yaml `orchestration.notify` (tasks/core/config.py `NotifyConfig`); the webhook URL,
+Configured in params.yaml `orchestration.notify` (tasks/core/config/ `NotifyConfig`); the webhook URL,
 which carries a token, is never a param: it comes from a Prefect notification block named in
 `notify.block` (`slack-webhook/oncall`, `custom-webhook/oncall`..., made with the UI or
 `Block.save`), else from the environment variable `notify.url_env` (LOCKSTEP_NOTIFY_URL). With
@@ -55,7 +55,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tasks.core.cli import one_line
-from tasks.core.config import PARAMS_FILE, ConfigError, NotifyConfig, load_params
+from tasks.core.config.base import ConfigError
+from tasks.core.config.service import NotifyConfig
+from tasks.core.config.yaml_io import PARAMS_FILE, load_params
 from tasks.core.errors import DataRefused, ExpectedFailure
 from tasks.core.layout import ROOT
 from tasks.core.redact import MASK

@@ -26,28 +26,19 @@ import sys
 import time
 from typing import Any
 
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
 from flows import notify, prefect_env
 from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
+from tasks.core.cli import dvc_logs_once, exit_code
+from tasks.core.config.base import ConfigError
+from tasks.core.config.params import STAGES, Params
+from tasks.core.config.policy import refuse_remote_overrides
+from tasks.core.config.yaml_io import PARAMS_FILE, set_params
 from tasks.core.layout import ROOT
-
-prefect_env.configure()  # before Prefect is imported
-
-from prefect import flow, get_run_logger, task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-from prefect.tasks import exponential_backoff  # noqa: E402
-
-from tasks.core.cli import dvc_logs_once, exit_code  # noqa: E402
-from tasks.core.config import (  # noqa: E402
-    PARAMS_FILE,
-    STAGES,
-    ConfigError,
-    Params,
-    load_params,
-    refuse_remote_overrides,
-    set_params,
-    with_overrides,
-)
-from tasks.determinism import cpu_mode  # noqa: E402
+from tasks.determinism.bootstrap import bootstrap
 
 FLOW_NAME = "lockstep-pipeline"
 
@@ -170,16 +161,15 @@ def pipeline(
 
     os.chdir(ROOT)
     logger = get_run_logger()
-    params = load_params(_inside_project(params_file))  # validated before anything is written
-    cpu_mode.pin_env(params.determinism.cpu)  # the stages run in this process: before torch loads
     if overrides:
         refuse_remote_overrides(overrides, allowed_overrides())
+    # validated with the overrides before anything is written; the stages run in this process
+    params = bootstrap(_inside_project(params_file), overrides)
     with pipeline_lock(
         f"Prefect flow run {flow_run.name or FLOW_NAME}", params.orchestration.lock_wait_s, logger=logger
     ):
         if overrides:
             params = set_params(params_file, overrides)
-            cpu_mode.pin_env(params.determinism.cpu)
             logger.info("params.yaml updated: %s", json.dumps(overrides))
         before = data_md5()
         results: dict[str, dict[str, Any]] = {}
@@ -232,7 +222,7 @@ def _override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. train.lr=0.01), got {text!r}")
-    from tasks.core.config import load_yaml
+    from tasks.core.config.yaml_io import load_yaml
 
     return key, load_yaml(value)  # 0.01 -> float, [a, b] -> list, like `dvc exp run -S`
 
@@ -260,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from tasks.tracking.runs import check_store
 
-    _, params = with_overrides(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
-    cpu_mode.pin_env(params.determinism.cpu)  # before MLflow (check_store) imports numpy
+    params = bootstrap(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
     # the user at this prompt may point the data anywhere: only API-started runs are restricted
     os.environ[ALLOW_OVERRIDES_ENV] = ",".join([*allowed_overrides(), *(key for key, _ in args.overrides)])
     check_store(params.tracking)  # a tracking server that is down fails the run now, not after training

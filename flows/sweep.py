@@ -30,18 +30,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prefect import flow, get_run_logger
+
 from flows import prefect_env
+from flows.trials import SweepContext, run_batch, warm_up
+from tasks.core import layout
+from tasks.core.cli import exit_code
+from tasks.core.config.base import ConfigError
+from tasks.core.config.params import Params
+from tasks.core.config.yaml_io import PARAMS_FILE, set_params
 from tasks.core.layout import ROOT
-
-prefect_env.configure()  # before Prefect is imported
-
-from prefect import flow, get_run_logger  # noqa: E402
-
-from flows.trials import SweepContext, run_batch, warm_up  # noqa: E402
-from tasks.core import layout  # noqa: E402
-from tasks.core.cli import exit_code  # noqa: E402
-from tasks.core.config import PARAMS_FILE, ConfigError, Params, load_params, set_params, with_overrides  # noqa: E402
-from tasks.determinism import cpu_mode  # noqa: E402
+from tasks.determinism.bootstrap import bootstrap
 
 FLOW_NAME = "lockstep-sweep"
 ADDRESS_ENV = "LOCKSTEP_DASK_ADDRESS"
@@ -66,8 +65,7 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
 
     os.chdir(ROOT)
     logger = get_run_logger()
-    params = load_params(params_file)
-    cpu_mode.pin_env(params.determinism.cpu)
+    params = bootstrap(params_file)
     cfg = params.sweep
     if not cfg.space:
         raise ConfigError(f"{params_file}: sweep.space is empty: name the train keys to search (README, Sweeps)")
@@ -237,8 +235,8 @@ def _run(args: argparse.Namespace) -> int:
     from tasks.tracking.runs import check_store
 
     overrides = dict(_override(text) for text in args.overrides)
-    _, params = with_overrides(ROOT / args.params, overrides)  # fail fast, before a server starts
-    cpu_mode.pin_env(params.determinism.cpu)  # before numpy loads; the local cluster's workers inherit it
+    # fail fast, before a server starts; the local cluster's workers inherit the pinned environment
+    params = bootstrap(ROOT / args.params, overrides)
     check_store(params.tracking)
     check_storage(os.environ.get(STORAGE_ENV) or params.sweep.storage)
     if overrides:
@@ -263,7 +261,7 @@ def _dask(role: str, argv: list[str]) -> int:
     if role == "scheduler":
         from distributed.cli.dask_scheduler import main as dask_main
     else:
-        cpu_mode.pin_env(load_params(ROOT / args.params).determinism.cpu)  # before distributed loads numpy
+        bootstrap(ROOT / args.params)  # before distributed loads numpy
         from distributed.cli.dask_worker import main as dask_main
 
         os.chdir(ROOT)

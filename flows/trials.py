@@ -13,17 +13,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows import prefect_env
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
-prefect_env.configure()  # before Prefect is imported
-
-from prefect import get_run_logger, task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-
-from tasks.core import layout  # noqa: E402
-from tasks.core.cli import one_line  # noqa: E402
-from tasks.core.config import Params  # noqa: E402
-from tasks.tools.sweep import TrialOutcome, TrialSpec  # noqa: E402
+from tasks.core import layout
+from tasks.core.cli import one_line
+from tasks.core.config.params import Params
+from tasks.tools.sweep import TrialOutcome, TrialSpec
 
 # One trial at a time per process: a trial seeds the process-wide RNGs and sets torch's thread
 # count, so two in one process (a Dask worker with several threads) would draw from each other's.

@@ -11,8 +11,9 @@ import argparse
 import sys
 
 from tasks.core.cli import configure_logging, exit_code
-from tasks.core.config import PARAMS_FILE, STAGES, load_params
-from tasks.determinism import cpu_mode
+from tasks.core.config.params import STAGES
+from tasks.core.config.yaml_io import PARAMS_FILE
+from tasks.determinism.bootstrap import bootstrap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(stage: str, params_file: str) -> int:
-    params = load_params(params_file)
-    cpu_mode.pin_env(params.determinism.cpu)  # before torch and numpy load
+    params = bootstrap(params_file)  # before torch and numpy load
 
     from tasks.core.lock import pipeline_lock
     from tasks.stages import run_stage  # heavy imports (torch, MLflow) only after validation

@@ -19,7 +19,7 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.atomic import write_text
-from tasks.core.config import Params
+from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5, file_digest
 from tasks.determinism.fingerprint import fingerprint
 from tasks.determinism.pinning import pin_everything

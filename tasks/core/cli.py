@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 
 from tasks.core.atomic import WRITE_ERRNOS
-from tasks.core.config import ConfigError
+from tasks.core.config.base import ConfigError
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import install as install_redaction
 from tasks.core.redact import redact

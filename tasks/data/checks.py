@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tasks.core.config import ChecksConfig, DataConfig, SplitConfig
+from tasks.core.config.data import ChecksConfig, DataConfig, SplitConfig
 from tasks.core.errors import DataRefused, ExpectedFailure
 from tasks.data.formats import RawSnapshot, content_digests, split_indices
 

@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import numpy as np
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config import DataConfig
+from tasks.core.config.data import DataConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import SECRET_NAME, redact
 from tasks.data.archive import ArchiveLimits, extract, is_archive

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config import SplitConfig
+from tasks.core.config.data import SplitConfig
 from tasks.core.errors import ExpectedFailure
 
 FORMAT = "lockstep-raw/1"

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config import SplitConfig
+from tasks.core.config.data import SplitConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.hashing import file_digest
 from tasks.data.formats import SPLITS, NpyRows, NpyWriter, PublishedSplits, open_raw, read_meta, split_indices

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.core.config import SplitConfig
+from tasks.core.config.data import SplitConfig
 from tasks.data.formats import open_raw, split_indices
 
 

@@ -28,7 +28,7 @@ import platform
 import sys
 from typing import Any
 
-from tasks.core.config import ConfigError
+from tasks.core.config.base import ConfigError
 
 MODES = ("portable", "native")
 # Set with the variables below: the mode this process's environment was pinned for. Children

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config import CompressConfig, TrainConfig
+from tasks.core.config.ship import CompressConfig
+from tasks.core.config.train import TrainConfig
 from tasks.data.preprocess import load_split
 from tasks.ship import prune, quantize
 from tasks.ship.onnx_model import as_pixels, export_onnx, label, median_latency_ms, predict, session, weight_counts

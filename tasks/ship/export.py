@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config import ExportConfig
+from tasks.core.config.ship import ExportConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.hashing import file_digest
 from tasks.core.redact import redact, redact_tree

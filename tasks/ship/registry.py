@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.core.config import PromotionConfig
+from tasks.core.config.ship import PromotionConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed
 

@@ -33,7 +33,8 @@ import numpy as np
 
 from tasks.core.atomic import write_text
 from tasks.core.cli import configure_logging, exit_code, one_line
-from tasks.core.config import PARAMS_FILE, Params, load_params
+from tasks.core.config.params import Params
+from tasks.core.config.yaml_io import PARAMS_FILE, load_params
 from tasks.core.errors import ExpectedFailure
 from tasks.data.archive import ArchiveLimits, extract, is_archive
 from tasks.data.images import IMG_EXTENSIONS, decode, mode_of

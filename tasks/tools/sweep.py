@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.core.config import Params, SearchSpace, SweepConfig
+from tasks.core.config.params import Params
+from tasks.core.config.sweep import SearchSpace, SweepConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import redact
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core import layout
-from tasks.core.config import STAGES, Params
+from tasks.core.config.params import STAGES, Params
 from tasks.core.redact import redact
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"

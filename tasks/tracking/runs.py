@@ -40,7 +40,8 @@ from typing import Any
 
 import psutil
 
-from tasks.core.config import Params, TrackingConfig
+from tasks.core.config.params import Params
+from tasks.core.config.service import TrackingConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.hashing import data_md5, file_digest
 from tasks.core.layout import project_root

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as serialize
 from torch import nn
 
-from tasks.core.config import TrainConfig
+from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed
 from tasks.train.models import Classifier, build_model

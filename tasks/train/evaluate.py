@@ -19,7 +19,7 @@ import torch
 from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
 from tasks.core.atomic import atomic_file, write_text
-from tasks.core.config import EvaluateConfig
+from tasks.core.config.train import EvaluateConfig
 from tasks.data.preprocess import load_split
 from tasks.train.checkpoints import load_checkpoint
 from tasks.train.devices import resolve_device

@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING
 
 from tasks.core import layout
 from tasks.core.cli import configure_logging
-from tasks.core.config import PARAMS_FILE, Params, load_params
+from tasks.core.config.params import Params
+from tasks.core.config.yaml_io import PARAMS_FILE
 from tasks.core.errors import ExpectedFailure
-from tasks.determinism import cpu_mode
+from tasks.determinism.bootstrap import bootstrap
 
 if TYPE_CHECKING:
     from tasks.train.stage import TrainResult
@@ -122,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "?")
     configure_logging(f"%(levelname)s rank {rank} %(name)s: %(message)s")
     from_launcher = os.environ.get(PARAMS_ENV)
-    params = Params.model_validate_json(from_launcher) if from_launcher else load_params(args.params)
-    cpu_mode.pin_env(params.determinism.cpu)  # inherited from the launcher; set here on other nodes
+    # the launcher's process was bootstrapped and its ranks inherit its environment; on other nodes
+    # torchrun starts ranks itself, with --params
+    params = Params.model_validate_json(from_launcher) if from_launcher else bootstrap(args.params)
 
     from tasks.determinism.pinning import pin_everything
     from tasks.train.stage import train

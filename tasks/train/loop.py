@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from tasks.core.config import TrainConfig
+from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed, load_split
 from tasks.determinism.kernels import installed as portable_installed

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from tasks.core.config import TrainConfig
+from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import redact
 from tasks.data.fetch import Auth, Checksum, Retry, fetch

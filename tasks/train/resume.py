@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tasks.core.atomic import write_bytes
-from tasks.core.config import TrainConfig
+from tasks.core.config.train import TrainConfig
 from tasks.determinism.pinning import rng_state, set_rng_state
 from tasks.train.checkpoints import CheckpointError, checkpoint_bytes, cpu_state, read_safetensors, result_config
 from tasks.train.loop import Training

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from tasks.core import layout
 from tasks.core.atomic import atomic_files
-from tasks.core.config import TrainConfig
+from tasks.core.config.train import TrainConfig
 from tasks.data.preprocess import load_split
 from tasks.train import resume
 from tasks.train.checkpoints import checkpoint_bytes, checkpoint_metadata, cpu_state

@@ -106,7 +106,7 @@ def test_the_check_data_downloads_in_its_sources_published_format(
     """What benchmarks/sources.py measures is the check data itself, split as published."""
     from benchmarks.httpserver import FileServer
     from benchmarks.sources import DATASET, publish
-    from tasks.core.config import DataConfig
+    from tasks.core.config.data import DataConfig
     from tasks.data.download import download
     from tasks.data.formats import read_raw
 

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.core.config import STAGE_PARAMS, ConfigError, Params, load_params
+from tasks.core.config.base import ConfigError
+from tasks.core.config.params import STAGE_PARAMS, Params
+from tasks.core.config.yaml_io import load_params
 from tests.conftest import ROOT, run, write_params
 
 

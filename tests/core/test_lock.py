@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.config import load_params, set_params
+from tasks.core.config.yaml_io import load_params, set_params
 from tasks.core.lock import HOLDER_FILE, PipelineBusy, pipeline_lock
 from tests.conftest import ROOT, copy_project, run
 
@@ -64,7 +64,7 @@ def test_overrides_are_written_into_params_yaml_keeping_comments(tmp_path: Path)
     ],
 )
 def test_bad_overrides_leave_params_yaml_untouched(tmp_path: Path, overrides: dict, fragment: str) -> None:
-    from tasks.core.config import ConfigError
+    from tasks.core.config.base import ConfigError
 
     path = Path(shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml"))
     with pytest.raises(ConfigError, match=fragment):

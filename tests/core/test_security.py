@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from tasks.core.cli import exit_code
-from tasks.core.config import ConfigError, load_params, load_yaml, refuse_remote_overrides
+from tasks.core.config.base import ConfigError
+from tasks.core.config.policy import refuse_remote_overrides
+from tasks.core.config.yaml_io import load_params, load_yaml
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import MASK, install, redact, redact_tree
 from tests.conftest import ROOT

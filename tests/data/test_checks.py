@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from benchmarks.fakedata import imagefolder_tree
-from tasks.core.config import ChecksConfig
+from tasks.core.config.data import ChecksConfig
 from tasks.core.errors import DataRefused
 from tasks.data.checks import Profile, check_snapshot, duplicates_across_splits, refuse_if_failed
 from tests.conftest import client_for, copy_project, run
@@ -110,7 +110,7 @@ def test_first_run_checks_what_needs_no_reference() -> None:
 
 
 def test_data_pointed_elsewhere_on_purpose_is_not_compared() -> None:
-    from tasks.core.config import DataConfig
+    from tasks.core.config.data import DataConfig
     from tasks.data.checks import data_origin
 
     digits, folder = DataConfig(), DataConfig(source="imagefolder", path="/datasets/shapes", channels=3)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.core.config import DataConfig, SplitConfig
+from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
 from tasks.data.formats import FORMAT, RawDataset, open_raw, read_raw, split_indices, write_raw

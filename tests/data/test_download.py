@@ -32,7 +32,7 @@ from benchmarks.fakedata import (
     zip_with_symlink,
 )
 from benchmarks.httpserver import FileServer
-from tasks.core.config import DataConfig, SplitConfig
+from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
 from tasks.data.fetch import Checksum, DownloadError, Retry, _exclusive, fetch

@@ -31,7 +31,9 @@ from PIL import Image, ImageFile
 import tasks.data.folders
 from benchmarks.fakedata import imagefolder_tree, pack
 from benchmarks.httpserver import FileServer
-from tasks.core.config import ConfigError, DataConfig, load_params
+from tasks.core.config.base import ConfigError
+from tasks.core.config.data import DataConfig
+from tasks.core.config.yaml_io import load_params
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
 from tasks.data.fetch import AUTH_ENV, TOKEN_ENV, Auth, Checksum, DownloadError, Retry, fetch

@@ -26,7 +26,7 @@ from PIL import Image
 
 from benchmarks.fakedata import cifar_archive, imagefolder_tree, mnist_files, pack
 from benchmarks.httpserver import FileServer
-from tasks.core.config import DataConfig, SplitConfig
+from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
 from tasks.data.fetch import Retry

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.core.config import load_params
+from tasks.core.config.yaml_io import load_params
 from tasks.data.download import download
 from tasks.data.preprocess import preprocess
 from tasks.data.stats import compute_stats

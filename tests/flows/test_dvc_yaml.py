@@ -6,7 +6,7 @@ from __future__ import annotations
 import yaml
 
 from tasks.core import layout
-from tasks.core.config import STAGE_PARAMS, STAGES
+from tasks.core.config.params import STAGE_PARAMS, STAGES
 from tests.support.code_graph import PACKAGES, ROOT, closure, module_path
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.core.config import STAGES
+from tasks.core.config.params import STAGES
 from tasks.tracking.dashboard import run_page
 from tests.conftest import TINY, client_for, clone_project, copy_project, run, sha256
 

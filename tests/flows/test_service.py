@@ -33,7 +33,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from tasks.core.config import STAGES
+from tasks.core.config.params import STAGES
 from tasks.core.lock import pipeline_lock
 from tasks.tracking.dashboard import CURVES, run_page, runs_page
 from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env

@@ -27,7 +27,8 @@ from pydantic.fields import FieldInfo
 import flows.pipeline
 import tasks.__main__
 import tasks.stages
-from tasks.core.config import Params, load_params
+from tasks.core.config.params import Params
+from tasks.core.config.yaml_io import load_params
 from tests.conftest import ROOT
 
 BASE = yaml.safe_load((ROOT / "params.yaml").read_text())

@@ -37,7 +37,7 @@ def _ops(path: Path) -> list[str]:
 
 def _every_variant(repo: Path, train_cfg: Any, checkpoint: Path, out: Path) -> tuple[Any, Any]:
     """(the compress config, its result): all five variants of `checkpoint`, in this process."""
-    from tasks.core.config import load_params
+    from tasks.core.config.yaml_io import load_params
     from tasks.ship.compress import compress
 
     params = load_params(repo / "params.yaml")
@@ -241,7 +241,7 @@ def test_a_candidate_failing_its_gates_passes_the_turn_to_the_next(dvc_repo: dic
 
 def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     """All five variants in-process, compared with what `dvc repro` built in its own process."""
-    from tasks.core.config import load_params
+    from tasks.core.config.yaml_io import load_params
     from tasks.determinism.pinning import pin_everything
 
     repo = dvc_repo["repo"]
@@ -270,7 +270,7 @@ def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path:
 
 def test_every_variant_is_built_for_resnet9(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     """The default model for real images: BN folded, int8 QDQ, and channel pruning across its residual adds."""
-    from tasks.core.config import load_params
+    from tasks.core.config.yaml_io import load_params
     from tasks.determinism.pinning import pin_everything
     from tasks.train.stage import train
 

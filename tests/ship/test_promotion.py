@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from tasks.core.config import PromotionConfig
+from tasks.core.config.ship import PromotionConfig
 from tasks.data.preprocess import Preprocessed, load_split
 from tasks.ship.registry import Paired, decide_promotion, identity, score_pair, split_sha256
 

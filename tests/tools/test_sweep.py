@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from tasks.core.cli import one_line
-from tasks.core.config import ConfigError, Params, load_params
+from tasks.core.config.base import ConfigError
+from tasks.core.config.params import Params
+from tasks.core.config.yaml_io import load_params
 from tasks.tools import sweep as search
 from tests.conftest import write_params
 

@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tasks.core.config import TrackingConfig
+from tasks.core.config.service import TrackingConfig
 from tasks.tracking import orphans
 from tasks.tracking.orphans import KILLED_REASON, OWNER_HOST, OWNER_PID, OWNER_PIDNS, OWNER_STARTED, mark_orphans
 from tasks.tracking.runs import PARENT_ENV, pipeline_run, stage_run, tracking_uri
@@ -33,7 +33,7 @@ from tests.conftest import ROOT, subprocess_env
 # A stage process: opens its stage run (and, outside a flow, its session's parent run), then waits.
 STAGE = """
 import os, time
-from tasks.core.config import TrackingConfig
+from tasks.core.config.service import TrackingConfig
 from tasks.tracking.runs import stage_run
 with stage_run("train", TrackingConfig(), {"lr": 0.1}) as run:
     print(os.getpid(), run.run_id, flush=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.config import TrackingConfig
+from tasks.core.config.service import TrackingConfig
 from tasks.core.layout import ROOT, project_root
 from tasks.tracking.runs import PARENT_ENV, StageRun, stage_run, tracking_uri
 

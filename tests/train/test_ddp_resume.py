@@ -25,7 +25,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tasks.core.config import DataConfig, SplitConfig
+from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.data.download import download
 from tasks.data.preprocess import load_split, preprocess
 from tasks.data.stats import compute_stats

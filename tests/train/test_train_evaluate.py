@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.core.config import SOURCE_RECIPES, DataConfig, EvaluateConfig, Params, SplitConfig, TrainConfig
+from tasks.core.config.data import DataConfig, SplitConfig
+from tasks.core.config.params import Params
+from tasks.core.config.train import SOURCE_RECIPES, EvaluateConfig, TrainConfig
 from tasks.data.download import download
 from tasks.data.preprocess import Preprocessed, load_split, preprocess
 from tasks.data.stats import compute_stats

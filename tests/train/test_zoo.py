@@ -18,7 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.httpserver import FileServer
-from tasks.core.config import TORCHVISION_MODELS, ConfigError, SplitConfig, TrainConfig, load_params
+from tasks.core.config.base import ConfigError
+from tasks.core.config.data import SplitConfig
+from tasks.core.config.train import TORCHVISION_MODELS, TrainConfig
+from tasks.core.config.yaml_io import load_params
 from tasks.core.errors import ExpectedFailure
 from tasks.data.fetch import DownloadError
 from tasks.data.formats import RawDataset, write_raw

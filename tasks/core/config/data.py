@@ -1,0 +1,123 @@
+"""The data sections: `data` (what download ingests), `split`, `stats`, and `checks` (its gates)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tasks.core.config.base import (
+    Section,
+)
+
+Source = Literal["digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefolder"]
+
+
+class DataConfig(Section):
+    """What the download stage ingests (every source ends up in the same format, tasks/data/formats.py)."""
+
+    source: Source = "digits"
+    # Base URL that replaces the published hosts (air-gapped sites): files are fetched from
+    # <mirror>/<file name> and still verified against the published checksums.
+    # Credentials for mirror and url: LOCKSTEP_DATA_TOKEN / LOCKSTEP_DATA_AUTH or ~/.netrc (tasks/data/fetch.py),
+    # not user:pass@ in the URL, which params.yaml and dvc.lock would then record.
+    mirror: str | None = Field(None, max_length=2048, pattern=r"^(https?|file)://\S+$")
+    retries: int = Field(4, ge=0, le=20)  # extra attempts on connection errors and HTTP 5xx
+    timeout_s: float = Field(60.0, gt=0, le=3600)  # per connection attempt / per read
+    # Limits against a hostile or broken source: a server that never stops sending (or sends a byte
+    # a second), an archive bomb, a decompression-bomb image. A real dataset above one raises it here.
+    deadline_s: float = Field(3600.0, gt=0, le=7 * 86400)  # per downloaded file, every retry included
+    max_download_bytes: int = Field(4 << 30, ge=1, le=1 << 44)  # per file, counted while it streams
+    max_extracted_bytes: int = Field(16 << 30, ge=1, le=1 << 44)  # an archive's content, in total
+    max_compression_ratio: float = Field(100.0, ge=1, le=10_000)  # extracted bytes / archive bytes
+    max_archive_files: int = Field(1_000_000, ge=1, le=100_000_000)  # members (files, folders) per archive
+    # per image, width x height; PIL itself refuses above 2 x 89,478,485 whatever is set here
+    max_image_pixels: int = Field(50_000_000, ge=1, le=178_956_970)
+    max_dataset_bytes: int = Field(16 << 30, ge=1, le=1 << 44)  # decoded images (data/images.npy)
+    # imagefolder only: a local directory (or archive) of class sub-folders, or an archive URL
+    # with its sha256; images are converted to `channels` and resized to `image_size` [H, W].
+    path: str | None = Field(None, min_length=1, max_length=4096)
+    url: str | None = Field(None, max_length=2048, pattern=r"^(https?|file)://\S+$")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    image_size: tuple[int, int] | None = Field(None, strict=False)
+    channels: Literal[1, 3] | None = None
+
+    @field_validator("image_size", mode="before")
+    @classmethod
+    def _square_from_int(cls, value: Any) -> Any:
+        return (value, value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("image_size")
+    @classmethod
+    def _positive_size(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and not 1 <= min(value) <= max(value) <= 16384:
+            raise ValueError("must be positive and at most 16384: [height, width] or one int")
+        return value
+
+    @model_validator(mode="after")
+    def _options_fit_the_source(self) -> DataConfig:
+        folder_only = {
+            "path": self.path,
+            "url": self.url,
+            "sha256": self.sha256,
+            "image_size": self.image_size,
+            "channels": self.channels,
+        }
+        if self.source != "imagefolder":
+            misplaced = [key for key, value in folder_only.items() if value is not None]
+            if misplaced:
+                raise ValueError(f"{', '.join(misplaced)}: only for source 'imagefolder' (source is {self.source!r})")
+            return self
+        if (self.path is None) == (self.url is None):
+            raise ValueError("source 'imagefolder' needs exactly one of path (local) or url (archive)")
+        if self.url is not None and self.sha256 is None:
+            raise ValueError("url needs sha256: downloads are verified before use")
+        return self
+
+
+class SplitConfig(Section):
+    # a source's published test set (MNIST, CIFAR, train/ test/ folders) is the one papers report on
+    published: bool = True
+    # hash: each image goes where a seeded hash of its content sends it, so that adding images never
+    # moves an existing one to another split and copies of an image always share one (data that
+    # grows: a fair comparison between models needs the same test images); random: a seeded,
+    # stratified shuffle (exact class fractions, but any change to the data reshuffles everything)
+    assign: Literal["hash", "random"] = "hash"
+    train: float = Field(0.7, gt=0, lt=1)
+    val: float = Field(0.15, gt=0, lt=1)  # model selection needs a validation split
+    test: float = Field(0.15, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _fractions_sum_to_one(self) -> SplitConfig:
+        total = self.train + self.val + self.test
+        if not math.isclose(total, 1.0, abs_tol=1e-9):
+            raise ValueError(f"train + val + test must sum to 1, got {total:g}")
+        return self
+
+
+class StatsConfig(Section):
+    chunk_size: int = Field(4096, gt=0, le=1 << 20)
+
+
+class ChecksConfig(Section):
+    """Data checks on a new snapshot before it replaces the last trained one (the download stage).
+
+    A gate, not an input: a snapshot that passes is written exactly as without them, so these
+    thresholds are not DVC params of any stage (changing one retrains nothing). A failed check
+    refuses the snapshot: the stage fails with one line naming the check and its numbers, and data/
+    stays as it was.
+    """
+
+    enabled: bool = True
+    # fewer images than the last trained snapshot, as a fraction of it (0.1: a drop of over 10% is refused)
+    max_image_drop: float = Field(0.1, ge=0, le=1)
+    missing_classes: Literal["refuse", "warn"] = "refuse"  # a class the last trained snapshot had
+    new_classes: Literal["refuse", "warn"] = "warn"  # a class it did not have (the head changes size)
+    max_class_imbalance: float = Field(20.0, ge=1, le=1e9)  # largest class / smallest class
+    max_mean_shift: float = Field(0.5, ge=0, le=1e3)  # per channel, in units of the last snapshot's std
+    max_std_ratio: float = Field(1.5, ge=1, le=1e3)  # per channel, new std / last std or its inverse
+    # population stability index of the class frequencies: < 0.1 little change, > 0.25 a large one
+    max_label_psi: float = Field(0.25, ge=0, le=1e3)
+    # test images whose exact content is also in train or val (they inflate test accuracy)
+    max_duplicates_across_splits: float = Field(0.01, ge=0, le=1)  # as a fraction of the test split

@@ -1,0 +1,99 @@
+"""The whole params.yaml as one frozen model, and which sections each stage reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from tasks.core.config.base import (
+    Section,
+    shown,
+)
+from tasks.core.config.data import ChecksConfig, DataConfig, SplitConfig, StatsConfig
+from tasks.core.config.service import OrchestrationConfig, TrackingConfig
+from tasks.core.config.ship import CompressConfig, ExportConfig, PromotionConfig
+from tasks.core.config.sweep import SweepConfig
+from tasks.core.config.train import DeterminismConfig, EvaluateConfig, TrainConfig
+
+
+class Params(Section):
+    seed: int = Field(42, ge=0, lt=2**32)
+    sweep: SweepConfig = SweepConfig()
+    data: DataConfig = DataConfig()
+    split: SplitConfig = SplitConfig()
+    stats: StatsConfig = StatsConfig()
+    determinism: DeterminismConfig = DeterminismConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    compress: CompressConfig = CompressConfig()
+    export: ExportConfig = ExportConfig()
+    checks: ChecksConfig = ChecksConfig()
+    promotion: PromotionConfig = PromotionConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
+
+    @model_validator(mode="after")
+    def _train_recipe_for_the_source(self) -> Params:
+        # Resolved here, once: every stage and the MLflow params see numbers, never "auto".
+        return self.model_copy(update={"train": self.train.for_source(self.data.source)})
+
+    @model_validator(mode="after")
+    def _candidates_are_built(self) -> Params:
+        for variant in self.export.candidates:
+            if variant != "fp32" and variant not in self.compress.variants:
+                raise ValueError(
+                    f"export.candidates: {variant!r} is not built: add it to compress.variants "
+                    f"(now {list(self.compress.variants)}) or drop it from export.candidates"
+                )
+        return self
+
+    @property
+    def train_seed(self) -> int:
+        """The seed the train stage computes with: train.seed, else the top-level seed."""
+        return self.seed if self.train.seed is None else self.train.seed
+
+    @model_validator(mode="after")
+    def _sweep_space_fits_train(self) -> Params:
+        # every bound and choice must be a valid train value here, not a failed trial hours later
+        base = self.train.model_dump()
+        for key, space in self.sweep.space.items():
+            leaf = key.removeprefix("train.")
+            for value in space.values():
+                try:
+                    TrainConfig.model_validate({**base, leaf: value})
+                except ValidationError as exc:
+                    message = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+                    raise ValueError(f"sweep.space.{key}: {shown(value)} is not a valid {key}: {message}") from None
+        return self
+
+    def sections(self, stage: str) -> dict[str, Any]:
+        """The params a stage reads, flattened to dotted keys (for MLflow and for humans)."""
+        flat: dict[str, Any] = {}
+        for section in STAGE_PARAMS[stage]:
+            value = self
+            for part in section.split("."):  # a section, or one key of one ("data.source")
+                value = getattr(value, part)
+            if isinstance(value, BaseModel):
+                flat.update({f"{section}.{k}": v for k, v in value.model_dump().items()})
+            else:
+                flat[section] = value
+        return flat
+
+
+# Which top-level sections of params.yaml each stage reads. `tracking` is read by every stage's
+# MLflow wrapper, not by the computation, so it is deliberately not a DVC dependency: renaming an
+# experiment must not retrain a model. Likewise `data` is read by download only: later stages
+# depend on the data itself (its hash), so a new mirror or retry count never retrains a model.
+STAGE_PARAMS: dict[str, tuple[str, ...]] = {
+    "download": ("data",),
+    "stats": ("seed", "split", "stats"),
+    "preprocess": ("seed", "split"),
+    # data.source: what `auto` resolves to; sweep.applied: the sweep trial whose params these are (lineage)
+    "train": ("seed", "determinism", "train", "data.source", "sweep.applied"),
+    "evaluate": ("seed", "determinism", "evaluate"),
+    # fine-tuning (pruning, QAT) continues with the train stage's optimiser and augmentation
+    "compress": ("seed", "determinism", "train", "data.source", "compress"),
+    "export": ("seed", "determinism", "export"),
+}
+STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)

@@ -1,0 +1,156 @@
+"""The training sections: `determinism`, `train` (with the model names and per-source recipes `auto`
+resolves to) and `evaluate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tasks.core.config.base import (
+    MAX_BATCH,
+    MAX_EPOCHS,
+    MAX_LR,
+    MAX_NODES,
+    MAX_PROCESSES,
+    MAX_STEPS,
+    Auto,
+    Section,
+)
+
+
+class DeterminismConfig(Section):
+    num_threads: int = Field(2, ge=1, le=1024)
+    strict: bool = True
+    cpu: Literal["portable", "native"] = "portable"
+
+
+# torchvision's classification builders (`torchvision.models.list_models(module=torchvision.models)`,
+# torchvision 0.29): written out because importing torchvision to ask costs 3-6 s in every process that
+# reads params.yaml. tests/train/test_zoo.py holds the list to the installed torchvision; tasks/train/models.py asks
+# torchvision again when it builds (an older torchvision, e.g. on a GPU box, may lack a name). The names
+# and recipes live here rather than beside the models: params.yaml is validated before torch loads, and
+# tasks/core imports nothing from the packages above it.
+TORCHVISION_MODELS = frozenset(
+    """
+    alexnet convnext_base convnext_large convnext_small convnext_tiny densenet121 densenet161 densenet169
+    densenet201 efficientnet_b0 efficientnet_b1 efficientnet_b2 efficientnet_b3 efficientnet_b4 efficientnet_b5
+    efficientnet_b6 efficientnet_b7 efficientnet_v2_l efficientnet_v2_m efficientnet_v2_s googlenet inception_v3
+    maxvit_t mnasnet0_5 mnasnet0_75 mnasnet1_0 mnasnet1_3 mobilenet_v2 mobilenet_v3_large mobilenet_v3_small
+    regnet_x_16gf regnet_x_1_6gf regnet_x_32gf regnet_x_3_2gf regnet_x_400mf regnet_x_800mf regnet_x_8gf
+    regnet_y_128gf regnet_y_16gf regnet_y_1_6gf regnet_y_32gf regnet_y_3_2gf regnet_y_400mf regnet_y_800mf
+    regnet_y_8gf resnet101 resnet152 resnet18 resnet34 resnet50 resnext101_32x8d resnext101_64x4d resnext50_32x4d
+    shufflenet_v2_x0_5 shufflenet_v2_x1_0 shufflenet_v2_x1_5 shufflenet_v2_x2_0 squeezenet1_0 squeezenet1_1 swin_b
+    swin_s swin_t swin_v2_b swin_v2_s swin_v2_t vgg11 vgg11_bn vgg13 vgg13_bn vgg16 vgg16_bn vgg19 vgg19_bn vit_b_16
+    vit_b_32 vit_h_14 vit_l_16 vit_l_32 wide_resnet101_2 wide_resnet50_2
+    """.split()
+)
+MAX_WEIGHTS_FILE = 1 << 40  # bytes; the largest torchvision classifier (regnet_y_128gf) is ~2.6 GB in fp32
+OWN_MODELS = ("resnet9", "small_cnn")  # tasks/train/models.py
+
+
+@dataclass(frozen=True)
+class SourceRecipe:
+    """What `auto` in the train section means for one data source."""
+
+    model: str
+    epochs: int
+    hflip: bool
+
+
+# `train.model`, `train.epochs` and `train.hflip: auto`, per data.source. resnet9 for real images;
+# on 8x8 digits its stages end at 1x1 pixel and small_cnn is as accurate, and int8 speeds it up more.
+# Epochs: what fits minutes to tens of minutes of a 2-core CPU at the source's published size
+# (README, "Accuracy and time per source"). Mirroring keeps the class of a garment or a CIFAR photo,
+# not of a digit (a mirrored 2 is no 2); of an ImageFolder nothing is known: set it for photos.
+SOURCE_RECIPES: dict[str, SourceRecipe] = {
+    "digits": SourceRecipe(model="small_cnn", epochs=30, hflip=False),
+    "mnist": SourceRecipe(model="resnet9", epochs=5, hflip=False),
+    "fashion_mnist": SourceRecipe(model="resnet9", epochs=8, hflip=True),
+    "cifar10": SourceRecipe(model="resnet9", epochs=12, hflip=True),
+    "cifar100": SourceRecipe(model="resnet9", epochs=12, hflip=True),
+    "imagefolder": SourceRecipe(model="resnet9", epochs=15, hflip=False),
+}
+
+
+class TrainConfig(Section):
+    # resnet9 or small_cnn (ours), or any of TORCHVISION_MODELS: adapted to the data's channels and
+    # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py).
+    # auto (model, epochs, hflip): SOURCE_RECIPES[data.source], resolved by Params (params.yaml says
+    # auto); a TrainConfig made alone gets the defaults below, or resolves with `for_source`.
+    model: str = Field("resnet9", max_length=64)
+    epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | Auto = 30
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH)
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.05, gt=0, le=MAX_LR)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0, le=1)
+    scheduler: Literal["cosine", "step", "none"] = "cosine"
+    step_size: int = Field(10, ge=1, le=MAX_EPOCHS)
+    gamma: float = Field(0.1, gt=0, le=1)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    # augmentation: a random translation by up to N pixels (auto: an eighth of the shorter image side,
+    # at least 1: 1 px on 8x8 digits, 4 px on 28-32 px images, as the CIFAR baselines pad and crop)
+    random_shift: Annotated[int, Field(ge=0, le=64)] | Auto = "auto"
+    hflip: bool | Auto = False  # a random horizontal mirror, half the images (auto: SOURCE_RECIPES)
+    num_workers: int = Field(0, ge=0, le=256)
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$")
+    max_batches: int | None = Field(None, ge=1, le=MAX_STEPS)
+    # Distributed data parallel: the train stage launches torchrun itself (tasks/train/launcher.py).
+    strategy: Literal["single", "ddp"] = "single"
+    nproc_per_node: int = Field(2, ge=1, le=MAX_PROCESSES)  # processes per machine (GPUs per node; CPU: gloo ranks)
+    nnodes: int = Field(1, ge=1, le=MAX_NODES)  # machines; > 1 uses c10d rendezvous at rdzv_endpoint
+    rdzv_endpoint: str = Field("127.0.0.1:29500", max_length=255, pattern=r"^[^\s:]+:\d{1,5}$")
+    max_restarts: int = Field(0, ge=0, le=100)  # torchrun restarts all ranks on failure; they resume
+    checkpoint_every: int = Field(1, ge=1, le=MAX_EPOCHS)  # epochs between resumable checkpoints
+    amp: Literal["none", "bf16", "fp16"] = "none"  # mixed precision (fp16: CUDA only, with GradScaler)
+    sync_batchnorm: bool = False  # under ddp: BatchNorm statistics over the global batch
+    # Fine-tuning (tasks/train/pretrained.py): weights from a local file or a URL, verified against their sha256
+    # before a byte is parsed; safetensors, or a torch state dict that loads with weights_only=True.
+    pretrained_path: str | None = Field(None, min_length=1, max_length=4096)
+    pretrained_url: str | None = Field(None, max_length=2048, pattern=r"^(https?|file)://\S+$")
+    pretrained_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    pretrained_max_bytes: int = Field(4 << 30, ge=1, le=MAX_WEIGHTS_FILE)  # the weights file, downloaded or read
+    freeze_backbone_epochs: int = Field(0, ge=0, le=MAX_EPOCHS)  # epochs 1..N train the head alone
+    head_lr: float | None = Field(None, gt=0, le=MAX_LR)  # the head's peak learning rate (null: lr)
+    # The seed of the model's initialisation, the batch order and the augmentation; null: the top-level
+    # seed. A sweep trial trains with its own (tasks/tools/sweep.py) on the data the top-level seed split.
+    seed: int | None = Field(None, ge=0, lt=2**32)
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value == "auto" or value in OWN_MODELS or value in TORCHVISION_MODELS:
+            return value
+        import difflib
+
+        close = difflib.get_close_matches(value, [*OWN_MODELS, *sorted(TORCHVISION_MODELS)], n=3)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ValueError(
+            "unknown model: auto, resnet9, small_cnn or a torchvision classification model (resnet18, "
+            "mobilenet_v3_small, efficientnet_b0, convnext_tiny, regnet_x_400mf, vit_b_16, ...; "
+            f"see TORCHVISION_MODELS in tasks/core/config/train.py){hint}"
+        )
+
+    def for_source(self, source: str) -> TrainConfig:
+        """This config with `auto` model, epochs and hflip replaced by `source`'s recipe (SOURCE_RECIPES)."""
+        recipe = SOURCE_RECIPES[source]
+        update = {key: getattr(recipe, key) for key in ("model", "epochs", "hflip") if getattr(self, key) == "auto"}
+        return self.model_copy(update=update) if update else self
+
+    @model_validator(mode="after")
+    def _pretrained_is_verified(self) -> TrainConfig:
+        if self.pretrained_path is not None and self.pretrained_url is not None:
+            raise ValueError("pretrained_path and pretrained_url: give one (a local file, or a URL to download)")
+        given = self.pretrained_path is not None or self.pretrained_url is not None
+        if given and self.pretrained_sha256 is None:
+            raise ValueError("pretrained weights need pretrained_sha256: they are verified before they are loaded")
+        if not given and self.pretrained_sha256 is not None:
+            raise ValueError("pretrained_sha256 without pretrained_path or pretrained_url")
+        return self
+
+
+class EvaluateConfig(Section):
+    batch_size: int = Field(512, ge=1, le=MAX_BATCH)
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$")

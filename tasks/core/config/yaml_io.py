@@ -1,0 +1,176 @@
+"""params.yaml read (hardened YAML, validated into `Params`) and written (overrides, comments kept)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tasks.core.config.base import ConfigError, shown
+from tasks.core.config.params import Params
+
+PARAMS_FILE = "params.yaml"
+MAX_PARAMS_BYTES = 1 << 20
+
+# The tags pydantic puts in an error's location for the branch of a union that failed
+# (`epochs: int | "auto"` fails as train.epochs.constrained-int and train.epochs.literal['auto']).
+_UNION_BRANCH = re.compile(r"^(constrained-\w+|literal\[.*\]|int|bool|str|float)$")
+
+
+def _merge_union_branches(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One error per key: a union's failed branches become one message ("... or 'auto'")."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for error in errors:
+        loc = tuple(part for part in error["loc"] if not (isinstance(part, str) and _UNION_BRANCH.match(part)))
+        if loc in merged and loc != tuple(error["loc"]):
+            merged[loc]["msg"] += " or " + error["msg"].removeprefix("Input should be ")
+        else:
+            merged.setdefault(loc, {**error, "loc": loc})
+    return list(merged.values())
+
+
+def _format_error(error: dict[str, Any]) -> str:
+    key = ".".join(shown(part) for part in error["loc"])
+    got = error.get("input")
+    value = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {shown(got)})"
+    message = error["msg"].removeprefix("Value error, ")
+    # checks across sections (e.g. export.candidates against compress.variants) name their keys themselves
+    return f"{key}: {message}{value}" if key else f"{message}{value}"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)
+    and aliases (`*name`): nine nested aliases expand a few lines into a billion values ("billion
+    laughs"), and params.yaml has no need for them."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            line = event.start_mark.line + 1 if event.start_mark else "?"
+            raise ConfigError(
+                f"line {line}: YAML aliases (*{shown(event.anchor, 40)}) are not accepted; write the value out"
+            )
+        return super().compose_node(parent, index)  # type: ignore[no-any-return]
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise ConfigError(f"{shown(key)}: given twice (lines {seen[key]} and {line}); keep one")
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2 floats with an exponent (`1e-3`, which ruamel also writes, and `1.5e3`): PyYAML's 1.1
+# rules read them as strings unless the exponent has a sign, which strict validation would then refuse.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+MAX_NUMBER_DIGITS = 40  # far beyond any bound below; Python refuses over 4,300 digits with a ValueError
+
+
+def _bounded_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+    if len(node.value) > MAX_NUMBER_DIGITS:
+        raise ConfigError(f"line {node.start_mark.line + 1}: a number of {len(node.value)} digits; no key takes one")
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _bounded_int)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML as params.yaml is read (safe, duplicate keys refused, `1e-3` a float); raises yaml.YAMLError."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def load_params(path: str | Path = PARAMS_FILE) -> Params:
+    """Read and validate params.yaml; raise ConfigError (one line, naming the file and key) on bad input."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_PARAMS_BYTES:
+            raise ConfigError(f"{path}: {path.stat().st_size} bytes; a params file is at most {MAX_PARAMS_BYTES}")
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc.strerror}") from None
+    return _validate(_parse(text, path), path)
+
+
+def _parse(text: str, path: Path) -> Any:
+    try:
+        return load_yaml(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+
+
+def _validate(raw: Any, path: Path) -> Params:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as exc:
+        # one line, every problem on it: entry points print it as their one error line
+        raise ConfigError(
+            f"{path}: " + "; ".join(_format_error(err) for err in _merge_union_branches(exc.errors()))
+        ) from None
+
+
+def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Params]:
+    """params.yaml with `overrides` ({"train.lr": 0.01}, as `dvc exp run -S train.lr=0.01`) applied:
+    the new text (comments, quotes and order kept) and its validated params.
+    Raises ConfigError naming the key for an unknown key or a bad value."""
+    import io
+
+    from ruamel.yaml import YAML  # round-trip YAML (DVC's own dependency): keeps comments and order
+
+    path = Path(path)
+    params = load_params(path)  # the file as it is must be valid too
+    if not overrides:
+        return path.read_text(), params
+    rt = YAML()
+    rt.preserve_quotes = True
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    doc = rt.load(path.read_text())
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = doc
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            raise ConfigError(f"{path}: {key}: no such key (in overrides)")
+        node[leaf] = value
+    out = io.StringIO()
+    rt.dump(doc, out)
+    return out.getvalue(), _validate(_parse(out.getvalue(), path), path)
+
+
+def set_params(path: str | Path, overrides: dict[str, Any]) -> Params:
+    """Write `overrides` into params.yaml, validated first (a bad one leaves the file untouched).
+
+    The file stays the one record of what ran: DVC decides staleness from it, so a run with other
+    values must write them there first, as `dvc exp run -S` does.
+    """
+    from tasks.core.atomic import write_text
+
+    text, params = with_overrides(path, overrides)
+    write_text(Path(path), text)
+    return params

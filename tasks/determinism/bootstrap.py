@@ -1,0 +1,29 @@
+"""Every entry point's first call: params.yaml validated, then the process set up for it before torch
+and numpy load.
+
+torch and numpy read the CPU mode's variables (tasks/determinism/cpu_mode.py) once, when they are
+imported, so the mode must be in force before anything imports them: `bootstrap` is called by each
+entry point (`python -m tasks`, the flows, a DDP rank, the benchmarks) before its heavy imports, and
+the processes they start inherit it. Prefect's settings, which Prefect likewise reads when it is
+imported, are applied by importing the flows package (flows/__init__.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tasks.core.config.params import Params
+from tasks.core.config.yaml_io import PARAMS_FILE, load_params, with_overrides
+from tasks.determinism.cpu_mode import pin_env
+
+
+def bootstrap(params_file: str | Path = PARAMS_FILE, overrides: dict[str, Any] | None = None) -> Params:
+    """`params_file` with `overrides` applied (not written), validated; this process pinned for it.
+
+    Raises ConfigError (exit 2 at the entry points) for bad params, or for a CPU mode that can no
+    longer be set because torch or numpy is already loaded in another one.
+    """
+    params = with_overrides(params_file, overrides)[1] if overrides else load_params(params_file)
+    pin_env(params.determinism.cpu)
+    return params
