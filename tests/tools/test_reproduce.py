@@ -200,7 +200,7 @@ def test_a_failing_stage_is_reported_with_its_output_and_workdir_is_kept(
     # validation are refused before anything runs: tests/tools/test_reproduce_security.py.)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
     run([*git, "checkout", "-q", "-b", "broken"], repo)
-    with (repo / "tasks" / "stats.py").open("a") as stats:
+    with (repo / "tasks" / "data" / "stats.py").open("a") as stats:
         stats.write('\nraise SystemExit("error: planted: this commit\'s stats stage fails")\n')
     run([*git, "commit", "-q", "-am", "broken stats"], repo)
     broken = run(["git", "rev-parse", "HEAD"], repo).stdout.strip()

@@ -27,9 +27,10 @@ import pytest
 import yaml
 
 from tasks.core import layout
-from tasks.core.config import Params
-from tasks.tools import reproduce as reproduce_module
+from tasks.core.config.params import Params
 from tasks.tools.reproduce import ReproduceError, main
+from tasks.tools.reproduce import report as reproduce_report
+from tasks.tools.reproduce import workspace as reproduce_workspace
 from tasks.train.launcher import launch_env, torchrun_command
 from tests.conftest import ROOT, merge, run
 
@@ -141,7 +142,7 @@ def cli(
     def stop(*args: Any) -> str:
         raise ReproduceError(STOPPED)
 
-    monkeypatch.setattr(reproduce_module, "_bring_data", stop)
+    monkeypatch.setattr(reproduce_workspace, "bring_data", stop)
 
     def call(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
         code = main(list(args))
@@ -384,7 +385,7 @@ def test_a_lock_path_through_a_symlink_out_of_the_workspace_is_refused_before_an
 
     monkeypatch.setattr(dvc_data.hashfile.build, "build", hashed)
     with pytest.raises(ReproduceError) as refused:
-        reproduce_module._compare_upstream(workspace, DATA_DVC["outs"][0]["md5"], [])
+        reproduce_report.compare_upstream(workspace, DATA_DVC["outs"][0]["md5"], [])
     assert str(refused.value) == (
         f"artifacts/preprocessed: resolves outside the workspace ({outside.resolve()}): not hashed"
     )
@@ -406,7 +407,7 @@ def test_dvc_remote_credentials_reach_dvc_in_memory_and_no_workspace_file(tmp_pa
     (project / ".dvc" / "config.local").write_text(
         f"['remote \"storage\"']\n    auth = basic\n    user = alice\n    password = {secret}\n"
     )
-    cache_dir, remote, in_memory = reproduce_module._configure_dvc(project, workspace)
+    cache_dir, remote, in_memory = reproduce_workspace.configure_dvc(project, workspace)
     assert remote == "storage" and cache_dir == str(project / ".dvc" / "cache")
     written = [p for p in workspace.rglob("*") if p.is_file()]
     assert written and not [p for p in written if secret.encode() in p.read_bytes()]
