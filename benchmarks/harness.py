@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.determinism.fingerprint import cpu_facts
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -95,21 +97,16 @@ def run_python(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = N
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on: the CPU as a run's fingerprint records it (its `hw.cpu.*`
+    tags, tasks/determinism/fingerprint.py), and the software."""
     from importlib.metadata import version
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_facts()
     return {
-        "cpu": cpu,
+        "cpu": cpu["hw.cpu.model"],
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": version("torch"),
         "os": platform.platform(),
+        "fingerprint": cpu,
     }

@@ -1,14 +1,20 @@
-"""The machine a run computed on, as flat `hw.*` tags: what can change weight bytes, and nothing secret.
+"""The machine a run computed on, as flat `hw.*` tags: what can change weight bytes, what names the
+machine, and nothing secret. The one place that reads machine facts (/proc, sysfs, the NVIDIA driver).
 
-Every stage run carries it (tasks/stages.py), the model card repeats the train stage's, and
-`make reproduce` compares it with the rebuilding machine's (`explain`) to say why bytes differ.
+Every stage run carries it (tasks/stages.py), the model card repeats the train stage's,
+`make reproduce` compares it with the rebuilding machine's (`explain`) to say why bytes differ, and
+the GPU check (tasks/tools/gpu_check/) and the benchmarks (benchmarks/harness.py) report it. It loads
+nothing the pinning (pinning.py) does not: the GPU check runs it on a bare CUDA machine.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +94,8 @@ def _caches() -> str:
     return ", ".join(found) or "unknown"
 
 
-def _cpu(torch: Any) -> dict[str, str]:
+def cpu_facts() -> dict[str, str]:
+    """The CPU as /proc/cpuinfo and sysfs describe it, without loading torch."""
     info = _cpuinfo()
     flags = set(info.get("flags", "").split())
     return {
@@ -97,6 +104,12 @@ def _cpu(torch: Any) -> dict[str, str]:
         "hw.cpu.flags": " ".join(f for f in ISA_FLAGS if f in flags) or "none",
         "hw.cpu.cache": _caches(),
         "hw.cpu.count": str(os.cpu_count()),
+    }
+
+
+def _cpu(torch: Any) -> dict[str, str]:
+    return {
+        **cpu_facts(),
         "hw.cpu.capability": torch.backends.cpu.get_cpu_capability(),
         "hw.threads": str(torch.get_num_threads()),
     }
@@ -119,25 +132,65 @@ def _versions(torch: Any) -> dict[str, str]:
     }
 
 
-def _gpu(torch: Any) -> dict[str, str]:
+def _gpu(torch: Any, index: int) -> dict[str, str]:
     if not torch.cuda.is_available():
         return {}
-    props = torch.cuda.get_device_properties(0)
-    driver = Path("/proc/driver/nvidia/version")
-    found = re.search(r"Kernel Module\s+(\S+)", driver.read_text()) if driver.exists() else None
+    props = torch.cuda.get_device_properties(index)
     return {
         "hw.gpu.name": props.name,
         "hw.gpu.capability": f"{props.major}.{props.minor}",
         "hw.gpu.count": str(torch.cuda.device_count()),
-        "hw.gpu.driver": found.group(1) if found else "unknown",
+        "hw.gpu.memory_gib": str(round(props.total_memory / 2**30, 1)),
+        "hw.gpu.driver": nvidia_driver(),
+        "hw.gpu.cuda_driver": cuda_driver_api(),
         "hw.version.cuda": str(torch.version.cuda),
         "hw.version.cudnn": str(torch.backends.cudnn.version()),
-        "hw.version.nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "hw.version.nccl": _nccl(torch),
     }
 
 
-def fingerprint() -> dict[str, str]:
-    """This process's machine, libraries and CPU mode as `hw.*` strings (torch loaded and pinned)."""
+def nvidia_driver() -> str:
+    """The NVIDIA kernel driver's version: from /proc (no process started), else as nvidia-smi prints it;
+    torch itself does not expose it."""
+    proc = Path("/proc/driver/nvidia/version")
+    found = re.search(r"Kernel Module\s+(\S+)", proc.read_text()) if proc.exists() else None
+    if found:
+        return found.group(1)
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "unknown"
+    try:
+        done = subprocess.run(
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else "unknown"
+
+
+def cuda_driver_api() -> str:
+    """The CUDA version the driver supports (cuDriverGetVersion), e.g. 12.8; torch's own is the runtime's."""
+    try:
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    except (OSError, AttributeError):
+        pass
+    return "unknown"
+
+
+def _nccl(torch: Any) -> str:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception as exc:  # a build without NCCL
+        return f"unknown ({type(exc).__name__})"
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def fingerprint(gpu: int = 0) -> dict[str, str]:
+    """This process's machine, libraries and CPU mode as `hw.*` strings (torch loaded and pinned);
+    `gpu`: the CUDA device whose name, capability and memory are read."""
     import torch
 
     tags = {
@@ -145,7 +198,7 @@ def fingerprint() -> dict[str, str]:
         "hw.cpu.openblas": cpu_mode.blas_coretype() or "none",
         **_cpu(torch),
         **_versions(torch),
-        **_gpu(torch),
+        **_gpu(torch, gpu),
     }
     tags.update({f"hw.env.{name}": os.environ.get(name, "unset") for name in _ENV})
     if cpu_mode.current() == "portable":
