@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tasks.core.config import TrainConfig
+from tasks.core.config.train import TrainConfig
 from tasks.tools.gpu_check import MODELS
 from tests.conftest import ROOT, subprocess_env
 
