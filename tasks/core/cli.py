@@ -1,8 +1,8 @@
 """What every command-line entry point shares: logging, and failures as one line and an exit code.
 
-`python -m tasks <stage>`, `python -m flows.pipeline`, `python -m flows.deployments` and
-`python -m tasks.tools.reproduce` print an invalid params.yaml (exit 2) and an expected failure (exit 1)
-as one line naming the file, URL or key; anything else is a bug and keeps its traceback. Every line
+Every entry point prints an invalid params.yaml or argument (exit 2), a refusal (3), missing hardware
+(4) and any other expected failure (1) as one line naming the file, URL or key (the table:
+tasks/core/errors.py ExitCode); anything else is a bug and keeps its traceback. Every line
 they print or log passes tasks/core/redact.py first.
 """
 
@@ -15,11 +15,9 @@ from collections.abc import Callable
 
 from tasks.core.atomic import WRITE_ERRNOS
 from tasks.core.config.base import ConfigError
-from tasks.core.errors import ExpectedFailure
+from tasks.core.errors import ExitCode, ExpectedFailure
 from tasks.core.redact import install as install_redaction
 from tasks.core.redact import redact
-
-EXIT_FAILED, EXIT_BAD_PARAMS = 1, 2
 
 
 def configure_logging(fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
@@ -68,15 +66,15 @@ def exit_code(body: Callable[[], int], context: str = "") -> int:
         return body()
     except ConfigError as exc:  # raised before anything was written
         _error(str(exc))
-        return EXIT_BAD_PARAMS
+        return exc.exit_code
     except ExpectedFailure as exc:
         _error(f"{context}{exc}")
-        return EXIT_FAILED
+        return exc.exit_code
     except OSError as exc:  # a full disk met outside our own writes (DVC's, MLflow's): still one line
         if exc.errno not in WRITE_ERRNOS:
             raise
         _error(f"{context}{exc.filename or 'a write'} failed: {exc.strerror}")
-        return EXIT_FAILED
+        return ExitCode.FAILED
 
 
 def one_line(message: str) -> str:

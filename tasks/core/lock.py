@@ -27,7 +27,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from tasks.core.atomic import write_text
-from tasks.core.errors import ExpectedFailure
+from tasks.core.errors import Refused
 from tasks.core.layout import ROOT
 
 LOCK_FILE = Path(".dvc/tmp/lockstep-pipeline.lock")
@@ -38,7 +38,7 @@ HOLDER_FILE = Path(".dvc/tmp/lockstep-pipeline.holder.json")
 log = logging.getLogger(__name__)
 
 
-class PipelineBusy(ExpectedFailure):
+class PipelineBusy(Refused):
     """Another pipeline run held the project lock for longer than we were allowed to wait."""
 
 

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.errors import ExpectedFailure
+from tasks.core.errors import ExpectedFailure, Refused
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 RATIO_FLOOR = 1 << 20  # extracting to less is harmless, and a few tiny flat images compress well: no ratio check
 _CORRUPT = (EOFError, OSError, zlib.error, lzma.LZMAError)  # bz2 and gzip raise OSError
 
 
-class UnsafeArchiveError(ExpectedFailure):
+class UnsafeArchiveError(Refused):
     """The archive would write outside its destination, holds a link or is a bomb; nothing was extracted."""
 
 

@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from tasks.core.config.base import ConfigError
+from tasks.core.errors import HardwareMissing
 
 MODES = ("portable", "native")
 # Set with the variables below: the mode this process's environment was pinned for. Children
@@ -46,6 +47,10 @@ _LOADED_FIRST = ("torch", "numpy")
 
 class CpuModeError(ConfigError):
     """The process cannot compute in the configured mode (exit 2 at the entry points)."""
+
+
+class CpuUnsupported(HardwareMissing):
+    """This CPU cannot run the portable mode (exit 4 at the entry points)."""
 
 
 def pin_env(mode: str) -> None:
@@ -123,10 +128,10 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
 def _check_portable(torch: Any) -> None:
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
-        raise CpuModeError(f"determinism.cpu: portable needs an x86-64 CPU with AVX2; this is {machine}: use native")
+        raise CpuUnsupported(f"determinism.cpu: portable needs an x86-64 CPU with AVX2; this is {machine}: use native")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
-        raise CpuModeError(
+        raise CpuUnsupported(
             f"determinism.cpu: portable needs ATen's AVX2 kernels, but torch runs {capability} "
             f"(a CPU without AVX2, or {MODE_ENV} set without ATEN_CPU_CAPABILITY=avx2): use native"
         )

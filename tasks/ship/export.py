@@ -40,7 +40,7 @@ import torch
 
 from tasks.core.atomic import atomic_dir
 from tasks.core.config.ship import ExportConfig
-from tasks.core.errors import ExpectedFailure
+from tasks.core.errors import Refused
 from tasks.core.hashing import file_digest
 from tasks.core.redact import redact, redact_tree
 from tasks.data.preprocess import Preprocessed, load_split
@@ -54,8 +54,8 @@ TORCH_FORMATS = {"pt2": PT2, "torchscript": TORCHSCRIPT}
 CARD, GATES = "model_card.md", "gates.json"
 
 
-class GateError(ExpectedFailure):
-    """A shipped model failed a gate (an expected failure: one line, exit code 1)."""
+class GateError(Refused):
+    """A shipped model failed a gate: it does not ship (one line, exit code 3)."""
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tasks.core.errors import HardwareMissing
+
 
 def resolve_device(spec: str) -> torch.device:
     """`auto` picks the first GPU when there is one; an explicit `cuda` without one is an error."""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device is {spec!r} but torch sees no CUDA device")
+        raise HardwareMissing(f"device {spec!r}: torch sees no CUDA device on this machine (use auto or cpu)")
     return torch.device(spec)
 
 

@@ -19,7 +19,7 @@ def test_a_stage_run_by_dvc_is_refused_while_another_run_holds_the_lock(tmp_path
     repo = copy_project(tmp_path / "repo", {"orchestration": {"lock_wait_s": 1}})
     with pipeline_lock("Prefect flow run busy-bee", wait_s=0, root=repo):
         refused = run(["python", "-m", "tasks", "stats"], repo, check=False)
-    assert refused.returncode == 1
+    assert refused.returncode == 3
     message = refused.stderr.strip().splitlines()[-1]
     assert message.startswith("error: stats: .dvc/tmp/lockstep-pipeline.lock: another pipeline run is in progress")
     assert "Prefect flow run busy-bee (pid" in message and "waited 1 s (orchestration.lock_wait_s)" in message

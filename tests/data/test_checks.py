@@ -168,7 +168,7 @@ def test_a_refused_snapshot_changes_nothing_and_says_why_in_one_line(folder_proj
     for path in sorted(images.glob("dog/*.png"))[:12]:  # 12 of 90 images gone: 13.3% > 10%
         path.unlink()
     done = _download(repo, check=False)
-    assert done.returncode == 1
+    assert done.returncode == 3
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert lines == [
         "error: download: data check(s) refused the new snapshot, nothing retrained: image_drop: 78 images vs 90 last "
@@ -212,7 +212,7 @@ def test_copies_of_test_images_in_training_are_refused_under_a_random_split(tmp_
         {"data": {"source": "imagefolder", "path": str(images), "channels": 1}, "split": {"assign": "random"}},
     )
     done = _download(repo, check=False)
-    assert done.returncode == 1 and "duplicates_across_splits:" in done.stderr, done.stderr
+    assert done.returncode == 3 and "duplicates_across_splits:" in done.stderr, done.stderr
     assert not (repo / "data").exists()  # a first download refused: nothing written
     # the content hash split keeps every copy in its original's split
     (repo / "params.yaml").write_text((repo / "params.yaml").read_text().replace("assign: random", "assign: hash"))

@@ -253,7 +253,7 @@ def test_a_failed_stage_sends_one_message_even_to_a_slow_receiver(dvc_repo: dict
         done, took = _flow(repo, hook.url(HOOK_PATH), "--set", "export.max_abs_diff=1e-12")
         messages = hook.wait_for(2, timeout_s=1)
     output = done.stdout + done.stderr
-    assert done.returncode == 1 and "Finished in state Failed(" in output, output[-3000:]
+    assert done.returncode == 3 and "Finished in state Failed(" in output, output[-3000:]
     assert len(messages) == 1, messages
     text = messages[0]["text"]
     assert re.match(r"lockstep-pipeline: flow run '[\w-]+' Failed \(failed\)\n", text), text
@@ -274,7 +274,7 @@ def test_a_refused_snapshot_sends_one_refused_message(dvc_repo: dict[str, Any], 
     with WebhookReceiver() as hook:
         done, took = _flow(repo, hook.url(HOOK_PATH), "--reingest", "--set", "checks.max_class_imbalance=1")
         messages = hook.wait_for(2, timeout_s=1)
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     assert len(messages) == 1, messages
     message = messages[0]
     assert (message["event"], message["state"], message["stage"]) == ("refused", "Failed", "download")
@@ -287,13 +287,13 @@ def test_a_refused_snapshot_sends_one_refused_message(dvc_repo: dict[str, Any], 
 
 @pytest.mark.slow
 def test_a_dead_receiver_never_fails_or_stalls_the_run(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
-    """A run refused because another holds the pipeline lock fails as it always does (exit 1,
+    """A run refused because another holds the pipeline lock fails as it always does (exit 3,
     Failed) when nothing listens at the webhook: one warning, without the URL, and no delay."""
     repo = _clone(dvc_repo, tmp_path, {"timeout_s": 5}, lock_wait_s=0)
     with WebhookReceiver("dead") as hook, pipeline_lock("the test", wait_s=0, root=repo):
         done, took = _flow(repo, hook.url(HOOK_PATH))
     output = done.stdout + done.stderr
-    assert done.returncode == 1 and "another pipeline run is in progress" in done.stderr, output[-3000:]
+    assert done.returncode == 3 and "another pipeline run is in progress" in done.stderr, output[-3000:]
     assert "Finished in state Failed(" in output
     warnings = [line for line in output.splitlines() if "notification (failed)" in line]
     assert len(warnings) == 1 and "Connection refused" in warnings[0], warnings

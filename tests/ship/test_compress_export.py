@@ -173,7 +173,7 @@ def test_a_failed_gate_fails_the_stage_and_registers_nothing(dvc_repo: dict[str,
     done = run(
         [sys.executable, "-m", "tasks", "export", "--params", str(strict)], repo, check=False, PYTHONPATH=str(repo)
     )
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 3, done.stderr
     message = done.stderr.strip().splitlines()[-1]
     assert message.startswith("error: export: ") and "fp32 ONNX vs eager max |logit diff|" in message
     assert "> allowed 1e-12" in message  # measured and allowed values, both named
@@ -229,7 +229,7 @@ def test_a_candidate_failing_its_gates_passes_the_turn_to_the_next(dvc_repo: dic
     # `worse` agrees on fewer than all images (less than `better`), so a gate of 1.0 fails it
     before = _files(export)
     done = _export_with(repo, {**gate, "min_top1_agreement": 1.0, "candidates": [worse]})
-    assert done.returncode == 1 and "no export candidate passed its gates" in done.stderr, done.stderr
+    assert done.returncode == 3 and "no export candidate passed its gates" in done.stderr, done.stderr
     assert before == _files(export)
     assert _stage_runs(repo, "export")[-1].info.status == "FAILED"
 

@@ -180,9 +180,9 @@ def test_missing_onnx_runtime_skips_compress_and_export_with_the_wheel_to_carry(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
-def test_cuda_without_a_cuda_device_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_cuda_without_a_cuda_device_is_one_line_and_exit_4(tmp_path: Path) -> None:
     done = _check("--device", "cuda", "--json", str(tmp_path / "gpu-check.json"), timeout=120)
-    assert done.returncode == 2
+    assert done.returncode == 4
     lines = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
     assert len(lines) == 1, lines
     assert lines[0].startswith("error: no CUDA device: ") and lines[0].endswith("use --device cpu")

@@ -180,7 +180,7 @@ def test_missing_data_version_is_refused_and_nothing_is_written(trained: dict[st
         assert _snapshot(repo) == before  # no file in the project written, none added (no MLflow run either)
     finally:
         shutil.move(tmp_path / "cache", cache)
-    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: run {train_id}: data version {trained['data_md5']} is not in the DVC cache ({cache}) and could not "
         "be fetched from remote (none configured): cannot reproduce"

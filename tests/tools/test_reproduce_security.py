@@ -153,9 +153,9 @@ def cli(
 
 
 def _refused(code: int, err: str) -> str:
-    """The one error line of a refusal (exit 2, no traceback)."""
+    """The one error line of a refusal (exit 3, no traceback)."""
     lines = err.strip().splitlines()
-    assert code == 2 and "Traceback" not in err, err
+    assert code == 3 and "Traceback" not in err, err
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1, err
     return errors[0]

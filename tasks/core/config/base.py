@@ -6,12 +6,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from tasks.core.errors import ExitCode
+
 
 class ConfigError(ValueError):
     """params.yaml is malformed; the message names the file and the key."""
 
+    exit_code = ExitCode.BAD_INPUT
 
-# Upper bounds: every number has one, so that a typo or a hostile run record (tasks/tools/reproduce.py
+
+class OverrideRefused(ConfigError):
+    """An override of a key that runs started through the API may not change (tasks/core/config/policy.py)."""
+
+    exit_code = ExitCode.REFUSED
+
+
+# Upper bounds: every number has one, so that a typo or a hostile run record (tasks/tools/reproduce/
 # rebuilds from params logged on a shared server) is a clear error, not hours of training, a
 # process per core times a thousand, or an OverflowError deep in torch.
 MAX_EPOCHS = 10_000

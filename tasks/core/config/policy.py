@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.core.config.base import ConfigError
+from tasks.core.config.base import OverrideRefused
 
 # Keys whose values reach the network, other machines or files outside the project. A run started
 # through the Prefect API (a deployment's `overrides`) may not change them unless whoever started the
@@ -34,7 +34,7 @@ def refuse_remote_overrides(overrides: dict[str, Any], allowed: frozenset[str] |
         if key not in allowed and any(key == remote or remote.startswith(f"{key}.") for remote in REMOTE_KEYS)
     )
     if refused:
-        raise ConfigError(
+        raise OverrideRefused(
             f"overrides: {', '.join(refused)} reach the network or other machines and cannot be overridden "
             "through a deployment run unless the server was started with --allow-override for them"
         )

@@ -18,12 +18,12 @@ from tasks.core.atomic import write_text
 from tasks.core.cli import exit_code
 from tasks.core.config.ship import Variant
 from tasks.core.config.train import DeterminismConfig
+from tasks.core.errors import ExitCode
 from tasks.determinism.pinning import CUBLAS_WORKSPACE_CONFIG
 from tasks.tools.gpu_check.report import Check
 from tasks.tools.gpu_check.runner import run_checks
 from tasks.tools.gpu_check.workload import DEFAULT_VARIANTS, GROUPS, MAX_COST, MODELS, SIZES, CheckOptions
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_ARGS = 0, 1, 2
 DEFAULT_JSON = Path("artifacts") / "gpu-check.json"
 
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = _device_problem(args.device)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
-        return EXIT_BAD_ARGS
+        return ExitCode.NO_HARDWARE
     return exit_code(lambda: _run(args), context="gpu-check: ")
 
 
@@ -137,4 +137,4 @@ def _run(args: argparse.Namespace) -> int:
     print(report.table())
     write_text(Path(args.json), report.to_json())
     print(f"report: {args.json}")
-    return EXIT_FAILED if report.failed else EXIT_OK
+    return ExitCode.FAILED if report.failed else ExitCode.OK

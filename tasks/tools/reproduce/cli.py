@@ -21,10 +21,11 @@ only from a commit on one of this repository's local branches or tags (or named 
 that). DVC remote credentials (`.dvc/config.local`) reach DVC in memory, never a workspace file;
 the workspace is private (0700) and what is printed or logged passes tasks/core/redact.py.
 
-Exit codes: 0 byte-identical; 1 the weights differ, or a stage failed (its output tail is shown);
-2 refused: an unknown run, not a train or pipeline run, a run logged without `reproduce/`, a record
-refused as above, or a data version neither in the DVC cache nor fetchable from the remote. The
-project is left as it was, except for data a remote fetch adds to the DVC cache and the MLflow run.
+Exit codes (tasks/core/errors.py): 0 byte-identical; 1 the weights differ, or a stage failed (its
+output tail is shown); 2 bad arguments; 3 refused: an unknown run, not a train or pipeline run, a run
+logged without `reproduce/`, a record refused as above, or a data version neither in the DVC cache
+nor fetchable from the remote. The project is left as it was, except for data a remote fetch adds
+to the DVC cache and the MLflow run.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from tasks.core.atomic import write_text
 from tasks.core.cli import configure_logging, exit_code, one_line
+from tasks.core.errors import ExitCode
 from tasks.core.redact import redact
 from tasks.tools.reproduce.rebuild import reproduce
 from tasks.tools.reproduce.record import ReproduceError, tracking_client
@@ -85,12 +87,12 @@ def _run(args: argparse.Namespace) -> int:
             refused = {
                 "verdict": "refused",
                 "identical": False,
-                "exit_code": 2,
+                "exit_code": int(ExitCode.REFUSED),
                 "requested_run_id": args.run_id,
                 "error": redact(str(exc)),
             }
             write_text(args.json, json.dumps(refused, indent=2) + "\n")
-        return 2
+        return ExitCode.REFUSED
     print(redact(format_report(report)))
     if args.json:
         write_text(args.json, redact(report.to_json()))

@@ -21,6 +21,7 @@ from tasks.core import layout
 from tasks.core.config.base import ConfigError, shown
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import load_params, load_yaml
+from tasks.core.errors import Refused
 from tasks.core.redact import redact
 
 LOGGED_DIR = "reproduce"  # the train run's artifact dir with what it was made from
@@ -31,8 +32,8 @@ MAX_RECORD_BYTES = 1 << 20  # each is a few KB
 MAX_WEIGHTS_BYTES = 1 << 30  # each checkpoint; resnet18 in fp32 is 45 MB
 
 
-class ReproduceError(Exception):
-    """The run cannot be reproduced (exit 2); the message says which run and why."""
+class ReproduceError(Refused):
+    """The run cannot be reproduced, and nothing was rebuilt (exit 3); the message says which run and why."""
 
 
 def tracking_client(tracking_uri: str) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 from tasks.core import layout
 from tasks.core.config.yaml_io import load_yaml
+from tasks.core.errors import ExitCode
 from tasks.core.hashing import file_digest
 from tasks.core.redact import redact
 from tasks.determinism.fingerprint import explain
@@ -72,7 +73,7 @@ class ReproduceReport:
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.identical else 1
+        return ExitCode.OK if self.identical else ExitCode.FAILED
 
     def to_json(self) -> str:
         data = asdict(self)
