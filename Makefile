@@ -110,9 +110,10 @@ reproduce: $(if $(ARGS),$(STAMP))  ## re-run a past run's training and compare w
 schedule: $(STAMP)  ## scheduled retraining: Prefect server on http://127.0.0.1:4200 + deployment 'lockstep-pipeline/nightly'
 	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT) $(ARGS)
 
-ui: $(STAMP)  ## MLflow UI on the results: http://127.0.0.1:5000
-	MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
-		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT)
+# `mlflow ui` itself, its first page leading to the training runs table (tasks/tracking/ui.py says why)
+ui: $(STAMP)  ## MLflow UI on the results, opening on the training runs: http://127.0.0.1:5000
+	MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/python -m tasks.tracking.ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
+		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT) $(ARGS)
 
 # A tracking server for several users or machines: runs and the registry in a database, artifacts
 # served by the server itself (point MLFLOW_TRACKING_URI=http://<host>:5000 at it). Swap the

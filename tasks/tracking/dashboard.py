@@ -1,6 +1,7 @@
 """What the MLflow UI shows at a glance: MLflow as the training dashboard.
 
-- The experiment opens in MLflow's training view (its `mlflow.experimentKind` tag), not the GenAI one.
+- The experiment is marked as model training (its `mlflow.experimentKind` tag) and carries the
+  pipeline's view of its runs table (columns, order); `make ui` opens on that table (tasks/tracking/ui.py).
 - Each pipeline (parent) run is named for what it did ("prefect: train→export · data 0c18b2fd"),
   carries the key params and the headline numbers of the pipeline as it stands after the run (test
   accuracy, the shipped variant with its accuracy, size and latency, the registry's decision) and the
@@ -29,9 +30,11 @@ from tasks.core.redact import redact
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_VIEW = "custom_model_development"  # the experiment's kind: classic model training, not GenAI
 # MLflow 3.17's UI picks its GenAI or its model-training pages with a switch of its own (remembered in
-# the browser, `workflowType` in the URL), whatever the experiment's kind; and its runs table shows no
-# metric or param column until a person picks them. So the experiment carries a shared view (MLflow's
-# "share view" state, an experiment tag) with the pipeline's columns, and `runs_page` links both.
+# the browser, `workflowType` in the URL), whatever the experiment's kind (set all the same: MLflow's
+# later UI code syncs the switch to it); and its runs table shows no metric or param column until a
+# person picks them. So the experiment carries a shared view (MLflow's "share view" state, an
+# experiment tag) with the pipeline's columns: `runs_page` links it, and `make ui` gives it to a
+# browser that opens the UI at its root (tasks/tracking/ui.py).
 VIEW_KEY = "lockstep"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 CURVES = ("train_loss", "val_loss", "train_accuracy", "val_accuracy", "lr")  # history.json's per-epoch series

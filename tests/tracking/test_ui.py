@@ -1,0 +1,84 @@
+"""`make ui` as a person meets it: the root URL in a browser that never opened MLflow, a click on the
+experiment, and the pipeline's runs table in MLflow's model-training pages (tasks/tracking/ui.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.tracking.dashboard import VIEW_TAG
+from tasks.tracking.ui import landing_script
+from tests.conftest import ROOT, client_for, free_port, service
+from tests.support.chromium import DevTools, devtools
+
+SCREENSHOTS = ROOT / "test-artifacts"  # kept for a person to look at
+# The experiment's link in the root page's list of recent experiments (drawn once the list has loaded).
+EXPERIMENT_LINK = "[...document.querySelectorAll('a')].find(a => a.innerText.trim() === 'lockstep')"
+# What a click on the experiment draws: the runs table with the pipeline's view, or the GenAI overview.
+RUNS_TABLE = "location.hash.includes('/runs') && document.body.innerText.includes('shipped_test_accuracy')"
+GENAI_OVERVIEW = "document.body.innerText.includes('Token Usage')"
+
+
+def test_the_landing_script_carries_its_data_as_json_only() -> None:
+    column = "tags.`</script><script>alert(1)`"
+    script = landing_script({"7": {"selectedColumns": [column]}})
+    assert script.count("</script>") == 1 and script.endswith("</script>")
+    config = json.loads(script[script.rindex("})(") + 3 : script.rindex(");")])
+    assert config["views"] == {"7": {"selectedColumns": [column]}}
+
+
+def _click(page: DevTools, element: str) -> None:
+    """A person's click (mouse down and up at its middle) on the element the JavaScript `element` finds."""
+    middle = "r => [r.x + r.width / 2, r.y + r.height / 2]"
+    box = page.evaluate(f"({middle})(({element}).getBoundingClientRect())")
+    for kind in ("mousePressed", "mouseReleased"):
+        page.call("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)
+
+
+def _click_the_experiment(page: DevTools, base: str) -> tuple[str, str]:
+    """Open the root URL, click the experiment in its list; the page's URL and text once it has drawn."""
+    page.open(f"{base}/", EXPERIMENT_LINK)
+    _click(page, EXPERIMENT_LINK)
+    deadline = time.monotonic() + 90
+    while not page.evaluate(f"({RUNS_TABLE}) || ({GENAI_OVERVIEW})"):
+        assert time.monotonic() < deadline, page.evaluate("location.href + '\\n' + document.body.innerText")
+        time.sleep(0.25)
+    return page.evaluate("location.href"), page.evaluate("document.body.innerText")
+
+
+@pytest.mark.slow
+def test_opening_the_ui_and_clicking_the_experiment_shows_the_training_runs(
+    dvc_repo: dict[str, Any], tmp_path: Path
+) -> None:
+    repo: Path = dvc_repo["repo"]
+    client = client_for(repo)
+    experiment = client.get_experiment_by_name("lockstep")
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"])
+    pipeline = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)  # the latest pipeline run
+    columns = [c.split("`")[1] for c in json.loads(experiment.tags[VIEW_TAG])["selectedColumns"]]
+    port, venv = free_port(), ROOT / ".venv"
+    # `make ui` in the project the pipeline ran in, on a free port, with this checkout's environment
+    make = ["make", "-o", f"{venv}/.synced", "ui", f"VENV={venv}", f"MLFLOW_PORT={port}"]
+    with (
+        service(make, repo, f"http://127.0.0.1:{port}/health", tmp_path / "ui.log"),
+        devtools(tmp_path / "profile", width=1800, height=900) as page,  # a new profile: nothing remembered
+    ):
+        base = f"http://127.0.0.1:{port}"
+        url, text = _click_the_experiment(page, base)
+        page.screenshot(SCREENSHOTS / "mlflow-ui-click-on-the-experiment.png")
+        assert "Token Usage" not in text and "/overview" not in url, url  # not the GenAI overview
+        assert f"#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning" in url, url
+        # the pipeline runs with the pipeline's columns: the latest one's numbers and data
+        assert pipeline.info.run_name in text, text
+        assert [c for c in columns if c not in text] == [], text
+        assert str(pipeline.data.metrics["test_accuracy"])[:5] in text, text
+        assert pipeline.data.tags["export.shipped_variant"] in text and "digits" in text, text
+        # a person who picks MLflow's GenAI pages keeps them: the defaults are only for a browser without a choice
+        _click(page, "[...document.querySelectorAll('[role=button]')].find(e => e.innerText.trim() === 'GenAI')")
+        assert page.evaluate("localStorage.getItem('mlflow.workflowType_v1')") == '"genai"'
+        url, text = _click_the_experiment(page, base)
+        assert "Token Usage" in text and "workflowType=genai" in url, url
