@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
@@ -24,29 +23,13 @@ from tasks.core.hashing import data_md5, file_digest
 from tasks.determinism.fingerprint import fingerprint
 from tasks.determinism.pinning import pin_everything
 from tasks.tracking.dashboard import log_dataset
-from tasks.tracking.runs import StageRun, lineage_tags, stage_run, store_lock, tracking_uri
+from tasks.tracking.runs import StageRun, lineage_tags, stage_run
 
 if TYPE_CHECKING:
     from tasks.data.checks import Report
-    from tasks.ship.export import ExportResult
-    from tasks.ship.registry import Promotion
     from tasks.train.stage import TrainResult
 
 log = logging.getLogger(__name__)
-
-
-# What tasks/ship/serving.py imports, and the packages around them (docstrings only).
-SERVING_MODULES = (
-    "tasks/__init__.py",
-    "tasks/core/__init__.py",
-    "tasks/core/errors.py",
-    "tasks/core/atomic.py",
-    "tasks/data/__init__.py",
-    "tasks/data/images.py",
-    "tasks/ship/__init__.py",
-    "tasks/ship/onnx_model.py",
-    "tasks/ship/serving.py",
-)
 
 
 def track_data_with_dvc() -> None:
@@ -284,186 +267,10 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
         log.warning("export: %s", result.fallback_reason)
     metrics: dict[str, Any] = {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}
     if run.enabled:  # only after every gate passed: a failing model is never registered
-        metrics["promotion"] = _register(params, run, result)  # the verdict line, for the flow's notification
-        _describe_version(run, params, result)
+        from tasks.tracking.registry import register_shipped
+
+        metrics["promotion"] = register_shipped(params, run, result)  # the verdict, for the flow's notification
     return metrics
-
-
-def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> None:
-    """The registered version's description: what shipped, how good, small and fast it is, the
-    promotion verdict, and links to its model card and to the export, pipeline and train runs."""
-    from tasks.tracking.dashboard import describe_version, headline, run_page
-
-    client = run.mlflow.MlflowClient()
-    export = client.get_run(run.run_id)
-    tags, experiment = export.data.tags, export.info.experiment_id
-
-    def link(text: str, run_id: str | None, path: str = "") -> str:
-        return f"[{text}]({run_page(experiment, run_id, path)})" if run_id else ""
-
-    weights = file_digest(layout.TRAIN_DIR / "best.safetensors")
-    trained = client.search_runs(
-        [experiment], filter_string=f"tags.`weights.best_sha256` = '{weights}'", max_results=1
-    )  # the newest train run of these weights: another execution's when DVC skipped train
-    numbers = headline().metrics
-    size = f", {numbers['shipped_size_bytes'] / 1024:.0f} KiB" if "shipped_size_bytes" in numbers else ""
-    speed = f", {numbers['shipped_latency_b1_ms']:.2f} ms per image" if "shipped_latency_b1_ms" in numbers else ""
-    runs = [
-        link("model card", run.run_id, "/artifacts/model_card.md"),
-        link("export run", run.run_id),
-        link("pipeline run", tags.get("mlflow.parentRunId")),
-        link("train run", trained[0].info.run_id if trained else None),
-    ]
-    describe_version(
-        client,
-        params.tracking.registered_model,
-        tags["registry.version"],
-        [
-            f"**{exported.variant}** (ONNX), test accuracy {exported.accuracy:.4f} "
-            f"(fp32 {exported.fp32_accuracy:.4f}){size}{speed}; data md5 {data_md5()}.",
-            tags.get("registry.verdict", ""),
-            " · ".join(r for r in runs if r),
-        ],
-    )
-
-
-def _register(params: Params, run: StageRun, exported: ExportResult) -> str:
-    """Log the fp32 ONNX model (onnx flavour) and the shipped one behind the image-bytes wrapper
-    (tasks/ship/serving.py), register the latter and decide champion/challenger on the same test images
-    (tasks/ship/registry.py); return the verdict."""
-    import os
-
-    from tasks.data.preprocess import load_split
-    from tasks.ship.export import SHIPPED
-    from tasks.ship.registry import decide_promotion
-
-    # MLflow draws a "Downloading artifacts" bar for each single file it copies here (the ONNX file into
-    # the logged model, the champion out of the registry): console noise for an event the stage reports.
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    info = _log_models(params, run, exported)
-    name = params.tracking.registered_model
-    version = _new_version(run.mlflow.MlflowClient(), name, info, run.run_id)
-    promotion = decide_promotion(
-        run.mlflow.MlflowClient(),
-        name,
-        version,
-        layout.EXPORT_DIR / SHIPPED,
-        load_split(layout.PREPROCESSED_DIR, "test"),
-        exported.accuracy,
-        params.promotion,
-        lock=store_lock(tracking_uri(), "promotion"),  # two exports at once take turns (dvc queue -j 2)
-    )
-    _record_promotion(run, promotion, params)
-    return promotion.verdict
-
-
-def _log_models(params: Params, run: StageRun, exported: ExportResult) -> Any:
-    """The fp32 model as it is (a tensor in, logits out) and the shipped one as served; the latter's info."""
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-    from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, DataType, Schema, TensorSpec
-
-    from tasks.ship.export import FP32, SHIPPED
-    from tasks.ship.onnx_model import INPUT, OUTPUT
-
-    # What serving needs, pinned to what was measured here (MLflow adds itself). Left to infer them,
-    # MLflow would record the whole project lock (`uv export`: torch, Prefect, DVC...), slowly.
-    requirements = [f"onnxruntime=={ort.__version__}", f"onnx=={onnx.__version__}", f"numpy=={np.__version__}"]
-    run.mlflow.onnx.log_model(
-        onnx.load(str(layout.EXPORT_DIR / FP32)),
-        name="model_fp32",
-        save_as_external_data=False,
-        signature=ModelSignature(
-            inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, *exported.input_shape), INPUT)]),
-            outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, exported.num_classes), OUTPUT)]),
-        ),
-        pip_requirements=requirements,
-        # the CPU provider, which every onnxruntime build has (MLflow's default lists CUDA first, and
-        # warns on every load where this build lacks it)
-        onnx_execution_providers=["CPUExecutionProvider"],
-    )
-    served = [(DataType.string, "class"), (DataType.double, "probability"), (DataType.string, "top_k")]
-    with tempfile.TemporaryDirectory() as code:
-        return run.mlflow.pyfunc.log_model(
-            name="model",
-            python_model=str(layout.ROOT / "tasks/ship/serving.py"),  # models from code: no pickle
-            artifacts={"onnx": str(layout.EXPORT_DIR / SHIPPED)},
-            code_paths=[str(_serving_code(Path(code)))],
-            model_config={"threads": params.determinism.num_threads, "max_pixels": params.data.max_image_pixels},
-            signature=ModelSignature(
-                inputs=Schema([ColSpec(DataType.binary, "image")]), outputs=Schema([ColSpec(t, c) for t, c in served])
-            ),
-            pip_requirements=[*requirements, "pandas", "pillow"],
-            input_example=_black_image(exported.input_shape),  # MLflow serves it once, here: a smoke test
-        )
-
-
-def _black_image(shape: tuple[int, int, int]) -> Any:
-    """One black PNG of the model's size, as the served model's request column holds it."""
-    import io
-
-    import numpy as np
-    import pandas as pd
-    from PIL import Image
-
-    channels, height, width = shape
-    pixels = np.zeros((height, width, channels), np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels[:, :, 0] if channels == 1 else pixels).save(buffer, format="PNG")
-    return pd.DataFrame({"image": [buffer.getvalue()]})
-
-
-def _serving_code(folder: Path) -> Path:
-    """The `tasks` modules the served model imports, as a package of their own to log with it (not
-    the whole project: a model's code is what it runs)."""
-    for module in SERVING_MODULES:
-        target = folder / module
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(layout.ROOT / module, target)
-    return folder / "tasks"
-
-
-def _new_version(client: Any, name: str, info: Any, run_id: str) -> str:
-    """Register the logged model as a new version of `name` (created on first use) through the client,
-    which, unlike `mlflow.register_model`, does not print to the console what the pipeline reports."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(name)
-    except MlflowException as exc:
-        if exc.error_code != "RESOURCE_ALREADY_EXISTS":  # (the usual case: an earlier export made it)
-            raise
-    created = client.create_model_version(name, info.model_uri, run_id=run_id, model_id=info.model_id)
-    return str(created.version)
-
-
-def _record_promotion(run: StageRun, promotion: Promotion, params: Params) -> None:
-    """The decision and its numbers on the export run (the version's own tags are the registry's)."""
-    log.info("registry: %s", promotion.verdict)
-    run.set_tags(
-        {
-            "registry.model": promotion.name,
-            "registry.version": promotion.version,
-            "registry.decision": "promoted to champion" if promotion.promoted else "kept current champion",
-            "registry.champion_version_before": promotion.champion_version or "none",
-            "registry.verdict": promotion.verdict,
-            "registry.test_split_sha256": promotion.test_split_sha256,
-            **{f"promotion.{key}": value for key, value in params.promotion.model_dump().items()},
-        }
-    )
-    run.log_metrics({"registry.challenger_accuracy": promotion.accuracy})
-    if promotion.paired is not None:
-        paired = promotion.paired
-        run.log_metrics(
-            {
-                "registry.paired_challenger_accuracy": paired.challenger_accuracy,
-                "registry.champion_accuracy": paired.champion_accuracy,
-                "registry.margin": paired.margin,
-                "registry.mcnemar_p": paired.p_value,
-            }
-        )
 
 
 _WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, Any]]] = {

@@ -126,7 +126,7 @@ def resolve_model(args: argparse.Namespace, params: Params, scratch: Path) -> tu
         return args.model, str(args.model)
     import mlflow
 
-    from tasks.ship.registry import CHAMPION, fetch_onnx
+    from tasks.ship.promotion import CHAMPION, fetch_onnx
     from tasks.tracking.runs import tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one file: predict reports itself

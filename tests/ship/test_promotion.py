@@ -1,4 +1,4 @@
-"""The promotion decision (tasks/ship/registry.py): the champion's ONNX model, fetched from a real MLflow
+"""The promotion decision (tasks/ship/promotion.py): the champion's ONNX model, fetched from a real MLflow
 registry, is scored on the challenger's test split, and the decision is taken on that paired
 comparison (margin or McNemar), recorded on the model version; a champion that cannot be scored is a
 recorded reason.
@@ -20,7 +20,7 @@ from onnx import numpy_helper
 
 from tasks.core.config.ship import PromotionConfig
 from tasks.data.preprocess import Preprocessed, load_split
-from tasks.ship.registry import Paired, decide_promotion, identity, score_pair, split_sha256
+from tasks.ship.promotion import Paired, decide_promotion, identity, score_pair, split_sha256
 
 pytestmark = pytest.mark.slow  # the session's trained project
 # as the export stage logs them: weights inside the file, requirements given (not inferred, ~4 s each)

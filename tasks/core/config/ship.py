@@ -90,7 +90,7 @@ class ExportConfig(Section):
 
 
 class PromotionConfig(Section):
-    """How a new model version is judged against the champion (tasks/ship/registry.py), on the same test
+    """How a new model version is judged against the champion (tasks/ship/promotion.py), on the same test
     images: the champion's ONNX model is scored on the challenger's test split. Read by the export
     stage's registry step only, like `tracking`: not a DVC param (changing it re-exports nothing)."""
 

@@ -1,4 +1,4 @@
-"""The MLflow model registry: register the shipped model, then decide whether it becomes champion.
+"""Promotion: whether a newly registered version becomes champion, judged on the same test images.
 
 Every registered version gets the alias `challenger`. Whether `champion` moves to it is decided on a
 paired comparison: the current champion's ONNX model is fetched from the registry and scored on the
