@@ -105,7 +105,7 @@ reproduce: $(if $(ARGS),$(STAMP))  ## re-run a past run's training and compare w
 ##@ Run it as a service
 
 # Runs started through the API may not override keys that reach the network or other machines
-# (tasks/core/config.py REMOTE_KEYS) unless allowed, e.g. `make schedule ARGS="--allow-override data.url
+# (tasks/core/config/policy.py REMOTE_KEYS) unless allowed, e.g. `make schedule ARGS="--allow-override data.url
 # --allow-override data.sha256"`.
 schedule: $(STAMP)  ## scheduled retraining: Prefect server on http://127.0.0.1:4200 + deployment 'lockstep-pipeline/nightly'
 	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT) $(ARGS)
