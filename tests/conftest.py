@@ -220,12 +220,24 @@ def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[s
     return {**loaded, "repo": Path(loaded["repo"])}
 
 
+PREFECT_DATABASE = """
+from flows.prefect_env import LocalServer
+server = LocalServer(ephemeral=True, quiet=True)
+server.wait()
+server.stop()
+"""
+
+
 def _build_dvc_repo(base: Path) -> dict[str, Any]:
     repo = copy_project(base / "repo")
     committed_data_dvc = (repo / "data.dvc").read_text()
     # A fresh clone has no data/ yet: the download stage (or `dvc pull`) brings it first.
     first = run(["dvc", "repro", "download"], repo)
     second = run(["dvc", "repro"], repo)
+    # The project's Prefect database made (migrated) by the server a flow run starts, as a project's first
+    # `make run` leaves it: a flow run or `serve` in a clone then starts its server in seconds, not after
+    # ~13 s of migrations (the cold start is tests/flows/test_e2e.py's, in a fresh copy).
+    run([sys.executable, "-c", PREFECT_DATABASE], repo)
     return {
         "repo": repo,
         "committed_data_dvc": committed_data_dvc,
