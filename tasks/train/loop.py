@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed, load_split
 from tasks.determinism.kernels import installed as portable_installed
 from tasks.determinism.pinning import loader_kwargs
+from tasks.train.checkpoints import cpu_state
 from tasks.train.devices import Distributed, resolve_device
 from tasks.train.models import build_model, head_name, predict, to_float, uses_attention
 
@@ -152,8 +153,32 @@ def _autocast(amp: str, device: torch.device) -> AbstractContextManager:
 
 
 @dataclass
+class Progress:
+    """Where a training run stands after its last epoch: the history so far, and the best weights on
+    validation. What a resume checkpoint carries besides the model and optimiser (tasks/train/resume.py)."""
+
+    history: list[dict[str, float]] = field(default_factory=list)
+    best_acc: float = -1.0
+    best_epoch: int = 0
+    best_state: dict[str, torch.Tensor] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return int(self.history[-1]["epoch"]) if self.history else 0
+
+    def record(self, row: dict[str, float], model: nn.Module) -> None:
+        """Add an epoch's row; keep a copy of `model`'s weights if it is the best so far on validation."""
+        self.history.append(row)
+        if row["val_accuracy"] > self.best_acc:
+            self.best_acc, self.best_epoch = row["val_accuracy"], int(row["epoch"])
+            self.best_state = cpu_state(model)
+
+
+@dataclass
 class Training:
-    """One training run's moving parts, as `build_training` puts them together."""
+    """One training run's state, in one place: its moving parts as `build_training` puts them together,
+    and its progress. The train stage steps it, tasks/train/resume.py saves and restores all of it, and
+    the checkpoints are written from it."""
 
     cfg: TrainConfig
     model: nn.Module  # what is validated and saved
@@ -168,6 +193,7 @@ class Training:
     device: torch.device
     ranks: Distributed
     frozen: bool = False  # the backbone is held this epoch (train.freeze_backbone_epochs)
+    progress: Progress = field(default_factory=Progress)
 
     def distribute(self) -> None:
         """Wrap the model for DDP when there are several ranks (after a resume has restored it)."""
@@ -178,11 +204,11 @@ class Training:
             )
 
     def epoch(self, epoch: int, val: Preprocessed) -> dict[str, float]:
-        """Train one epoch, step the schedule, validate: the epoch's row of the history."""
+        """Train one epoch, step the schedule, validate, record it in `progress`: the epoch's row."""
         train_loss, train_acc = self.train_epoch(epoch)
         self.scheduler.step()
         val_loss, val_acc = self.validate(val)
-        return {
+        row = {
             "epoch": epoch,
             "train_loss": train_loss,
             "train_accuracy": train_acc,
@@ -190,6 +216,8 @@ class Training:
             "val_accuracy": val_acc,
             "lr": self.scheduler.get_last_lr()[0],
         }
+        self.progress.record(row, self.model)
+        return row
 
     def train_epoch(self, epoch: int) -> tuple[float, float]:
         """One pass over the (sharded, shuffled, at most `max_batches`) training split: loss, accuracy."""

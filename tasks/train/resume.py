@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,31 +20,10 @@ from tasks.core.atomic import write_bytes
 from tasks.core.config.train import TrainConfig
 from tasks.determinism.pinning import rng_state, set_rng_state
 from tasks.train.checkpoints import CheckpointError, checkpoint_bytes, cpu_state, read_safetensors, result_config
-from tasks.train.loop import Training
+from tasks.train.loop import Progress, Training
 
 log = logging.getLogger(__name__)
 RESUME_FILE = "resume.safetensors"
-
-
-@dataclass
-class Progress:
-    """Where a training run stands after an epoch: what a resume checkpoint carries besides tensors."""
-
-    history: list[dict[str, float]]
-    best_acc: float = -1.0
-    best_epoch: int = 0
-    best_state: dict[str, torch.Tensor] | None = None
-
-    @property
-    def epoch(self) -> int:
-        return int(self.history[-1]["epoch"]) if self.history else 0
-
-    def record(self, row: dict[str, float], model: torch.nn.Module) -> None:
-        """Add an epoch's row; keep a copy of `model`'s weights if it is the best so far on validation."""
-        self.history.append(row)
-        if row["val_accuracy"] > self.best_acc:
-            self.best_acc, self.best_epoch = row["val_accuracy"], int(row["epoch"])
-            self.best_state = cpu_state(model)
 
 
 def signature(cfg: TrainConfig, seed: int, pre_dir: Path) -> str:
@@ -58,11 +36,12 @@ def signature(cfg: TrainConfig, seed: int, pre_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def save(path: Path, training: Training, progress: Progress, run_signature: str) -> None:
+def save(path: Path, training: Training, run_signature: str) -> None:
     """Every rank contributes its RNG state; rank 0 writes the file atomically."""
     rng_states = training.ranks.gather(rng_state())
     if training.ranks.rank != 0:
         return
+    progress = training.progress
     tensors = {f"model.{k}": v for k, v in cpu_state(training.model).items()}
     tensors.update({f"best.{k}": v for k, v in (progress.best_state or {}).items()})
     optim = training.optimizer.state_dict()
@@ -89,20 +68,21 @@ def save(path: Path, training: Training, progress: Progress, run_signature: str)
     write_bytes(path, checkpoint_bytes(tensors, meta))
 
 
-def restore(path: Path, training: Training, run_signature: str) -> Progress | None:
-    """Load the checkpoint at `path` into `training` if it belongs to this run; its progress, or None.
+def restore(path: Path, training: Training, run_signature: str) -> bool:
+    """Load the checkpoint at `path` into `training` (its progress too) if it belongs to this run;
+    whether it did.
 
     A checkpoint of another config, seed or data is ignored (with a warning); one written by another
     world size is refused, since continuing it would not reproduce the run.
     """
     if not path.exists():
-        return None
+        return False
     # A corrupt or foreign file is an error, not a reason to start over silently: it may be the
     # only copy of a night's training (a disk error, a copy cut short) and deserves a look.
     meta, _ = read_safetensors(path, tensors=False)
     if meta.get("signature") != run_signature:
         log.warning("%s: from another config, seed or data; starting from scratch", path)
-        return None
+        return False
     if meta["world_size"] != training.ranks.world_size:
         raise CheckpointError(
             f"{path}: written by {meta['world_size']} process(es), this run has {training.ranks.world_size}; "
@@ -117,7 +97,8 @@ def restore(path: Path, training: Training, run_signature: str) -> Progress | No
     set_rng_state(meta["rng"][training.ranks.rank])
     log.info("resuming from %s after epoch %d", path, meta["epoch"])
     best = _prefixed(tensors, "best.") or None
-    return Progress(meta["history"], meta["best_acc"], meta["best_epoch"], best)
+    training.progress = Progress(meta["history"], meta["best_acc"], meta["best_epoch"], best)
+    return True
 
 
 def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

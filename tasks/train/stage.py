@@ -77,8 +77,8 @@ def train(
     pretrained = load_pretrained(cfg, training.model, weights_cache or layout.download_cache())
     signature = resume.signature(cfg, seed, pre_dir)
     resume_path = Path(resume_dir) / resume.RESUME_FILE if resume_dir is not None else None
-    resumed = resume.restore(resume_path, training, signature) if resume_path else None
-    progress = resumed or resume.Progress(history=[])
+    resumed = resume.restore(resume_path, training, signature) if resume_path else False
+    progress = training.progress
     resumed_from = progress.epoch if resumed else None
     for row in progress.history:
         on_epoch(row)
@@ -88,19 +88,18 @@ def train(
     epochs = range(progress.epoch + 1, cfg.epochs + 1)
     bar = tqdm(epochs, desc="train", unit="epoch", dynamic_ncols=True, disable=ranks.rank != 0)
     for epoch in bar:
-        row = training.epoch(epoch, val_split)
-        progress.record(row, training.model)
+        row = training.epoch(epoch, val_split)  # recorded in training.progress
         on_epoch(row)
         bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=f"{row['val_accuracy']:.4f}")
         if resume_path is not None and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs):
-            resume.save(resume_path, training, progress, signature)
+            resume.save(resume_path, training, signature)
 
     if progress.best_state is None:  # validation never scored (an empty split): the last weights are the best known
         progress.best_state, progress.best_epoch = cpu_state(training.model), cfg.epochs
-    result = _result(training, progress, resumed_from, pretrained)
+    result = _result(training, resumed_from, pretrained)
     if ranks.rank == 0:
         metadata = checkpoint_metadata(cfg, seed, train_split, ranks.world_size, pretrained)
-        _write_outputs(out_dir, training, progress, result, metadata)
+        _write_outputs(out_dir, training, result, metadata)
         if resume_path is not None:
             resume_path.unlink(missing_ok=True)  # finished: a later run starts fresh
     if ranks.world_size > 1:
@@ -108,9 +107,8 @@ def train(
     return result
 
 
-def _result(
-    training: Training, progress: resume.Progress, resumed_from: int | None, pretrained: Pretrained | None
-) -> TrainResult:
+def _result(training: Training, resumed_from: int | None, pretrained: Pretrained | None) -> TrainResult:
+    progress = training.progress
     return TrainResult(
         best_epoch=progress.best_epoch,
         best_val_accuracy=progress.best_acc,
@@ -125,10 +123,9 @@ def _result(
     )
 
 
-def _write_outputs(
-    out_dir: Path, training: Training, progress: resume.Progress, result: TrainResult, metadata: dict[str, Any]
-) -> None:
+def _write_outputs(out_dir: Path, training: Training, result: TrainResult, metadata: dict[str, Any]) -> None:
     """All four outputs replaced together: a kill or a full disk leaves the previous four."""
+    progress = training.progress
     best = {**metadata, "epoch": progress.best_epoch, "val_accuracy": progress.best_acc}
     last = {**metadata, "epoch": training.cfg.epochs, "val_accuracy": progress.history[-1]["val_accuracy"]}
     contents = {
