@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tasks.tracking.runs import check_store
+    from tasks.tracking.store import check_store
 
     params = bootstrap(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
     # the user at this prompt may point the data anywhere: only API-started runs are restricted
@@ -290,7 +290,7 @@ def _runs_page(params: Params) -> str:
 
     from tasks.core.redact import redact
     from tasks.tracking.dashboard import runs_page
-    from tasks.tracking.runs import tracking_uri
+    from tasks.tracking.store import tracking_uri
 
     uri = tracking_uri()
     experiment = MlflowClient(uri).get_experiment_by_name(params.tracking.experiment)

@@ -61,7 +61,8 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
     from flows.pipeline import STAGE_TASKS
     from tasks.core.lock import pipeline_lock
     from tasks.tools import sweep as search
-    from tasks.tracking.runs import pipeline_run, tracking_uri
+    from tasks.tracking.runs import pipeline_run
+    from tasks.tracking.store import tracking_uri
 
     os.chdir(ROOT)
     logger = get_run_logger()
@@ -155,7 +156,7 @@ def _record_in_mlflow(run_id: str, summary: dict[str, Any], out: Path, drawn: di
 
     from tasks.core.redact import redact_mapping
     from tasks.tracking.orphans import sweep as mark_orphans
-    from tasks.tracking.runs import tracking_uri
+    from tasks.tracking.store import tracking_uri
 
     client = MlflowClient(tracking_uri())
     # A trial whose worker died was run again elsewhere; the dead attempt's run is marked KILLED now.
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from flows.pipeline import _override
     from tasks.tools.sweep import check_storage
-    from tasks.tracking.runs import check_store
+    from tasks.tracking.store import check_store
 
     overrides = dict(_override(text) for text in args.overrides)
     # fail fast, before a server starts; the local cluster's workers inherit the pinned environment

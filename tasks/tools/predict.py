@@ -127,7 +127,7 @@ def resolve_model(args: argparse.Namespace, params: Params, scratch: Path) -> tu
     import mlflow
 
     from tasks.ship.promotion import CHAMPION, fetch_onnx
-    from tasks.tracking.runs import tracking_uri
+    from tasks.tracking.store import tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one file: predict reports itself
     mlflow.set_tracking_uri(tracking_uri())

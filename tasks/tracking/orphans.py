@@ -55,8 +55,8 @@ import psutil
 
 from tasks.core.cli import configure_logging, exit_code, one_line
 from tasks.core.errors import ExpectedFailure
-from tasks.core.layout import project_root
 from tasks.core.redact import redact
+from tasks.tracking.store import tracking_uri
 
 log = logging.getLogger("tasks.tracking.orphans")  # not __name__: that is "__main__" under -m
 
@@ -289,9 +289,8 @@ def _age_text(seconds: float) -> str:
 
 
 def default_store() -> str:
-    """The store lockstep tracks into: tasks/tracking/runs.py's `tracking_uri` (which imports this module;
-    tests/tracking/test_orphans.py holds the two together)."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / 'mlflow.db'}"
+    """The store lockstep tracks into (tasks/tracking/store.py)."""
+    return tracking_uri()
 
 
 def _client(uri: str) -> Any:

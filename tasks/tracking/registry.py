@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from tasks.core import layout
 from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5, file_digest
-from tasks.tracking.runs import StageRun, store_lock, tracking_uri
+from tasks.tracking.runs import StageRun
+from tasks.tracking.store import store_lock, tracking_uri
 
 if TYPE_CHECKING:
     from tasks.ship.export import ExportResult

@@ -17,9 +17,8 @@ that creates or resumes a session's parent run).
 MLflow is imported lazily: a GPU box with torch alone can still run the train stage with
 `tracking.enabled: false`.
 
-Everything logged goes through tasks/core/redact.py (no secret reaches params, tags or artifacts), and
-the store is checked before a run starts (`check_store`): a tracking server that is down fails the
-pipeline in seconds, not after minutes of retries (or after training).
+Everything logged goes through tasks/core/redact.py (no secret reaches params, tags or artifacts). Where
+the runs go, and the check that the store takes them before a run starts, is tasks/tracking/store.py.
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ import shutil
 import subprocess
 import tempfile
 import time
-import urllib.parse
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,140 +40,18 @@ import psutil
 
 from tasks.core.config.params import Params
 from tasks.core.config.service import TrackingConfig
-from tasks.core.errors import ExpectedFailure
 from tasks.core.hashing import data_md5, file_digest
 from tasks.core.layout import project_root
 from tasks.core.redact import redact, redact_mapping
 from tasks.tracking.dashboard import ensure_training_view, record_pipeline, start_pipeline
 from tasks.tracking.orphans import owner_tags, sweep
+from tasks.tracking.store import TrackingUnavailable, check_store, default_uri, mlflow_module, tracking_uri
 
 log = logging.getLogger(__name__)
 
 PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
 SESSION_TAG = "lockstep.session"
 METRICS_WRITE_EVERY_S = 1.0  # how stale a stage's metrics in the store may get (StageRun.log_metrics)
-CHECK_TIMEOUT_S = 4.0  # the store check's request: with start-up, a dead server fails a run in < 10 s
-
-
-def tracking_uri() -> str:
-    """`MLFLOW_TRACKING_URI` if set, else an sqlite store at the absolute project root."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or _default_uri()
-
-
-def _default_uri() -> str:
-    return f"sqlite:///{project_root() / 'mlflow.db'}"
-
-
-def _mlflow():
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    # system metrics (the train run): a point every second (MLflow: every 10 s). MLflow drops the samples
-    # not yet logged when the run ends, so a coarser setting leaves a short training with no point at all.
-    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
-    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
-    import mlflow
-
-    uri = tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    _open_sqlite_store(mlflow, uri)
-    return mlflow
-
-
-_opened_stores: set[str] = set()  # sqlite URIs this process has opened (MLflow caches the store per URI)
-
-
-def _open_sqlite_store(mlflow: Any, uri: str) -> None:
-    """Open (and, the first time, create) an sqlite store while holding a lock on it.
-
-    MLflow creates an empty store's tables and runs its ~70 schema migrations from whichever process
-    opens it first, with no lock between processes. Two stages that start together (`dvc queue start
-    -j 2` on a fresh clone) both did, and one failed with "table latest_metrics already exists"
-    (tests/flows/test_dvc_queue.py). Under the lock the second waits, then finds the tables made. The lock file
-    lives in the temporary directory, keyed by the database's path, like the lock MLflow takes for this
-    in its job and workspace stores (not in the tracking store): no file appears in the project.
-    """
-    if urllib.parse.urlparse(uri).scheme != "sqlite" or uri in _opened_stores:
-        return
-    with store_lock(uri, "store"):
-        mlflow.MlflowClient(uri)  # builds the store: creates the tables if there are none
-    _opened_stores.add(uri)
-
-
-def store_lock(uri: str, purpose: str) -> AbstractContextManager[Any]:
-    """A lock that this machine's processes take on a local sqlite store for `purpose` (creating it,
-    a promotion decision), kept in the temporary directory and keyed by the database's path; for a
-    tracking server, no lock (the caller then re-checks what it read)."""
-    if urllib.parse.urlparse(uri).scheme != "sqlite":
-        return nullcontext()
-    import hashlib
-
-    from filelock import FileLock
-
-    database = Path(urllib.parse.urlparse(uri).path[1:]).resolve()  # sqlite:///<path>, absolute or not
-    key = hashlib.sha256(str(database).encode()).hexdigest()[:16]
-    return FileLock(Path(tempfile.gettempdir()) / f"lockstep-mlflow-{purpose}-{key}.lock")
-
-
-class TrackingUnavailable(ExpectedFailure):
-    """The MLflow store cannot take this run's records (server down or failing, store not writable)."""
-
-
-def check_store(cfg: TrackingConfig) -> None:
-    """Fail fast, before anything runs, if the tracking store cannot be written to.
-
-    A server gets one real API request (MLflow's own client code, so its auth and TLS settings
-    apply), no retries, CHECK_TIMEOUT_S at most: refused, timing out, 5xx or 401/403 is an error.
-    MLflow's client would otherwise retry for minutes, and only once the first record is due.
-    """
-    if not cfg.enabled:
-        return
-    uri = tracking_uri()
-    shown = redact(uri)
-    fix = "start it, point MLFLOW_TRACKING_URI at one that runs, or set tracking.enabled: false in params.yaml"
-    scheme = urllib.parse.urlparse(uri).scheme
-    if scheme in ("http", "https"):
-        from mlflow.utils.credentials import get_default_host_creds
-        from mlflow.utils.rest_utils import http_request
-
-        try:
-            response = http_request(
-                get_default_host_creds(uri),
-                "/api/2.0/mlflow/experiments/get-by-name",
-                "GET",
-                max_retries=0,
-                timeout=CHECK_TIMEOUT_S,
-                raise_on_status=False,
-                params={"experiment_name": cfg.experiment},
-            )
-        except Exception as exc:  # noqa: BLE001 - requests/urllib3/MLflow raise many kinds; all mean "unreachable"
-            text = str(exc).lower()
-            reason = (
-                f"no answer within {CHECK_TIMEOUT_S:g} s"
-                if "timed out" in text or "timeout" in text
-                else "connection refused"
-                if "refused" in text
-                else f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-            )
-            raise TrackingUnavailable(
-                f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) is unreachable: {reason}; {fix}"
-            ) from None
-        if response.status_code in (401, 403):
-            raise TrackingUnavailable(
-                f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) refused the credentials "
-                f"(HTTP {response.status_code}): check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
-            ) from None
-        if response.status_code >= 500:
-            raise TrackingUnavailable(
-                f"MLflow tracking server {shown} (MLFLOW_TRACKING_URI) answered HTTP {response.status_code}; {fix}"
-            ) from None
-        if response.status_code not in (200, 404):  # 404: no such experiment yet, created on first use
-            raise TrackingUnavailable(
-                f"{shown} (MLFLOW_TRACKING_URI) does not answer like an MLflow tracking "
-                f"server (HTTP {response.status_code}); {fix}"
-            )
-    elif scheme == "sqlite":
-        folder = Path(urllib.parse.urlparse(uri).path).parent
-        if not os.access(folder, os.W_OK):
-            raise TrackingUnavailable(f"MLflow store {shown}: {folder} is not a writable directory; {fix}")
 
 
 # --------------------------------------------------------------------------- lineage
@@ -345,7 +221,7 @@ def _experiment_id(mlflow: Any, name: str) -> str:
     # than in whatever directory the first stage happened to run from. A server decides itself.
     location = None
     # (Not "is MLFLOW_TRACKING_URI unset": mlflow.set_tracking_uri sets it, for subprocesses.)
-    if tracking_uri() == _default_uri():
+    if tracking_uri() == default_uri():
         location = (project_root() / "mlartifacts").as_uri()
     from mlflow.exceptions import MlflowException
 
@@ -394,7 +270,7 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str, params: Params | None = 
         yield None
         return
     check_store(cfg)
-    mlflow = _mlflow()
+    mlflow = mlflow_module()
     client = mlflow.MlflowClient()
     experiment_id = _experiment_id(mlflow, cfg.experiment)
     sweep(client, [experiment_id], f"the {entry_point} pipeline run")
@@ -462,7 +338,7 @@ def _records_lost(stage: str, exc: BaseException) -> str:
 
 def tag_run(run_id: str, tags: dict[str, str]) -> None:
     """Add tags to a run that is not this process's active one (the flow's parent run)."""
-    client = _mlflow().MlflowClient()
+    client = mlflow_module().MlflowClient()
     for key, value in redact_mapping(tags).items():
         client.set_tag(run_id, key, value)
 
@@ -495,7 +371,7 @@ def stage_run(
     owns_parent = parent_id is None
     if owns_parent:  # under the flow, the flow has checked the store already
         check_store(cfg)
-    mlflow = _mlflow()
+    mlflow = mlflow_module()
     experiment_id = _experiment_id(mlflow, cfg.experiment)
     if owns_parent:
         entry_point = "dvc" if os.environ.get("DVC_STAGE") else "cli"

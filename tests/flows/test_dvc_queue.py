@@ -177,12 +177,12 @@ RACER = """
 import os, sys, time
 from pathlib import Path
 import mlflow  # imported before the barrier (~2 s): both then open the store within milliseconds
-from tasks.tracking import runs
+from tasks.tracking import runs, store
 barrier = Path(sys.argv[1])
 (barrier / f"ready-{os.getpid()}").touch()
 while not (barrier / "go").exists():
     time.sleep(0.002)
-print(runs._experiment_id(runs._mlflow(), "lockstep"))
+print(runs._experiment_id(store.mlflow_module(), "lockstep"))
 """
 
 

@@ -74,19 +74,20 @@ def test_runs_that_are_not_a_train_run_are_refused(store: dict[str, Any], kind: 
     assert str(refused.value).startswith(f"run {store[kind]} {said}"), refused.value
 
 
-def test_unknown_run_and_run_without_record_exit_2_without_traceback(
+def test_unknown_run_and_run_without_record_are_refused_exit_3_without_traceback(
     store: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the workspace would go
-    assert main(["0123456789abcdef", "--json", str(tmp_path / "report.json")]) == 2
+    assert main(["0123456789abcdef", "--json", str(tmp_path / "report.json")]) == 3
     err = capsys.readouterr().err
     assert f"error: run 0123456789abcdef: no such run in the tracking store {store['uri']}" in err
     assert "Traceback" not in err
-    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "refused"
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (report["verdict"], report["exit_code"]) == ("refused", 3)
 
     # a train run logged before train runs recorded their inputs
-    assert main([store["train"]]) == 2
+    assert main([store["train"]]) == 3
     err = capsys.readouterr().err
     assert f"error: run {store['train']}: lacks the artifacts reproduce/data.dvc, reproduce/params.yaml" in err
     assert list(tmp_path.iterdir()) == [tmp_path / "report.json"]  # its temporary workspace was removed

@@ -27,7 +27,8 @@ import pytest
 from tasks.core.config.service import TrackingConfig
 from tasks.tracking import orphans
 from tasks.tracking.orphans import KILLED_REASON, OWNER_HOST, OWNER_PID, OWNER_PIDNS, OWNER_STARTED, mark_orphans
-from tasks.tracking.runs import PARENT_ENV, pipeline_run, stage_run, tracking_uri
+from tasks.tracking.runs import PARENT_ENV, pipeline_run, stage_run
+from tasks.tracking.store import tracking_uri
 from tests.conftest import ROOT, subprocess_env
 
 # A stage process: opens its stage run (and, outside a flow, its session's parent run), then waits.
@@ -301,7 +302,7 @@ def test_reproduce_marks_orphans_before_it_starts(store: Store, capsys: pytest.C
 
     pid, started = _gone_process()
     orphan = _owned_by(store, pid, started)
-    assert reproduce.main(["0" * 32]) == 2  # no such run: refused, after the sweep
+    assert reproduce.main(["0" * 32]) == 3  # no such run: refused, after the sweep
     assert "marked KILLED by python -m tasks.tools.reproduce (pid " in store.reason(orphan)
 
 

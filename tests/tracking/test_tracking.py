@@ -8,7 +8,8 @@ import pytest
 
 from tasks.core.config.service import TrackingConfig
 from tasks.core.layout import ROOT, project_root
-from tasks.tracking.runs import PARENT_ENV, StageRun, stage_run, tracking_uri
+from tasks.tracking.runs import PARENT_ENV, StageRun, stage_run
+from tasks.tracking.store import tracking_uri
 
 
 def test_default_store_is_absolute_and_project_rooted(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,7 +42,7 @@ from tasks.core.redact import redact
 from tasks.tools.reproduce.rebuild import reproduce
 from tasks.tools.reproduce.record import ReproduceError, tracking_client
 from tasks.tools.reproduce.report import format_report
-from tasks.tracking import orphans, runs
+from tasks.tracking import orphans, store
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # runs left RUNNING by kills
-    orphans.sweep(tracking_client(runs.tracking_uri()), None, "python -m tasks.tools.reproduce")
+    orphans.sweep(tracking_client(store.tracking_uri()), None, "python -m tasks.tools.reproduce")
     try:
         report = reproduce(
             args.run_id,

@@ -27,7 +27,7 @@ from tasks.tools.reproduce import report as reports
 from tasks.tools.reproduce import workspace as workspaces
 from tasks.tools.reproduce.record import LOGGED_DIR
 from tasks.tools.reproduce.report import ReproduceReport
-from tasks.tracking import runs
+from tasks.tracking import runs, store
 
 log = logging.getLogger("tasks.tools.reproduce")  # not __name__: the CLI configures the package's logger
 
@@ -122,7 +122,7 @@ def reproduce(
     out or run. `trust_commit` names a commit to rebuild although no local branch or tag holds it;
     `use_current_code` rebuilds with the current tasks/ when the run's commit is not here.
     """
-    client = records.tracking_client(tracking_uri or runs.tracking_uri())
+    client = records.tracking_client(tracking_uri or store.tracking_uri())
     project = (project or layout.project_root()).resolve()
     run = records.find_train_run(client, run_id)
     root = workspaces.make_workdir(workdir)
