@@ -31,13 +31,14 @@ from typing import Any
 MASK = "***"
 # names of variables, params and tags that hold secrets
 SECRET_NAME = re.compile(r"token|passw|secret|key|auth|credential|jwt|cookie", re.IGNORECASE)
-# names of URL parameters that do (signed URLs carry `sig`, web apps `session`)
-_SECRET_WORDS = r"token|passw|secret|key|auth|credential|jwt|cookie|session|sig"
+# names of URL parameters that do (signed URLs carry `sig`, web apps `session`); params.yaml refuses
+# URLs holding one (tasks/core/config/base.py `url_credentials`)
+SECRET_URL_WORDS = r"token|passw|secret|key|auth|credential|jwt|cookie|session|sig"
 _MIN_SECRET_LENGTH = 6  # shorter values ("1", "true", "us-east") would mask ordinary text
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
 _USERINFO = re.compile(r"(?<=://)[^/@\s'\"]+@")
-_SECRET_PARAM = re.compile(rf"([?&#;][^=&#\s]*(?:{_SECRET_WORDS})[^=&#\s]*=)[^&#\s'\"]+", re.IGNORECASE)
-_SEGMENT_AFTER_SECRET = re.compile(rf"(/[^/?#]*(?:{_SECRET_WORDS})[^/?#]*/)[^/?#]+", re.IGNORECASE)
+_SECRET_PARAM = re.compile(rf"([?&#;][^=&#\s]*(?:{SECRET_URL_WORDS})[^=&#\s]*=)[^&#\s'\"]+", re.IGNORECASE)
+_SEGMENT_AFTER_SECRET = re.compile(rf"(/[^/?#]*(?:{SECRET_URL_WORDS})[^/?#]*/)[^/?#]+", re.IGNORECASE)
 _BOT_TOKEN = re.compile(r"(/bot)\d+:[^/?#]+")
 _RANDOM_SEGMENT = re.compile(
     r"(?<=/)(?=[A-Za-z0-9_\-]*[a-z])(?=[A-Za-z0-9_\-]*[A-Z])(?=[A-Za-z0-9_\-]*\d)[A-Za-z0-9_\-]{20,}"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 
 from tasks.core.errors import ExitCode
+from tasks.core.redact import SECRET_URL_WORDS
 
 
 class ConfigError(ValueError):
@@ -57,3 +60,44 @@ def shown(value: Any, limit: int = 80) -> str:
         shortener.maxlevel, shortener.maxstring, shortener.maxother, shortener.maxlong = 3, limit, limit, limit
         text = shortener.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def url_credentials(url: str, *, user_alone_ok: bool = False, names: str = SECRET_URL_WORDS) -> str | None:
+    """What in `url` is a credential, in words ("user info", "query parameter 'token'"), or None.
+
+    User info (`user:pw@`, or a token as the user name: `ghp_...@github.com`) and query or fragment
+    parameters whose name matches `names` (by default those tasks/core/redact.py masks in logs: token,
+    password, key, signature...). `user_alone_ok`: a user name without a password is no secret (a
+    database URL whose password comes from ~/.pgpass)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None  # not a URL at all: the key's pattern says so
+    if "@" in parts.netloc:
+        userinfo = parts.netloc.rpartition("@")[0]
+        if not (user_alone_ok and ":" not in userinfo):
+            return "a user:password@ or token@ before the host"
+    for where, text in (("query", parts.query), ("fragment", parts.fragment)):
+        for field in re.split(r"[&;]", text):
+            name = field.partition("=")[0]
+            if name and re.search(names, name, re.IGNORECASE):
+                return f"{where} parameter {shown(name, 40)!r}"
+    return None
+
+
+def _no_credentials(url: str) -> str:
+    found = url_credentials(url)
+    if found is not None:
+        raise ValueError(
+            f"credentials in a URL ({found}): params.yaml and dvc.lock would record them; give them in env "
+            "LOCKSTEP_DATA_TOKEN (a bearer token) or LOCKSTEP_DATA_AUTH (the Authorization header), or in ~/.netrc"
+        )
+    return url
+
+
+# Every URL-valued key (data.mirror, data.url, train.pretrained_url): http(s) or a local file, and no
+# credentials in it. Downloads read those from the environment or ~/.netrc (tasks/data/fetch.py);
+# params.yaml is committed, and dvc.lock, MLflow and Prefect record every param.
+Url = Annotated[
+    str, StringConstraints(max_length=2048, pattern=r"^(https?|file)://\S+$"), AfterValidator(_no_credentials)
+]

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tasks.core.config.base import (
     Section,
+    Url,
 )
 
 Source = Literal["digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefolder"]
@@ -20,9 +21,9 @@ class DataConfig(Section):
     source: Source = "digits"
     # Base URL that replaces the published hosts (air-gapped sites): files are fetched from
     # <mirror>/<file name> and still verified against the published checksums.
-    # Credentials for mirror and url: LOCKSTEP_DATA_TOKEN / LOCKSTEP_DATA_AUTH or ~/.netrc (tasks/data/fetch.py),
-    # not user:pass@ in the URL, which params.yaml and dvc.lock would then record.
-    mirror: str | None = Field(None, max_length=2048, pattern=r"^(https?|file)://\S+$")
+    # Credentials for mirror and url: LOCKSTEP_DATA_TOKEN / LOCKSTEP_DATA_AUTH or ~/.netrc (tasks/data/fetch.py);
+    # a URL holding any (user:pass@, ?token=) is refused (base.py `Url`): params.yaml and dvc.lock record it.
+    mirror: Url | None = None
     retries: int = Field(4, ge=0, le=20)  # extra attempts on connection errors and HTTP 5xx
     timeout_s: float = Field(60.0, gt=0, le=3600)  # per connection attempt / per read
     # Limits against a hostile or broken source: a server that never stops sending (or sends a byte
@@ -38,7 +39,7 @@ class DataConfig(Section):
     # imagefolder only: a local directory (or archive) of class sub-folders, or an archive URL
     # with its sha256; images are converted to `channels` and resized to `image_size` [H, W].
     path: str | None = Field(None, min_length=1, max_length=4096)
-    url: str | None = Field(None, max_length=2048, pattern=r"^(https?|file)://\S+$")
+    url: Url | None = None
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     image_size: tuple[int, int] | None = Field(None, strict=False)
     channels: Literal[1, 3] | None = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -12,6 +11,7 @@ from tasks.core.config.base import (
     MAX_PROCESSES,
     Section,
     shown,
+    url_credentials,
 )
 from tasks.core.config.policy import SWEEP_FORBIDDEN
 from tasks.core.config.train import TrainConfig
@@ -102,8 +102,12 @@ class SweepConfig(Section):
     @field_validator("storage")
     @classmethod
     def _no_credentials(cls, value: str | None) -> str | None:
-        if value is not None and re.search(r"://[^/@]*:[^/@]*@", value):
-            raise ValueError("a password in a URL: put the URL in env LOCKSTEP_SWEEP_STORAGE (or use ~/.pgpass)")
+        # A user name alone is fine (its password from ~/.pgpass); `sslkey=`, `passfile=` name files, not secrets.
+        found = value and url_credentials(value, user_alone_ok=True, names=r"passw|pwd|secret|token")
+        if found:
+            raise ValueError(
+                f"a password in a URL ({found}): put the URL in env LOCKSTEP_SWEEP_STORAGE (or use ~/.pgpass)"
+            )
         return value
 
     @model_validator(mode="after")

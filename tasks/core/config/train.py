@@ -17,6 +17,7 @@ from tasks.core.config.base import (
     MAX_STEPS,
     Auto,
     Section,
+    Url,
 )
 
 
@@ -109,7 +110,7 @@ class TrainConfig(Section):
     # Fine-tuning (tasks/train/pretrained.py): weights from a local file or a URL, verified against their sha256
     # before a byte is parsed; safetensors, or a torch state dict that loads with weights_only=True.
     pretrained_path: str | None = Field(None, min_length=1, max_length=4096)
-    pretrained_url: str | None = Field(None, max_length=2048, pattern=r"^(https?|file)://\S+$")
+    pretrained_url: Url | None = None  # credentials: env or ~/.netrc, as for data.url
     pretrained_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     pretrained_max_bytes: int = Field(4 << 30, ge=1, le=MAX_WEIGHTS_FILE)  # the weights file, downloaded or read
     freeze_backbone_epochs: int = Field(0, ge=0, le=MAX_EPOCHS)  # epochs 1..N train the head alone
