@@ -103,11 +103,11 @@ def _dask_client() -> Any:
 
 
 def _summary(study: Any, cfg: Any, seconds: float) -> dict[str, Any]:
-    from tasks.tools.sweep import best_trial, table
+    from tasks.tools.sweep import best_trial, derived_seed, table
 
+    best = best_trial(study, cfg)  # every trial read back is checked first: --apply writes the best's params
     rows = table(study)
     states = {state: sum(row["state"] == state for row in rows) for state in ("complete", "pruned", "fail")}
-    best = best_trial(study)
     summary: dict[str, Any] = {
         "study": cfg.name,
         "trials": rows,
@@ -122,7 +122,7 @@ def _summary(study: Any, cfg: Any, seconds: float) -> dict[str, Any]:
         "trial": best.number,
         "value": best.value,
         "params": dict(best.params),
-        "seed": best.user_attrs["seed"],
+        "seed": derived_seed(cfg.seed, best.number, "train"),  # derived, not read back from the storage
         "run_id": best.user_attrs.get("run_id"),
         "best_sha256": best.user_attrs.get("best_sha256"),
     }

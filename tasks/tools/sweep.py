@@ -34,7 +34,7 @@ from typing import Any
 
 from tasks.core.config.params import Params
 from tasks.core.config.sweep import SearchSpace, SweepConfig
-from tasks.core.errors import ExpectedFailure
+from tasks.core.errors import ExpectedFailure, Refused
 from tasks.core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,12 @@ class SweepError(ValueError):
 
 class SweepStorageUnavailable(ExpectedFailure):
     """The study's database does not answer or refuses the credentials (exit 1)."""
+
+
+class StoredTrialRefused(Refused):
+    """The study's storage holds a trial this sweep did not ask for: a key outside `sweep.space`, or a
+    value outside its range (exit 3). Whoever can write the storage would otherwise choose what the
+    next trial runs with, or what `--apply` writes into params.yaml."""
 
 
 class Pruned(Exception):
@@ -113,6 +119,59 @@ def distributions(space: dict[str, SearchSpace]) -> dict[str, Any]:
         else:
             made[key] = FloatDistribution(s.low or 0.0, s.high or 0.0, log=s.log, step=s.step)
     return made
+
+
+def check_stored_trial(trial: Any, cfg: SweepConfig, space: dict[str, Any] | None = None) -> None:
+    """Refuse (StoredTrialRefused, one line naming the trial and the key) a trial read back from the
+    study's storage unless its params are exactly the keys of `sweep.space`, each with a value inside
+    its declared distribution, and none reaches the network (REMOTE_KEYS, as for API overrides)."""
+    from tasks.core.config.policy import remote_keys_in
+
+    space = distributions(cfg.space) if space is None else space
+    params = trial.params
+    extra, missing = sorted(set(params) - set(space)), sorted(set(space) - set(params))
+    remote = remote_keys_in(extra)
+    problems = [(key, "reaches the network or other machines") for key in remote]
+    problems += [(key, "is not in sweep.space") for key in extra if key not in remote]
+    problems += [
+        (key, f"{redact(repr(params[key]))[:80]} is outside its declared range {_declared(space[key])}")
+        for key in sorted(set(params) & set(space))
+        if not _inside(space[key], params[key])
+    ]
+    problems += [(key, "is missing (a trial this sweep asked has every key of sweep.space)") for key in missing]
+    if problems:
+        key, why = problems[0]
+        more = f" (and {len(problems) - 1} more key(s))" if len(problems) > 1 else ""
+        raise StoredTrialRefused(
+            f"sweep storage: study {cfg.name!r} trial {trial.number}: {key} {why}{more}: the storage holds a "
+            "trial this sweep did not ask for (who else writes it?); nothing run, params.yaml untouched"
+        )
+
+
+def _inside(distribution: Any, value: Any) -> bool:
+    """`value` is one the Optuna `distribution` can draw (its own `to_internal_repr` and `_contains`)."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    if isinstance(distribution, CategoricalDistribution):
+        if not any(type(value) is type(choice) and value == choice for choice in distribution.choices):
+            return False  # Optuna's own lookup takes True for 1 and 1 for 1.0
+    else:
+        numbers = int if isinstance(distribution, IntDistribution) else (int, float)
+        if isinstance(value, bool) or not isinstance(value, numbers):
+            return False
+    try:
+        return bool(distribution._contains(distribution.to_internal_repr(value)))
+    except (ValueError, TypeError, OverflowError):
+        return False
+
+
+def _declared(distribution: Any) -> str:
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    if isinstance(distribution, CategoricalDistribution):
+        return str(list(distribution.choices))
+    kind = "int" if isinstance(distribution, IntDistribution) else "float"
+    return f"{kind} [{distribution.low}, {distribution.high}]"
 
 
 def trial_params(base: Params, spec: TrialSpec) -> Params:
@@ -224,10 +283,12 @@ def next_batch(study: Any, cfg: SweepConfig, print_fingerprint: str) -> list[Tri
     """The trials to run next: the unfinished ones of the current batch (a resumed sweep), completed
     with new ones asked in number order; [] when `cfg.trials` are finished."""
     trials = study.get_trials(deepcopy=False)
+    space = distributions(cfg.space)
+    for trial in trials:  # before anything runs, is resumed or learnt from (the sampler, pruning)
+        check_stored_trial(trial, cfg, space)
     if sum(_finished(t) for t in trials) >= cfg.trials:
         return []
     start = len(trials) - len(trials) % cfg.batch if all(_finished(t) for t in trials) else _batch_start(trials, cfg)
-    space = distributions(cfg.space)
     for number in range(len(trials), min(start + cfg.batch, cfg.trials)):
         study.sampler = _sampler(cfg, number)  # per trial: the draw does not depend on the sampler's history
         asked = study.ask(fixed_distributions=space)
@@ -235,9 +296,12 @@ def next_batch(study: Any, cfg: SweepConfig, print_fingerprint: str) -> list[Tri
         if asked.number != number:
             raise SweepError(f"study {cfg.name!r}: asked trial {asked.number}, expected {number} (another writer?)")
     trials = study.get_trials(deepcopy=False)
+    for trial in trials[start:]:  # read back from the storage again: checked again
+        check_stored_trial(trial, cfg, space)
     earlier = tuple(t for t in trials if t.number < start and _finished(t))
+    # the seed is derived again, not read back: the storage cannot choose it either
     return [
-        TrialSpec(t.number, dict(t.params), int(t.user_attrs["seed"]), earlier, print_fingerprint)
+        TrialSpec(t.number, dict(t.params), derived_seed(cfg.seed, t.number, "train"), earlier, print_fingerprint)
         for t in trials[start : start + cfg.batch]
         if not _finished(t)
     ]
@@ -330,11 +394,17 @@ def best_value(history: Sequence[dict[str, float]], metric: str, direction: str)
 # --------------------------------------------------------------------------- the result
 
 
-def best_trial(study: Any) -> Any | None:
-    """The best complete trial; a tie goes to the lower trial number (Optuna's own pick is storage order)."""
+def best_trial(study: Any, cfg: SweepConfig | None = None) -> Any | None:
+    """The best complete trial; a tie goes to the lower trial number (Optuna's own pick is storage order).
+    With `cfg`, every trial read back is checked first (`check_stored_trial`): what --apply writes."""
     from optuna.trial import TrialState
 
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    trials = study.get_trials(deepcopy=False)
+    if cfg is not None:
+        space = distributions(cfg.space)
+        for trial in trials:
+            check_stored_trial(trial, cfg, space)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if not complete:
         return None
     sign = 1 if study.direction.name == "MAXIMIZE" else -1
