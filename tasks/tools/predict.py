@@ -10,7 +10,10 @@ The model runs in ONNX Runtime on the CPU; each image is decoded as ingest decod
 recursively (files with an image extension, sorted, links not followed); archives are extracted
 with the download stage's limits (params.yaml `data`: size, ratio, file count; no path may leave
 the extraction folder). The CSV (`--out`, written whole or not at all) has one row per image:
-`path,class,probability,top_k,error`, `top_k` as "7:0.9912 1:0.0051 9:0.0013". An image that does
+`path,class,probability,top_k,error`, `top_k` as "7:0.9912 1:0.0051 9:0.0013"; a cell that a
+spreadsheet would run as a formula (one starting = + - @, a tab or a carriage return: a class name
+from the registry, a folder or archive member name) is written with a leading ' (OWASP's advice for
+CSV injection), so that it shows as text. An image that does
 not decode is a row with its error (and a line on stderr), not the end of the run; exit 1, the CSV
 left as it was, when none could be scored or the model cannot be had; 2 on bad arguments. The
 registered model's file comes from a tracking server others write to: it is size-bounded
@@ -107,13 +110,24 @@ def _under(folder: Path) -> Iterator[str]:
                 yield path
 
 
+# What makes Excel, LibreOffice and Google Sheets read a cell as a formula (OWASP, "CSV Injection").
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def cell(text: str) -> str:
+    """`text` as a CSV cell no spreadsheet runs: a leading ' before a formula's first character. A
+    carriage return is written as the two characters \\r: Python's csv writer does not quote it (with
+    "\\n" line ends), and readers would start a new row there, one the name could forge."""
+    return ("'" + text if text.startswith(FORMULA_START) else text).replace("\r", "\\r")
+
+
 def write_csv(rows: list[Scored], out: Path) -> None:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(COLUMNS)
     for r in rows:
         shown = "" if r.probability is None else f"{r.probability:.6f}"
-        writer.writerow([r.path, r.label, shown, r.top_k, r.error])
+        writer.writerow([cell(r.path), cell(r.label), shown, cell(r.top_k), cell(r.error)])
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text(out, buffer.getvalue())
 
