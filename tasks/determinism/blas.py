@@ -8,10 +8,14 @@ much as the product. Running the chunks on torch's pool leaves one pool and no t
 A product's bytes depend on how it is cut (OpenBLAS's edge kernels add in another order), so the
 cut is decided by the shape alone (`plan`), never by the thread count: the same bytes on 1 thread
 or 64. The pool is a small C++ op (blas_pool.cpp), built once per machine with its C++ compiler
-and kept in a cache. Where it cannot be built, the same calls run from Python, one chunk after
-another: the same bytes, slower, and a warning says so. (torch.utils.cpp_extension.load would
-build it too, but it wants ninja on PATH and builds a Python module; g++ alone makes a torch op
-library.)
+and kept in a cache ($XDG_CACHE_HOME/lockstep, created 0700). Loading a library runs its code in
+this process, and its name is computable by anyone, so a cache folder or library that is not this
+user's, is a link, or is writable by group or others, is refused in one line (exit 3), not rebuilt
+elsewhere: whoever could write there may have planted it, and rebuilding in a private folder on
+every run would hide that (and cost a compile per process). Where it cannot be built, the same
+calls run from Python, one chunk after another: the same bytes, slower, and a warning says so.
+(torch.utils.cpp_extension.load would build it too, but it wants ninja on PATH and builds a Python
+module; g++ alone makes a torch op library.)
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import functools
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -28,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tasks.core.errors import Refused
 
 SOURCE = Path(__file__).with_name("blas_pool.cpp")
 _MAX_CHUNKS = 8  # enough for 8 threads; a multiple of 2 and 4, so those counts share the work evenly
@@ -155,20 +162,52 @@ class BuildError(RuntimeError):
     """blas_pool.cpp could not be built on this machine."""
 
 
-def build(cache: Path | None = None, compiler: str | None = None) -> Path:
-    """The op library for this source and this torch, built on first use into `cache`
-    ($XDG_CACHE_HOME/lockstep by default), written to a temporary name and then renamed."""
+def library_path(cache: Path | None = None, compiler: str | None = None) -> Path:
+    """Where the op library for this source, this torch and `compiler` is kept."""
     compiler = compiler or os.environ.get("CXX") or "g++"
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     key = hashlib.sha256(f"{SOURCE.read_bytes()!r} {torch.__version__} {torch_dir} {abi} {compiler}".encode())
     cache = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lockstep"
-    target = cache / f"blas_pool-{key.hexdigest()[:16]}.so"
-    if target.exists():
+    return cache / f"blas_pool-{key.hexdigest()[:16]}.so"
+
+
+def _check_private(path: Path, folder: bool) -> None:
+    """Refuse `path` unless it is a folder (or regular file) of this user's that nobody else can write."""
+    info = os.lstat(path)
+    if not (stat.S_ISDIR(info.st_mode) if folder else stat.S_ISREG(info.st_mode)):
+        problem = "a link or special file" if not stat.S_ISDIR(info.st_mode) else "a folder"
+    elif info.st_uid != os.getuid():
+        problem = f"owned by uid {info.st_uid}, not by this user ({os.getuid()})"
+    elif info.st_mode & 0o022:
+        problem = f"writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    else:
+        return
+    fix = f"chmod 700 {path}" if folder and problem.startswith("writable") else f"remove {path}"
+    raise Refused(
+        f"{path}: {problem}; the op compiled there would run inside this process, so it is not loaded: {fix}, "
+        "or set XDG_CACHE_HOME to a folder only you can write"
+    )
+
+
+def build(cache: Path | None = None, compiler: str | None = None) -> Path:
+    """The op library for this source and this torch, built on first use into `cache`
+    ($XDG_CACHE_HOME/lockstep by default, created 0700), written to a temporary name and then renamed.
+    Raises Refused for a cache folder or library someone else could have written (`_check_private`)."""
+    compiler = compiler or os.environ.get("CXX") or "g++"
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    target = library_path(cache, compiler)
+    cache = target.parent
+    if os.path.lexists(cache):
+        _check_private(cache, folder=True)
+    if os.path.lexists(target):
+        _check_private(target, folder=False)
         return target
     if shutil.which(compiler) is None:
         raise BuildError(f"no C++ compiler ({compiler}) to build {SOURCE.name}")
-    cache.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(cache, folder=True)  # (made by someone else between the check above and here)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         partial = Path(scratch) / target.name
         command = [compiler, "-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
@@ -183,5 +222,6 @@ def build(cache: Path | None = None, compiler: str | None = None) -> Path:
         if done.returncode != 0:
             errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()[-1:]
             raise BuildError(f"{compiler} failed on {SOURCE.name}: {(errors or ['no message'])[0].strip()}")
+        partial.chmod(0o700)  # not the umask's choice: a group-writable library would be refused next time
         os.replace(partial, target)
     return target

@@ -1,0 +1,107 @@
+"""Issue 35, point 6: the cached C++ op (tasks/determinism/blas.py) is loaded only from a folder and
+a file of this user's that nobody else can write. A library planted under the op's (computable)
+name, with a constructor that records that it ran, is refused in one line (exit 3) and never runs;
+so is a genuine-looking one in a group-writable folder. A fresh cache folder is made 0700."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.core.errors import ExitCode, Refused
+from tasks.determinism import blas
+from tests.conftest import ROOT, subprocess_env
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to plant a library")
+
+CONSTRUCTOR = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen("%s", "w");
+    if (f) { fputs("the planted library ran\\n", f); fclose(f); }
+}
+"""
+
+
+def _fake_compiler(folder: Path) -> str:
+    """A 'C++ compiler' that writes an empty file where -o says: build() runs in milliseconds."""
+    path = folder / "fake-cxx"
+    path.write_text('#!/bin/sh\nwhile [ "$#" -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def _plant(target: Path, record: Path) -> None:
+    source = target.parent / "planted.c"
+    source.write_text(CONSTRUCTOR % record)
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(target)], check=True)
+    source.unlink()
+
+
+def _load_op(xdg: Path) -> subprocess.CompletedProcess[str]:
+    """Load the pool op as training does (portable mode), in a fresh process with XDG_CACHE_HOME=xdg."""
+    code = (
+        "import sys; from tasks.core.cli import exit_code; from tasks.determinism import blas\n"
+        "sys.exit(exit_code(lambda: 0 if blas._pool_op() is not None else 0))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=subprocess_env(XDG_CACHE_HOME=str(xdg)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_a_fresh_cache_folder_is_private_and_so_is_the_library(tmp_path: Path) -> None:
+    cache = tmp_path / "xdg" / "lockstep"
+    built = blas.build(cache, _fake_compiler(tmp_path))
+    assert built.parent == cache and built.is_file()
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert stat.S_IMODE(built.stat().st_mode) & 0o022 == 0
+    assert blas.build(cache, _fake_compiler(tmp_path)) == built  # found again, checked, not rebuilt
+
+
+@pytest.mark.parametrize("where", ["library", "folder"])
+def test_a_library_someone_else_could_write_is_refused_and_never_runs(tmp_path: Path, where: str) -> None:
+    xdg, record = tmp_path / "xdg", tmp_path / "constructor-ran"
+    (xdg / "lockstep").mkdir(parents=True, mode=0o700)
+    target = blas.library_path(xdg / "lockstep")
+    _plant(target, record)
+    target.chmod(0o775 if where == "library" else 0o700)
+    (xdg / "lockstep").chmod(0o770 if where == "folder" else 0o700)
+    done = _load_op(xdg)
+    assert not record.exists(), "the planted library's constructor ran"
+    assert done.returncode == ExitCode.REFUSED, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    named = target if where == "library" else xdg / "lockstep"
+    assert f"{named}: writable by group or others" in done.stderr, done.stderr
+
+
+def test_a_library_of_another_user_or_a_link_is_refused(tmp_path: Path) -> None:
+    cache = tmp_path / "lockstep"
+    cache.mkdir(mode=0o700)
+    target = blas.library_path(cache)
+    elsewhere = tmp_path / "elsewhere.so"
+    elsewhere.write_bytes(b"")
+    target.symlink_to(elsewhere)
+    with pytest.raises(Refused, match="a link or special file"):
+        blas.build(cache)
+    target.unlink()
+    if os.getuid() != 0:
+        pytest.skip("changing a file's owner needs root")
+    target.write_bytes(b"")
+    target.chmod(0o700)
+    os.chown(target, 65534, 65534)  # nobody
+    with pytest.raises(Refused, match="owned by uid 65534"):
+        blas.build(cache)
+    os.chown(cache, 65534, 65534)
+    with pytest.raises(Refused, match=f"{cache}: owned by uid 65534"):
+        blas.build(cache)
