@@ -354,7 +354,9 @@ def test_credentials_in_a_url_work_but_never_reach_a_message_log_or_file(
     server.add("/gone.zip", b"not what the sha256 says")
     server.fail("/gone.zip", "503")  # one retry, so the retry warning is logged too
     url = f"http://bob:{SECRETS[0]}@127.0.0.1:{server.port}/gone.zip?token={SECRETS[1]}"
-    cfg = DataConfig(source="imagefolder", url=url, sha256="0" * 64)
+    # params.yaml refuses such a URL (tests/core/test_params_credentials.py); built unvalidated here, the
+    # download still masks it everywhere (defence in depth: a config made in code)
+    cfg = DataConfig.model_construct(source="imagefolder", url=url, sha256="0" * 64)
     before = _digest(data_dir)
     with caplog.at_level(logging.INFO), pytest.raises(ExpectedFailure) as refused:
         download(cfg, data_dir, tmp_path / "cache", FAST)
