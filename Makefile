@@ -104,9 +104,9 @@ reproduce: $(if $(ARGS),$(STAMP))  ## re-run a past run's training and compare w
 
 ##@ Run it as a service
 
-# Runs started through the API may not override keys that reach the network or other machines
-# (tasks/core/config/policy.py REMOTE_KEYS) unless allowed, e.g. `make schedule ARGS="--allow-override data.url
-# --allow-override data.sha256"`.
+# Runs started through the API may override only the keys on tasks/core/config/policy.py's
+# API_OVERRIDABLE (learning rate, epochs, batch size, seeds...); others only if allowed, e.g.
+# `make schedule ARGS="--allow-override data.url --allow-override data.sha256"`.
 schedule: $(STAMP)  ## scheduled retraining: Prefect server on http://127.0.0.1:4200 + deployment 'lockstep-pipeline/nightly'
 	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT) $(ARGS)
 
@@ -118,8 +118,12 @@ ui: $(STAMP)  ## MLflow UI on the results, opening on the training runs: http://
 # A tracking server for several users or machines: runs and the registry in a database, artifacts
 # served by the server itself (point MLFLOW_TRACKING_URI=http://<host>:5000 at it). Swap the
 # sqlite URI for postgresql://... and the folder for s3://... in production (README).
+# The artifact folder is outside the checkout (0700), in $XDG_DATA_HOME (~/.local/share)/lockstep/
+# <this checkout's path hash>/: any client of the server writes files there, and a YAML file inside the
+# checkout could otherwise be handed to a run as its params_file (docs/trust-model.md).
 MLFLOW_BACKEND ?= sqlite:///$(CURDIR)/mlflow-server.db
-MLFLOW_ARTIFACTS ?= $(CURDIR)/mlflow-server-artifacts
+LOCKSTEP_DATA_DIR ?= $(or $(XDG_DATA_HOME),$(HOME)/.local/share)/lockstep/$(shell printf '%s' '$(CURDIR)' | sha256sum | cut -c1-16)
+MLFLOW_ARTIFACTS ?= $(LOCKSTEP_DATA_DIR)/mlflow-server-artifacts
 # For a server others reach (MLFLOW_HOST=0.0.0.0): MLFLOW_AUTH_CONFIG=auth.ini turns on MLflow's
 # basic-auth app (users, passwords and permissions; README "MLflow tracking server"; it also needs
 # MLFLOW_FLASK_SERVER_SECRET_KEY in the environment), and MLFLOW_ALLOWED_HOSTS lists the Host headers
@@ -127,6 +131,7 @@ MLFLOW_ARTIFACTS ?= $(CURDIR)/mlflow-server-artifacts
 MLFLOW_AUTH_CONFIG ?=
 MLFLOW_ALLOWED_HOSTS ?=
 mlflow-server: $(STAMP)  ## MLflow tracking server (database + artifact store) on http://127.0.0.1:5000
+	$(if $(findstring ://,$(MLFLOW_ARTIFACTS)),,umask 077 && mkdir -p '$(MLFLOW_ARTIFACTS)')
 	$(if $(MLFLOW_AUTH_CONFIG),MLFLOW_AUTH_CONFIG_PATH=$(abspath $(MLFLOW_AUTH_CONFIG))) \
 	MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow server \
 		--backend-store-uri $(MLFLOW_BACKEND) --artifacts-destination $(MLFLOW_ARTIFACTS) \

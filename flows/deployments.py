@@ -10,6 +10,10 @@ then, from another shell (with PREFECT_API_URL=http://127.0.0.1:4200/api):
     prefect deployment run 'lockstep-pipeline/nightly' --param force=true
     prefect deployment run 'lockstep-pipeline/nightly' --params '{"overrides": {"train.lr": 0.01}}'
 
+A run started through the API may change only the keys on tasks/core/config/policy.py's
+API_OVERRIDABLE (the optimisation recipe and seeds), with `overrides` or a `params_file` that differs
+from params.yaml; `--allow-override KEY` adds keys for this server's runs.
+
 Both variants register the same deployment (`deployment_options`): the flow's signature is the
 parameter schema (Prefect refuses a run whose parameters do not fit it), and `reingest` from
 `orchestration`, so that every run of the deployment re-reads the source. At most one pipeline runs
@@ -32,7 +36,7 @@ from typing import Any
 
 from flows import prefect_env
 from tasks.core.cli import exit_code
-from tasks.core.config.policy import REMOTE_KEYS
+from tasks.core.config.policy import API_OVERRIDABLE, REMOTE_KEYS, is_params_key
 from tasks.core.config.service import OrchestrationConfig
 from tasks.core.config.yaml_io import PARAMS_FILE, load_params
 from tasks.core.layout import ROOT
@@ -129,12 +133,20 @@ def main(argv: list[str] | None = None) -> int:
             metavar="KEY",
             action="append",
             default=[],
-            choices=REMOTE_KEYS,
-            help="let runs' `overrides` change this key, which reaches the network or other machines "
-            f"(refused by default; repeatable; one of {', '.join(REMOTE_KEYS)})",
+            type=_params_key,
+            help="let runs started through the API change this key (or every key of a section), beyond "
+            f"{', '.join(sorted(API_OVERRIDABLE))}; repeatable. Keys that reach the network or other "
+            f"machines ({', '.join(REMOTE_KEYS)}) and gates (checks, export), promotion and notification "
+            "keys are refused without it",
         )
     args = parser.parse_args(argv)
     return exit_code(lambda: _run(args))
+
+
+def _params_key(text: str) -> str:
+    if not is_params_key(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a key or section of params.yaml (e.g. train.lr, checks)")
+    return text
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -35,8 +35,8 @@ from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
 from tasks.core.cli import dvc_logs_once, exit_code
 from tasks.core.config.base import ConfigError
 from tasks.core.config.params import STAGES, Params
-from tasks.core.config.policy import refuse_remote_overrides
-from tasks.core.config.yaml_io import PARAMS_FILE, set_params
+from tasks.core.config.policy import changed_keys, refuse_api_overrides
+from tasks.core.config.yaml_io import PARAMS_FILE, load_params, set_params
 from tasks.core.layout import ROOT
 from tasks.determinism.bootstrap import bootstrap
 
@@ -161,10 +161,15 @@ def pipeline(
 
     os.chdir(ROOT)
     logger = get_run_logger()
+    # A run started through the API changes only the keys it may (tasks/core/config/policy.py), be it
+    # with `overrides` or with a `params_file` that differs from params.yaml; `--set` and `--params`
+    # at the prompt allow theirs (_run).
+    allowed = allowed_overrides()
     if overrides:
-        refuse_remote_overrides(overrides, allowed_overrides())
+        refuse_api_overrides(overrides, allowed)
+    refuse_api_overrides(params_file_changes(_inside_project(params_file)), allowed, f"params_file {params_file}")
     # validated with the overrides before anything is written; the stages run in this process
-    params = bootstrap(_inside_project(params_file), overrides)
+    params = bootstrap(params_file, overrides)
     with pipeline_lock(
         f"Prefect flow run {flow_run.name or FLOW_NAME}", params.orchestration.lock_wait_s, logger=logger
     ):
@@ -194,6 +199,18 @@ def _inside_project(params_file: str) -> str:
     if not (ROOT / params_file).resolve().is_relative_to(ROOT.resolve()):
         raise ConfigError(f"params_file: {params_file!r} is outside the project {ROOT}")
     return params_file
+
+
+def params_file_changes(params_file: str) -> list[str]:
+    """The keys whose values `params_file` changes from params.yaml's ([] for params.yaml itself).
+
+    A params_file is a set of overrides by another name: anyone who can write a YAML file inside the
+    checkout (an MLflow artifact folder, a data folder) could otherwise hand a run a rendezvous, a
+    data URL or switched-off gates that `overrides` may not carry."""
+    path, base = (ROOT / params_file).resolve(), (ROOT / PARAMS_FILE).resolve()
+    if path == base:
+        return []
+    return changed_keys(load_params(base).model_dump(mode="json"), load_params(path).model_dump(mode="json"))
 
 
 def _summary_table(results: dict[str, dict[str, Any]], summary: str) -> str:
@@ -251,8 +268,9 @@ def _run(args: argparse.Namespace) -> int:
     from tasks.tracking.store import check_store
 
     params = bootstrap(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
-    # the user at this prompt may point the data anywhere: only API-started runs are restricted
-    os.environ[ALLOW_OVERRIDES_ENV] = ",".join([*allowed_overrides(), *(key for key, _ in args.overrides)])
+    # the user at this prompt may change any key, with --set or --params: only API-started runs are restricted
+    typed = [key for key, _ in args.overrides] + params_file_changes(args.params)
+    os.environ[ALLOW_OVERRIDES_ENV] = ",".join([*allowed_overrides(), *typed])
     check_store(params.tracking)  # a tracking server that is down fails the run now, not after training
     started = time.monotonic()
     results = _run_with_local_api(args)
