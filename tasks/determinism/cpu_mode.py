@@ -1,4 +1,8 @@
-"""Which CPU code paths a run computes with: `determinism.cpu`, portable or native.
+"""Which CPU code paths a run computes with: `determinism.cpu`, auto (the default), portable or native.
+
+auto is portable where the CPU supports it (x86-64 with AVX2 and FMA) and native elsewhere (Arm
+servers, Apple silicon, a GH200's Grace), said in one log line; the run's fingerprint records the
+mode that ran (`hw.cpu.mode`). portable asked for on a CPU without it is refused (exit 4).
 
 CPU kernels pick their code by the CPU they run on, so the same run gives other weight bytes on
 another machine (Intel vs AMD, AVX2 vs AVX-512):
@@ -23,15 +27,18 @@ called by `pin_everything`) checks that they were, and refuses to compute otherw
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 from tasks.core.config.base import ConfigError
 from tasks.core.errors import HardwareMissing
 
-MODES = ("portable", "native")
+MODES = ("auto", "portable", "native")
+log = logging.getLogger(__name__)
 # Set with the variables below: the mode this process's environment was pinned for. Children
 # inherit both, so a DDP rank or a stage subprocess computes as its launcher does.
 MODE_ENV = "LOCKSTEP_CPU"
@@ -53,14 +60,50 @@ class CpuUnsupported(HardwareMissing):
     """This CPU cannot run the portable mode (exit 4 at the entry points)."""
 
 
+def portable_unsupported() -> str | None:
+    """Why this CPU cannot compute in portable mode, or None if it can. Read without torch (from the
+    platform and /proc/cpuinfo), so that `auto` is resolved before torch loads; `activate` checks
+    again, with torch, what ATen and OpenBLAS then run."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return f"this CPU is {machine}, not x86-64"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None  # no /proc (not Linux): activate's check with torch decides
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    missing = [flag for flag in ("avx2", "fma") if flag not in flags]
+    return f"this CPU lacks {' and '.join(missing)}" if missing else None
+
+
+def resolve(mode: str) -> str:
+    """`mode` with `auto` decided: the mode this process was already pinned in (a launcher's, which its
+    children follow), else portable where this CPU supports it and native elsewhere, said in one line."""
+    if mode != "auto":
+        return mode
+    if os.environ.get(MODE_ENV) in ("portable", "native"):
+        return os.environ[MODE_ENV]
+    why = portable_unsupported()
+    if why is None:
+        return "portable"
+    log.warning(
+        "determinism.cpu: auto computes in native mode here (%s; portable needs x86-64 with AVX2 and FMA): "
+        "the weight bytes depend on this CPU's kind, and a GPU's are unaffected",
+        why,
+    )
+    return "native"
+
+
 def pin_env(mode: str) -> None:
-    """Set (portable) or clear (native) the variables, before torch or numpy is imported.
+    """Set (portable) or clear (native) the variables, before torch or numpy is imported; `auto` is
+    resolved first (`resolve`).
 
     Native clears only what a portable launcher of ours set (MODE_ENV says so): a variable the user
     set stays, and the run's fingerprint records it.
     """
     if mode not in MODES:
         raise CpuModeError(f"determinism.cpu: {mode!r} is not one of {', '.join(MODES)}")
+    mode = resolve(mode)
     if os.environ.get(MODE_ENV) == mode:
         return
     loaded = [name for name in _LOADED_FIRST if name in sys.modules]
@@ -97,6 +140,7 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
 
     from tasks.determinism import kernels
 
+    mode = resolve(mode)
     pinned = current()
     if pinned != mode:
         raise CpuModeError(

@@ -217,7 +217,12 @@ def explain(run: dict[str, str], now: dict[str, str], device: str = "cpu") -> tu
     if not any(key.startswith("hw.") for key in run):
         return ["the run records no hardware fingerprint (made before lockstep recorded one)"], False
     mode = run.get("hw.cpu.mode", "native")
-    keys = NATIVE_KEYS if mode == "native" or now.get("hw.cpu.mode") != mode else PORTABLE_KEYS
+    if now.get("hw.cpu.mode", mode) != mode:  # e.g. determinism.cpu: auto, rebuilt on a CPU without AVX2
+        return [
+            f"hw.cpu.mode: the run computed in {mode} mode, this machine in {now['hw.cpu.mode']} mode "
+            "(determinism.cpu: auto is portable only on x86-64 CPUs with AVX2 and FMA)"
+        ], True
+    keys = NATIVE_KEYS if mode == "native" else PORTABLE_KEYS
     if device.startswith("cuda"):
         keys = (*keys, *GPU_KEYS)
     differences = [

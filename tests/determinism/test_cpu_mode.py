@@ -186,8 +186,29 @@ def test_the_mode_cannot_change_once_torch_is_loaded() -> None:
         cpu_mode.pin_env("native")
     with pytest.raises(cpu_mode.CpuModeError, match="loaded torch in portable mode"):
         cpu_mode.activate("native", 1)
-    with pytest.raises(cpu_mode.CpuModeError, match="not one of portable, native"):
+    with pytest.raises(cpu_mode.CpuModeError, match="not one of auto, portable, native"):
         cpu_mode.pin_env("fast")
+
+
+def test_auto_is_portable_where_the_cpu_supports_it_and_native_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert cpu_mode.resolve("auto") == "portable"  # this process was pinned portable: auto follows it
+    monkeypatch.delenv(cpu_mode.MODE_ENV)  # a process nobody pinned yet decides by its CPU
+    assert cpu_mode.portable_unsupported() is None and cpu_mode.resolve("auto") == "portable"  # x86-64, AVX2
+    assert cpu_mode.resolve("native") == "native" and cpu_mode.resolve("portable") == "portable"
+    monkeypatch.setattr(cpu_mode.platform, "machine", lambda: "aarch64")  # a Graviton, a GH200's Grace
+    with caplog.at_level("WARNING", logger=cpu_mode.__name__):
+        assert cpu_mode.resolve("auto") == "native"
+    (line,) = [r.getMessage() for r in caplog.records if r.name == cpu_mode.__name__]
+    assert "auto computes in native mode here (this CPU is aarch64, not x86-64" in line
+
+
+def test_portable_asked_for_on_a_cpu_without_it_is_refused_as_missing_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_mode.platform, "machine", lambda: "aarch64")
+    with pytest.raises(cpu_mode.CpuUnsupported, match="portable needs an x86-64 CPU with AVX2") as refused:
+        cpu_mode.activate("portable", 1)
+    assert refused.value.exit_code == 4
 
 
 def test_a_child_of_a_portable_process_chooses_its_own_mode() -> None:
@@ -210,6 +231,12 @@ def test_fingerprint_explains_what_changes_bytes() -> None:
     native_elsewhere = {**other_cpu, "hw.cpu.mode": "native"}
     differences, expected = explain(native_elsewhere, {**now, "hw.cpu.mode": "native"})
     assert expected and any(line.startswith("hw.cpu.model: run Intel Xeon") for line in differences)
+    # determinism.cpu: auto, rebuilt where it resolves otherwise: never meant to match, and said so
+    differences, expected = explain(now, {**now, "hw.cpu.mode": "native"})
+    assert expected and differences == [
+        "hw.cpu.mode: the run computed in portable mode, this machine in native mode "
+        "(determinism.cpu: auto is portable only on x86-64 CPUs with AVX2 and FMA)"
+    ]
     assert explain({"git.commit": "abc"}, now)[0] == [
         "the run records no hardware fingerprint (made before lockstep recorded one)"
     ]

@@ -1,10 +1,11 @@
 """The default run's weights, pinned: a change to the code that changes them on the same machine is a
 change in results, and must be meant (tests/determinism/golden/default_weights.json says which bytes to expect).
 
-In portable mode (determinism.cpu, the default) the bytes are the same on every x86-64 CPU with AVX2,
-so one record per torch version holds on every machine CI gets: a cross-machine check over time, whose
-failure names the fingerprint differences (tasks/determinism/fingerprint.py). Native records are keyed by machine,
-and a machine with no record yet is skipped. Record (after checking that the change in results is
+In portable mode (what the default determinism.cpu: auto computes in on x86-64 with AVX2) the bytes
+are the same on every x86-64 CPU with AVX2, so one record per torch version holds on every machine CI
+gets: a cross-machine check over time, whose failure names the fingerprint differences
+(tasks/determinism/fingerprint.py). Native records are keyed by machine, and a machine with no
+record yet is skipped. Record (after checking that the change in results is
 intended) with:
 
     LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/determinism/test_golden_weights.py
@@ -25,6 +26,7 @@ from tasks.core.config.yaml_io import load_params
 from tasks.data.download import download
 from tasks.data.preprocess import preprocess
 from tasks.data.stats import compute_stats
+from tasks.determinism import cpu_mode
 from tasks.determinism.fingerprint import explain, fingerprint
 from tasks.determinism.pinning import pin_everything
 from tasks.train.stage import train
@@ -49,6 +51,8 @@ def machine() -> str:
 def test_default_run_weights_are_unchanged(tmp_path: Path) -> None:
     params = load_params(ROOT / "params.yaml")
     shaping = params.model_dump(mode="json", include={"seed", "data", "split", "determinism", "train"})
+    # the mode that computes, not the word asked for: `auto` resolved to portable makes portable's bytes
+    shaping["determinism"]["cpu"] = cpu = cpu_mode.resolve(params.determinism.cpu)
     params_digest = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
     download(params.data, tmp_path / "data", tmp_path / "cache")
     stats = compute_stats(tmp_path / "data", params.split, params.seed, params.stats.chunk_size)
@@ -58,7 +62,7 @@ def test_default_run_weights_are_unchanged(tmp_path: Path) -> None:
     made = {name: sha256(tmp_path / "train" / name) for name in ("best.safetensors", "last.safetensors")}
 
     records = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-    portable = params.determinism.cpu == "portable"
+    portable = cpu == "portable"
     key = f"portable | torch {torch.__version__}" if portable else machine()
     if os.environ.get("LOCKSTEP_RECORD_GOLDEN") == "1":
         records[key] = {"params_sha256": params_digest, **made, "recorded_on": fingerprint()}

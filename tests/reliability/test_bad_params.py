@@ -91,7 +91,9 @@ def _accepts_type(field: FieldInfo, key: str, value: Any) -> bool:
         return int in types or float in types or key == "data.image_size"  # one int: a square
     if isinstance(value, float):
         return float in types
-    return any(isinstance(value, t) for t in types if t is not bool)
+    # an Annotated type (e.g. config.base.Url) is checked as the type it annotates
+    plain = {typing.get_args(t)[0] if typing.get_origin(t) is typing.Annotated else t for t in types}
+    return any(isinstance(value, t) for t in plain if t is not bool)
 
 
 YAML_VALUES = st.one_of(

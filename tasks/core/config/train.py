@@ -24,7 +24,8 @@ from tasks.core.config.base import (
 class DeterminismConfig(Section):
     num_threads: int = Field(2, ge=1, le=1024)
     strict: bool = True
-    cpu: Literal["portable", "native"] = "portable"
+    # auto: portable where the CPU supports it (x86-64 with AVX2 and FMA), native elsewhere
+    cpu: Literal["auto", "portable", "native"] = "auto"
 
 
 # torchvision's classification builders (`torchvision.models.list_models(module=torchvision.models)`,
