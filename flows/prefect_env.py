@@ -55,8 +55,9 @@ def configure() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")
 
 
-# Comma-separated REMOTE_KEYS (tasks/core/config/) that flow runs of this process may override: set by
-# `flows.deployments serve/deploy --allow-override`, and by `flows.pipeline --set` (the user typed them).
+# Comma-separated keys beyond the API allow-list (tasks/core/config/policy.py API_OVERRIDABLE; remote keys
+# by name) that flow runs of this process may override: set by `flows.deployments serve/deploy
+# --allow-override`, and by `flows.pipeline --set` (the user typed them).
 ALLOW_OVERRIDES_ENV = "LOCKSTEP_ALLOW_OVERRIDES"
 
 

@@ -51,7 +51,10 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
                 procs[name] = subprocess.Popen(
                     cmd,
                     cwd=repo,
-                    env=subprocess_env(MLFLOW_FLASK_SERVER_SECRET_KEY=token_hex(16)),
+                    # XDG_DATA_HOME: make mlflow-server keeps its artifacts there, outside the checkout
+                    env=subprocess_env(
+                        MLFLOW_FLASK_SERVER_SECRET_KEY=token_hex(16), XDG_DATA_HOME=str(tmp_path / "xdg")
+                    ),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
