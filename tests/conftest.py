@@ -120,22 +120,31 @@ def free_port() -> int:
 
 @contextmanager
 def service(
-    cmd: list[str], cwd: Path, health_url: str, log: Path, timeout_s: float = 180, **env: str
+    cmd: list[str], cwd: Path, health_url: str, log: Path, timeout_s: float = 180, *, ready: bool = True, **env: str
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A server process for the block: started in its own process group, ready when `health_url`
-    answers 200, stopped by PID (SIGTERM to the group, SIGKILL after 30 s). Its output goes to `log`."""
+    answers 200, stopped by PID (SIGTERM to the group, SIGKILL after 30 s). Its output goes to `log`.
+
+    `ready=False` yields it as soon as it started, for servers that start side by side: the caller
+    then waits with `until_healthy`."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             cmd, cwd=cwd, env=subprocess_env(**env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            try:
-                wait_until_healthy(health_url, proc, timeout_s)
-            except RuntimeError as exc:
-                raise AssertionError(f"{exc}\n--- {log}:\n{log.read_text()[-5000:]}") from None
+            if ready:
+                until_healthy(proc, health_url, log, timeout_s)
             yield proc
         finally:
             stop_group(proc)
+
+
+def until_healthy(proc: subprocess.Popen[Any], health_url: str, log: Path, timeout_s: float = 180) -> None:
+    """Block until `health_url` answers 200; fail with the end of the server's `log` if it exits first."""
+    try:
+        wait_until_healthy(health_url, proc, timeout_s)
+    except RuntimeError as exc:
+        raise AssertionError(f"{exc}\n--- {log}:\n{log.read_text()[-5000:]}") from None
 
 
 def stop_group(proc: subprocess.Popen[Any]) -> None:

@@ -36,7 +36,7 @@ from PIL import Image
 from tasks.core.config.params import STAGES
 from tasks.core.lock import pipeline_lock
 from tasks.tracking.dashboard import CURVES, run_page, runs_page
-from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env
+from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env, until_healthy
 from tests.support.chromium import devtools
 from tests.support.prefect_client import FAST_POLL, PrefectAPI, basic_auth, status_of, wait_for_deployment
 from tests.support.webhook import WebhookReceiver
@@ -100,14 +100,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "--port",
         str(mlflow_port),
     ]
+    # the two servers start side by side (MLflow's ~10 s inside serve's ~20 s); runs need both
     with service(
         mlflow_server,
         base,
         f"{mlflow}/health",
         base / "mlflow-server.log",
+        ready=False,
         MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false",
         MLFLOW_DISABLE_TELEMETRY="true",
-    ):
+    ) as mlflow_proc:
         # what `make schedule` runs: it starts its own Prefect server, then serves the deployment
         serve = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(prefect_port)]
         with (
@@ -124,6 +126,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ):
             # the auth string as a user finds it: in the project's .prefect/api-auth
             auth = wait_for_deployment(api, repo / ".prefect" / "api-auth", DEPLOYMENT, serve_proc, 180)
+            until_healthy(mlflow_proc, f"{mlflow}/health", base / "mlflow-server.log")
             yield Stack(repo, images, api, mlflow, serve_proc, PrefectAPI(api, auth), hook)
 
 
