@@ -35,7 +35,7 @@ from tasks.core.errors import DataRefused, ExpectedFailure
 from tasks.core.lock import pipeline_lock
 from tasks.core.redact import redact
 from tests.conftest import client_for, clone_project, free_port, run, service
-from tests.support.prefect_client import FAST_POLL, PrefectAPI, wait_for_deployment
+from tests.support.prefect_client import PrefectAPI, wait_for_deployment
 from tests.support.webhook import WebhookReceiver
 
 # A token that tasks/core/redact.py would NOT mask (one case, no secret-like name): finding it nowhere
@@ -344,7 +344,7 @@ def served(dvc_repo: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     serve_cmd = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(port)]
-    with WebhookReceiver() as hook, service(serve_cmd, repo, f"{api}/health", base / "serve.log", **FAST_POLL) as serve:
+    with WebhookReceiver() as hook, service(serve_cmd, repo, f"{api}/health", base / "serve.log") as serve:
         prefect = PrefectAPI(api, wait_for_deployment(api, repo / ".prefect" / "api-auth", DEPLOYMENT, serve, 180))
         save_block = (
             "from prefect.blocks.notifications import CustomWebhookNotificationBlock as B; "

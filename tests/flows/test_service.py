@@ -38,7 +38,7 @@ from tasks.core.lock import pipeline_lock
 from tasks.tracking.dashboard import CURVES, run_page, runs_page
 from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env, until_healthy
 from tests.support.chromium import devtools
-from tests.support.prefect_client import FAST_POLL, PrefectAPI, basic_auth, status_of, wait_for_deployment
+from tests.support.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
 from tests.support.webhook import WebhookReceiver
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 base / "serve.log",
                 MLFLOW_TRACKING_URI=mlflow,
                 LOCKSTEP_NOTIFY_URL=hook.url("/hooks/oncall"),
-                **FAST_POLL,
             ) as serve_proc,
         ):
             # the auth string as a user finds it: in the project's .prefect/api-auth
@@ -373,7 +372,7 @@ def test_overlapping_runs_on_a_process_worker_wait_for_each_other(stack: Stack, 
     )
     assert "lockstep-pipeline/pooled" in deployed.stdout
     log = stack.repo.parent / "worker.log"
-    env = subprocess_env(MLFLOW_TRACKING_URI=stack.mlflow, **stack.prefect.client_env, **FAST_POLL)
+    env = subprocess_env(MLFLOW_TRACKING_URI=stack.mlflow, **stack.prefect.client_env)
     worker = subprocess.Popen(
         ["prefect", "worker", "start", "--pool", "lockstep-test", "--type", "process"],
         cwd=stack.repo,

@@ -39,7 +39,7 @@ from tasks.tracking.dashboard import run_page
 from tests.conftest import ROOT, commit_all, copy_project, listening, run, service, sha256, subprocess_env
 from tests.flows.test_service import write_digits
 from tests.support.chromium import basic_auth_proxy, dom_and_screenshot
-from tests.support.prefect_client import FAST_POLL, PrefectAPI, wait_for_deployment
+from tests.support.prefect_client import PrefectAPI, wait_for_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +106,7 @@ def first_run(team: Team) -> FirstRun:
     api = team.env["PREFECT_API_URL"]
     serve = [sys.executable, "-m", "flows.deployments", "serve"]
     log = team.repo.parent / "serve.log"
-    with service(serve, team.repo, f"{api}/health", log, **team.env, **FAST_POLL) as proc:
+    with service(serve, team.repo, f"{api}/health", log, **team.env) as proc:
         wait_for_deployment(api, team.stack.secrets / "prefect-auth", DEPLOYMENT, proc, 180)
         done = run(
             ["prefect", "deployment", "run", DEPLOYMENT, "--watch", "--watch-timeout", "600"], team.repo, **team.env

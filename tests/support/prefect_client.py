@@ -13,12 +13,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-# How often a served deployment's runner (`flows.deployments serve`) and a work pool's worker ask their
-# server for runs to start. Prefect's default, 10 s, delays each `prefect deployment run` by 5 s on
-# average before its flow run starts; the tests give the servers they start this setting (the runs
-# themselves are unchanged).
-FAST_POLL = {"PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
-
 
 def basic_auth(auth_string: str) -> str:
     return "Basic " + base64.b64encode(auth_string.encode()).decode()
