@@ -36,7 +36,8 @@ from typing import Any
 
 from flows import prefect_env
 from tasks.core.cli import exit_code
-from tasks.core.config.policy import API_OVERRIDABLE, REMOTE_KEYS, is_params_key
+from tasks.core.config.params import is_params_key
+from tasks.core.config.policy import API_OVERRIDABLE, REMOTE_KEYS
 from tasks.core.config.service import OrchestrationConfig
 from tasks.core.config.yaml_io import PARAMS_FILE, load_params
 from tasks.core.layout import ROOT

@@ -97,3 +97,16 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "export": ("seed", "determinism", "export"),
 }
 STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)
+
+
+def is_params_key(key: str) -> bool:
+    """`key` names a key or a section of params.yaml (what `--allow-override` may name)."""
+    model: Any = Params
+    for part in key.split("."):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return False
+        model = model.model_fields[part].annotation
+        # a section may be optional (`applied: AppliedSweep | None`): its model is among the union's
+        models = [arg for arg in getattr(model, "__args__", ()) if isinstance(arg, type) and issubclass(arg, BaseModel)]
+        model = models[0] if models else model
+    return True

@@ -106,23 +106,6 @@ def changed_keys(base: Mapping[str, Any], other: Mapping[str, Any], prefix: str 
     return changed
 
 
-def is_params_key(key: str) -> bool:
-    """`key` names a key or a section of params.yaml (what `--allow-override` may name)."""
-    from pydantic import BaseModel
-
-    from tasks.core.config.params import Params
-
-    model: Any = Params
-    for part in key.split("."):
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return False
-        model = model.model_fields[part].annotation
-        # a section may be optional (`applied: AppliedSweep | None`): its model is among the union's
-        models = [arg for arg in getattr(model, "__args__", ()) if isinstance(arg, type) and issubclass(arg, BaseModel)]
-        model = models[0] if models else model
-    return True
-
-
 # Train keys a sweep may search. Not: where and how it runs (launch keys, device: the trials are the
 # parallelism), what it starts from (pretrained_*: a file verified by digest) or the seed (each
 # trial's is derived from sweep.seed and its number).
