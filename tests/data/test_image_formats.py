@@ -147,8 +147,18 @@ def test_predict_lists_an_eps_as_unreadable_in_one_line(tmp_path: Path, fake_gs:
 
 
 @pytest.mark.slow
-def test_the_served_model_answers_an_eps_with_a_400(tmp_path: Path, fake_gs: tuple[str, Path]) -> None:
+def test_the_served_model_answers_an_eps_with_a_400(
+    tmp_path: Path, fake_gs: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import mlflow
+
+    # save_model records a logged model in the tracking store, its files under ./mlruns: both here,
+    # not in the checkout
+    from mlflow.tracking._tracking_service import utils as tracking
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setattr(tracking, "_tracking_uri", None)  # (what mlflow.set_tracking_uri set, restored after)
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, Schema
 
