@@ -55,8 +55,7 @@ sweep: $(STAMP)  ## hyperparameter search: params.yaml's sweep section, Optuna t
 # `ARGS='-p randomly -p "randomly_seed=N"'`), so a test that leans on another's leftovers fails. Three
 # xdist workers on a 2-core machine, each taking whole modules (their fixtures are built once), longest
 # first (tests/conftest.py): most tests spend their time waiting on a single-threaded subprocess or a
-# server, which leaves a core idle with two workers (the full tier in a fresh clone: 17 m 48 s with
-# two, 16 m 57 s with three).
+# server, which leaves a core idle with two workers (measured: CHANGELOG).
 PYTEST := $(VENV)/bin/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow; ARGS="-k config"
 	$(PYTEST) -m "not slow" $(ARGS)
