@@ -60,6 +60,19 @@ class CpuUnsupported(HardwareMissing):
     """This CPU cannot run the portable mode (exit 4 at the entry points)."""
 
 
+def cpuinfo() -> dict[str, str]:
+    """The first CPU's entries of /proc/cpuinfo (empty where there is none: not Linux). The one reader:
+    the fingerprint (tasks/determinism/fingerprint.py, which imports this module) uses it too."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    first = text.split("\n\n", 1)[0]
+    return dict(
+        (key.strip(), value.strip()) for key, _, value in (line.partition(":") for line in first.splitlines()) if value
+    )
+
+
 def portable_unsupported() -> str | None:
     """Why this CPU cannot compute in portable mode, or None if it can. Read without torch (from the
     platform and /proc/cpuinfo), so that `auto` is resolved before torch loads; `activate` checks
@@ -67,11 +80,10 @@ def portable_unsupported() -> str | None:
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return f"this CPU is {machine}, not x86-64"
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    info = cpuinfo()
+    if not info:
         return None  # no /proc (not Linux): activate's check with torch decides
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    flags = info.get("flags", "").split()
     missing = [flag for flag in ("avx2", "fma") if flag not in flags]
     return f"this CPU lacks {' and '.join(missing)}" if missing else None
 

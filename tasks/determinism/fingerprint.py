@@ -70,17 +70,6 @@ GPU_KEYS = (
 _ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE")
 
 
-def _cpuinfo() -> dict[str, str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:  # not Linux: platform's answer below
-        return {}
-    first = text.split("\n\n", 1)[0]
-    return dict(
-        (key.strip(), value.strip()) for key, _, value in (line.partition(":") for line in first.splitlines()) if value
-    )
-
-
 def _caches() -> str:
     """L1d/L2/L3 sizes: blocking in oneDNN and MKL follows them."""
     found = []
@@ -96,7 +85,7 @@ def _caches() -> str:
 
 def cpu_facts() -> dict[str, str]:
     """The CPU as /proc/cpuinfo and sysfs describe it, without loading torch."""
-    info = _cpuinfo()
+    info = cpu_mode.cpuinfo()
     flags = set(info.get("flags", "").split())
     return {
         "hw.cpu.vendor": info.get("vendor_id", platform.processor() or "unknown"),
