@@ -45,7 +45,7 @@ plots: $(STAMP)  ## DVC plots (accuracy, loss, lr, confusion matrix) of the outp
 	$(VENV)/bin/dvc plots show
 	@echo "open it in a browser: $(CURDIR)/dvc_plots/index.html (no network needed)"
 
-# e.g. `make sweep ARGS=--apply` (the best trial's params into params.yaml), `ARGS="--address tcp://host:8786"`
+# e.g. `make sweep ARGS=--apply` (the best trial's params into params.yaml), `ARGS="--address tls://host:8786 --tls DIR"`
 sweep: $(STAMP)  ## hyperparameter search: params.yaml's sweep section, Optuna trials as Prefect tasks on Dask
 	$(VENV)/bin/python -m flows.sweep $(ARGS)
 

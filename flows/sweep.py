@@ -9,9 +9,12 @@ sweep's run; the sweep's run records the study (best trial, a table of every tri
 
     python -m flows.sweep                     # run (or resume) the study sweep.name
     python -m flows.sweep --apply             # ... then write the best trial's params into params.yaml
-    python -m flows.sweep --address tcp://10.0.0.5:8786 --set sweep.trials=32
-    python -m flows.sweep scheduler --port 8786         # a Dask scheduler for trials (any `dask scheduler` option)
-    python -m flows.sweep worker tcp://10.0.0.5:8786   # a Dask worker for trials, on each machine
+    python -m flows.sweep --address tls://10.0.0.5:8786 --tls DIR --set sweep.trials=32
+    python -m flows.sweep tls DIR                        # a cluster's TLS credentials (copy DIR to each machine)
+    python -m flows.sweep scheduler --host 10.0.0.5 --port 8786 --tls DIR   # a Dask scheduler for trials
+    python -m flows.sweep worker tls://10.0.0.5:8786 --tls DIR              # a Dask worker, on each machine
+
+Off loopback, Dask's mutual TLS is required (tasks/tools/sweep_cluster.py: a Dask port runs code).
 
 Workers need the project at the same path with the same preprocessed data: a shared filesystem, or a
 clone at the same commit after `dvc pull preprocess` (a trial refuses other data: it checks its digest).
@@ -195,15 +198,18 @@ def _apply(params_file: str, summary: dict[str, Any], study: str) -> None:
 # --------------------------------------------------------------------------- entry points
 
 
-def _task_runner(params: Params, address: str | None) -> Any:
+def _task_runner(params: Params, address: str | None, tls: Path | None) -> Any:
     from prefect_dask import DaskTaskRunner
 
+    from tasks.tools.sweep_cluster import security
+
     if address:
-        return DaskTaskRunner(address=address)
+        return DaskTaskRunner(address=address, client_kwargs={"security": security(tls)} if tls else None)
     _keep_malloc_defaults()
-    # worker processes, one trial (one thread) each; no dashboard port to collide with another sweep's
+    # worker processes, one trial (one thread) each, on loopback with Dask's temporary TLS credentials
+    # (in memory: another local user cannot join); the dashboard on a free loopback port
     cluster = {"n_workers": params.sweep.workers, "threads_per_worker": 1, "processes": True, "preload": [PRELOAD]}
-    return DaskTaskRunner(cluster_kwargs={**cluster, "dashboard_address": ":0"})
+    return DaskTaskRunner(cluster_kwargs={**cluster, "security": True, "dashboard_address": "127.0.0.1:0"})
 
 
 def _keep_malloc_defaults() -> None:
@@ -219,12 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["worker"], ["scheduler"]):
         return exit_code(lambda: _dask(argv[0], argv[1:]))
+    if argv[:1] == ["tls"]:
+        return exit_code(lambda: _tls(argv[1:]))
     parser = argparse.ArgumentParser(
         prog="python -m flows.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--params", default=PARAMS_FILE, help="params file (default: %(default)s)")
     parser.add_argument("--apply", action="store_true", help="write the best trial's params into params.yaml")
     parser.add_argument("--address", help=f"Dask scheduler (default: sweep.address, env {ADDRESS_ENV})")
+    parser.add_argument("--tls", metavar="DIR", help="the cluster's TLS credentials, for a tls:// scheduler")
     parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[])
     args = parser.parse_args(argv)
     return exit_code(lambda: _run(args))
@@ -233,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from flows.pipeline import _override
     from tasks.tools.sweep import check_storage
+    from tasks.tools.sweep_cluster import check_scheduler_address, tls_dir
     from tasks.tracking.store import check_store
 
     overrides = dict(_override(text) for text in args.overrides)
@@ -240,25 +250,39 @@ def _run(args: argparse.Namespace) -> int:
     params = bootstrap(ROOT / args.params, overrides)
     check_store(params.tracking)
     check_storage(os.environ.get(STORAGE_ENV) or params.sweep.storage)
+    address = args.address or params.sweep.address or os.environ.get(ADDRESS_ENV)
+    tls = tls_dir(args.tls)
+    if address:
+        check_scheduler_address(address, tls, "sweep.address")
     if overrides:
         params = set_params(ROOT / args.params, overrides)
-    address = args.address or params.sweep.address or os.environ.get(ADDRESS_ENV)
     with prefect_env.local_api():
-        summary = sweep.with_options(task_runner=_task_runner(params, address))(args.params, args.apply)
+        summary = sweep.with_options(task_runner=_task_runner(params, address, tls))(args.params, args.apply)
     print(summary["line"])
     return 0
 
 
 def _dask(role: str, argv: list[str]) -> int:
     """`dask scheduler` / `dask worker` for trials, able to import this project (the scheduler unpickles
-    the trial tasks too). A worker runs in the project directory, one trial (thread) at a time per
-    process, with params.yaml's CPU mode pinned before anything loads torch; other arguments go to dask."""
-    parser = argparse.ArgumentParser(prog=f"python -m flows.sweep {role}")
+    the trial tasks too), on loopback unless given --host and --tls (tasks/tools/sweep_cluster.py). A
+    worker runs in the project directory, one trial (thread) at a time per process, with params.yaml's
+    CPU mode pinned before anything loads torch; other arguments go to dask."""
+    from tasks.tools import sweep_cluster as cluster
+
+    parser = argparse.ArgumentParser(prog=f"python -m flows.sweep {role}", allow_abbrev=False)
     if role == "worker":
-        parser.add_argument("scheduler", help="the Dask scheduler's address, tcp://host:port")
+        parser.add_argument("scheduler", help="the Dask scheduler's address, tcp://127.0.0.1:port or tls://host:port")
         parser.add_argument("--params", default=PARAMS_FILE)
+    parser.add_argument("--host", help="the address to listen on (default 127.0.0.1; off loopback needs --tls)")
+    parser.add_argument("--dashboard-address", help="loopback only (default: scheduler 127.0.0.1:8787, worker none)")
+    parser.add_argument("--tls", metavar="DIR", help=f"the cluster's credentials (env {cluster.TLS_ENV})")
     args, rest = parser.parse_known_args(argv)
+    tls = cluster.tls_dir(args.tls)
+    scheduler = args.scheduler if role == "worker" else None
+    options = cluster.dask_arguments(role, args.host, args.dashboard_address, tls, rest, scheduler)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    if tls is not None:  # no plain-TCP listener or connection anywhere in this process tree
+        os.environ["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] = "True"
     if role == "scheduler":
         from distributed.cli.dask_scheduler import main as dask_main
     else:
@@ -267,8 +291,18 @@ def _dask(role: str, argv: list[str]) -> int:
 
         os.chdir(ROOT)
         _keep_malloc_defaults()  # in this process: its nanny starts the worker processes
-        rest = [args.scheduler, "--nthreads", "1", "--preload", PRELOAD, *rest]
-    dask_main(args=rest, prog_name=f"dask {role}")  # click: exits itself
+        options = [args.scheduler, "--nthreads", "1", "--preload", PRELOAD, *options]
+    dask_main(args=options, prog_name=f"dask {role}")  # click: exits itself
+    return 0
+
+
+def _tls(argv: list[str]) -> int:
+    from tasks.tools.sweep_cluster import write_credentials
+
+    parser = argparse.ArgumentParser(prog="python -m flows.sweep tls", description="write a cluster's TLS credentials")
+    parser.add_argument("directory", help="a new directory (0700): copy it to every machine of the cluster")
+    made = write_credentials(Path(parser.parse_args(argv).directory))
+    print(f"{made}: Dask TLS credentials; give --tls {made} to the scheduler, each worker and the coordinator")
     return 0
 
 

@@ -79,8 +79,8 @@ class SweepConfig(Section):
     direction: Literal["maximize", "minimize"] = "maximize"
     retries: int = Field(1, ge=0, le=10)  # a crashed trial is run again this many times, then recorded failed
     space: dict[str, SearchSpace] = Field(default_factory=dict, max_length=32)
-    # Where trials run: a Dask scheduler (tcp://host:8786; or env LOCKSTEP_DASK_ADDRESS); null: a local
-    # cluster of `workers` processes. Storage: an Optuna RDB URL (credentials: env LOCKSTEP_SWEEP_STORAGE,
+    # Where trials run: a Dask scheduler (tls://host:8786, or tcp:// on loopback; or env LOCKSTEP_DASK_ADDRESS);
+    # null: a local cluster of `workers` processes. Storage: an Optuna RDB URL (credentials: env LOCKSTEP_SWEEP_STORAGE,
     # never here); null: a journal file, artifacts/sweep/<name>.journal.
     address: str | None = Field(None, max_length=255, pattern=r"^(tcp|tls)://[^\s/@]+:\d{1,5}$")
     workers: int = Field(2, ge=1, le=MAX_PROCESSES)
