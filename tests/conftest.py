@@ -66,8 +66,17 @@ def write_params(path: Path, override: dict[str, Any], base: Path = ROOT / "para
     return path
 
 
+# `make test ARGS=-k x` passes ARGS (and its other variables) to every make below it through the
+# environment: a test's own `make run` would then run with the developer's pytest arguments.
+MAKE_VARIABLES = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "ARGS")
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "LOCKSTEP_", "DVC_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MLFLOW_", "PREFECT_", "LOCKSTEP_", "DVC_")) and k not in MAKE_VARIABLES
+    }
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
