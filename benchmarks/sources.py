@@ -2,7 +2,7 @@
 
     python -m benchmarks.sources [--sources mnist cifar10 ...] [--train-images 6000] [--test-images 1000]
 
-For each built-in source the check data of benchmarks/synthetic_images.py is written in that source's
+For each built-in source the check data of benchmarks/synthetic_images/ is written in that source's
 published format (MNIST's gzipped IDX files, the CIFAR-10 python archive; an ImageFolder tar.gz with
 train/ and test/) and served from a loopback HTTP server; the download stage fetches and verifies it
 like the real files, then every later stage runs as `python -m tasks <stage>` in a project folder of
@@ -32,7 +32,8 @@ from typing import Any
 import yaml
 
 from benchmarks.harness import ROOT, machine
-from benchmarks.synthetic_images import DATASETS, generate, write_imagefolder
+from benchmarks.synthetic_images.datasets import DATASETS, generate
+from benchmarks.synthetic_images.writers import write_imagefolder
 from tasks.core.config.data import DataConfig
 from tasks.core.config.yaml_io import load_params, load_yaml
 from tasks.data.download import download
@@ -59,7 +60,9 @@ def publish(source: str, served: Path, url: str, train_images: int, test_images:
     """
     import torchvision
 
-    from benchmarks.fakedata import cifar_archive, mnist_files, pack
+    from benchmarks.fakedata.archives import pack
+    from benchmarks.fakedata.cifar import cifar_archive
+    from benchmarks.fakedata.mnist import mnist_files
 
     if source == "digits":
         return {"source": "digits"}, {}

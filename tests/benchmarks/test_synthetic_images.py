@@ -1,4 +1,4 @@
-"""The check datasets of our own making (benchmarks/synthetic_images.py): deterministic, balanced, varied,
+"""The check datasets of our own making (benchmarks/synthetic_images/): deterministic, balanced, varied,
 shapes not told apart by colour, and written in the ImageFolder layout the imagefolder source reads."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from benchmarks.synthetic_images import DATASETS, generate, main, write_imagefolder
+from benchmarks.synthetic_images.cli import main
+from benchmarks.synthetic_images.datasets import DATASETS, generate
+from benchmarks.synthetic_images.writers import write_imagefolder
 
 SHAPES = {"glyphs": (28, 28, 1), "shapes": (32, 32, 3), "shapes100": (32, 32, 3), "garments": (28, 28, 1)}
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from benchmarks.fakedata import imagefolder_tree
+from benchmarks.fakedata.imagefolder import imagefolder_tree
 from tasks.core.config.data import ChecksConfig
 from tasks.core.errors import DataRefused
 from tasks.data.checks import Profile, check_snapshot, duplicates_across_splits, refuse_if_failed

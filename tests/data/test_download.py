@@ -1,6 +1,6 @@
 """The download stage against a real HTTP server on 127.0.0.1 serving the published formats.
 
-The archives are built by benchmarks/fakedata.py in the real formats (MNIST idx .gz, CIFAR python
+The archives are built by benchmarks/fakedata/ in the real formats (MNIST idx .gz, CIFAR python
 .tar.gz, ImageFolder .tar.gz/.zip). For the torchvision sources only the catalogue differs from
 what users get (the published URLs and md5s on torchvision's dataset classes point at the test
 server and the test files); the code path is the one `python -m tasks download` runs.
@@ -21,16 +21,11 @@ import numpy as np
 import pytest
 import torchvision.datasets
 
-from benchmarks.fakedata import (
-    cifar_archive,
-    imagefolder_tree,
-    mnist_files,
-    pack,
-    tar_with_member,
-    tar_with_symlink,
-    zip_with_member,
-    zip_with_symlink,
-)
+from benchmarks.fakedata.archives import pack
+from benchmarks.fakedata.cifar import cifar_archive
+from benchmarks.fakedata.hostile_archives import tar_with_member, tar_with_symlink, zip_with_member, zip_with_symlink
+from benchmarks.fakedata.imagefolder import imagefolder_tree
+from benchmarks.fakedata.mnist import mnist_files
 from benchmarks.httpserver import FileServer
 from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure

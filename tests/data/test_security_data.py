@@ -29,7 +29,8 @@ import pytest
 from PIL import Image, ImageFile
 
 import tasks.data.folders
-from benchmarks.fakedata import imagefolder_tree, pack
+from benchmarks.fakedata.archives import pack
+from benchmarks.fakedata.imagefolder import imagefolder_tree
 from benchmarks.httpserver import FileServer
 from tasks.core.config.base import ConfigError
 from tasks.core.config.data import DataConfig

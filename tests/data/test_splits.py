@@ -1,7 +1,7 @@
 """Splits: a source's published test set is the test split, image for image; cut splits stay put.
 
 The published-split tests run the real download (against a loopback HTTP server serving
-benchmarks/fakedata.py's files in the published formats, or a local folder/archive), stats and preprocess
+benchmarks/fakedata/'s files in the published formats, or a local folder/archive), stats and preprocess
 functions, then compare what preprocess wrote with the fake published files by content hash. Every
 fake image is distinct (checked), so an image found in two splits can only mean a split that leaks.
 
@@ -24,7 +24,10 @@ import pytest
 import torchvision.datasets
 from PIL import Image
 
-from benchmarks.fakedata import cifar_archive, imagefolder_tree, mnist_files, pack
+from benchmarks.fakedata.archives import pack
+from benchmarks.fakedata.cifar import cifar_archive
+from benchmarks.fakedata.imagefolder import imagefolder_tree
+from benchmarks.fakedata.mnist import mnist_files
 from benchmarks.httpserver import FileServer
 from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from benchmarks.fakedata import imagefolder_tree
+from benchmarks.fakedata.imagefolder import imagefolder_tree
 from tests.conftest import clone_project, run, write_params
 
 pytestmark = pytest.mark.slow
