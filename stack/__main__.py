@@ -14,6 +14,7 @@ from tasks.core.layout import ROOT
 
 def up(stack: Stack) -> list[str]:
     """Start every server that is not running, in dependency order; the names started."""
+    servers.lock_folder(stack.root)  # a stack made before its folder was private gets it now
     started = []
     for server in (kind(stack) for kind in servers.SERVERS):
         if not server.running():

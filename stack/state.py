@@ -26,8 +26,8 @@ MLFLOW_ADMIN = "admin"
 MLFLOW_BUCKET, DVC_BUCKET = "lockstep-mlflow", "lockstep-dvc"
 DVC_REMOTE = "stack"
 REGION = "us-east-1"  # SeaweedFS ignores it; AWS clients want one to sign requests
-# SeaweedFS's `weed mini` listens on an HTTP and a gRPC port per component: each is set, so that two
-# stacks (a user's and a test's) never meet on a default port.
+# SeaweedFS listens on an HTTP and a gRPC port per component: each is set, so that two stacks (a
+# user's and a test's) never meet on a default port.
 PORTS = (
     "postgres",
     "mlflow",
@@ -71,6 +71,11 @@ class Stack:
     @property
     def env_file(self) -> Path:
         return self.root / "env"
+
+    @property
+    def weed_config(self) -> Path:
+        """SeaweedFS's configuration folder (its `-config_dir`): security.toml and the gRPC certificate."""
+        return self.secrets / "seaweedfs"
 
     # ------------------------------------------------------------------ where clients connect
     @property
@@ -131,8 +136,8 @@ def open_stack(root: Path, host: str | None = None) -> Stack:
             )
         return Stack(root, saved["host"], {name: int(saved["ports"][name]) for name in PORTS})
     stack = Stack(root, host or "127.0.0.1", _free_ports(host or "127.0.0.1", len(PORTS)))
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)  # before anything is written in it
     _make_secrets(stack)
-    root.mkdir(parents=True, exist_ok=True)
     write_text(state, json.dumps({"host": stack.host, "ports": stack.ports}, indent=2) + "\n")
     return stack
 
@@ -174,6 +179,36 @@ def _make_secrets(stack: Stack) -> None:
     os.chmod(stack.secrets, 0o700)
     for name, text in files.items():
         write_secret(stack.secrets / name, text + "\n")
+
+
+def write_object_store_security(stack: Stack) -> None:
+    """SeaweedFS's security.toml, made anew for each start of the object store: the keys that sign the
+    JWTs its master and filer hand out for volume and filer requests, and one certificate that every
+    gRPC connection between its parts must present (mutual TLS). Only SeaweedFS reads them: clients
+    use the S3 port and its keys."""
+    from distributed.security import Security  # Dask's self-signed certificate and key (cryptography)
+
+    folder = stack.weed_config
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(folder, 0o700)
+    made = Security.temporary()  # valid for a year: renewed at every start
+    cert, key = folder / "grpc.pem", folder / "grpc-key.pem"
+    write_secret(cert, made.tls_client_cert)
+    write_secret(key, made.tls_client_key)
+    write_secret(folder / "security.toml", _security_toml(cert, key))
+
+
+def _security_toml(cert: Path, key: Path) -> str:
+    """jwt.signing: volume server writes; .read: its reads; jwt.filer_signing(.read): the filer's HTTP
+    API and its IAM gRPC service. gRPC: the certificate is its own CA (SeaweedFS checks no host name)."""
+    quoted = {name: json.dumps(str(path)) for name, path in (("cert", cert), ("key", key))}  # TOML strings
+    lines = []
+    for section in ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read"):
+        lines += [f"[{section}]", f'key = "{secrets.token_urlsafe(32)}"', ""]
+    lines += ["[grpc]", f"ca = {quoted['cert']}", ""]
+    for part in ("master", "volume", "filer", "s3", "admin", "worker", "client"):
+        lines += [f"[grpc.{part}]", f"cert = {quoted['cert']}", f"key = {quoted['key']}", ""]
+    return "\n".join(lines)
 
 
 def write_secret(path: Path, text: str) -> None:

@@ -10,19 +10,28 @@ A team's use of it, then the faults a team meets:
 - the MLflow UI shows the run (headless Chromium, screenshot kept);
 - a sweep keeps its Optuna study in PostgreSQL and resumes from it;
 - PostgreSQL restarted during a run; the object store down during `dvc push` and during an artifact
-  upload; wrong credentials for each service.
+  upload; wrong credentials for each service;
+- the object store's other ports (master, volume server, filer, gRPC, admin): each refuses a client
+  without the stack's credentials, and stays on loopback when the S3 port does not.
 
 The data is an image folder (sklearn's digits as PNG files): a source whose files DVC pushes one by one.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import socket
+import ssl
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +42,7 @@ import pytest
 import yaml
 
 from stack.__main__ import down, join, up
-from stack.servers import ObjectStore, Orchestrator, Postgres, TrackingServer, s3_client
+from stack.servers import ObjectStore, Postgres, s3_client
 from stack.state import DVC_BUCKET, MLFLOW_BUCKET, Stack, open_stack
 from tasks.tracking.dashboard import run_page
 from tests.conftest import ROOT, commit_all, copy_project, listening, run, service, sha256, subprocess_env
@@ -54,10 +63,10 @@ class Team:
     env: dict[str, str]  # what `source .stack/env` gives a shell
 
     def secrets(self) -> list[str]:
-        """Every generated credential's value."""
+        """Every generated credential's value (the object store's JWT keys: those of its last start)."""
         names = ("pg-password", "prefect-auth", "mlflow-password", "mlflow-flask-secret")
         keys = (self.stack.secrets / "aws-credentials").read_text()
-        return [self.stack.secret(name) for name in names] + re.findall(r"= (\S+)", keys)
+        return [self.stack.secret(name) for name in names] + re.findall(r"= (\S+)", keys) + _jwt_keys(self.stack)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +162,17 @@ def _pipeline(team: Team, *args: str, **env: str) -> subprocess.CompletedProcess
     return run([sys.executable, "-m", "flows.pipeline", *args], team.repo, check=False, **{**team.env, **env})
 
 
+def _server_processes(stack: Stack) -> list[psutil.Process]:
+    """The processes the stack started and recorded by PID (pids/*.json): all but PostgreSQL."""
+    processes = []
+    for pidfile in sorted(stack.pids.glob("*.json")):
+        saved = json.loads(pidfile.read_text())
+        proc = psutil.Process(saved["pid"])
+        assert proc.create_time() == saved["started"], pidfile
+        processes.append(proc)
+    return processes
+
+
 def _error_line(done: subprocess.CompletedProcess[str]) -> str:
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and lines, (done.returncode, done.stdout[-3000:], done.stderr[-3000:])
@@ -190,10 +210,7 @@ def test_a_deployment_run_keeps_runs_and_flow_runs_in_postgresql_and_files_in_s3
     assert "Cache and remote 'stack' are in sync" in pushed, pushed
     # every server listens on loopback only
     postmaster = int((team.stack.root / "pg" / "data" / "postmaster.pid").read_text().split()[0])
-    processes = [
-        psutil.Process(postmaster),
-        *(kind(team.stack).process() for kind in (ObjectStore, TrackingServer, Orchestrator)),
-    ]
+    processes = [psutil.Process(postmaster), *_server_processes(team.stack)]
     sockets = set().union(*(listening(proc) for proc in processes))
     assert {f"127.0.0.1:{team.stack.ports[name]}" for name in ("postgres", "s3", "mlflow", "prefect")} <= sockets
     assert all(s.startswith("127.0.0.1:") for s in sockets), sockets
@@ -392,3 +409,164 @@ def test_wrong_credentials_are_one_line_naming_the_service_and_no_secret(
     assert expected in line and ("401" in line or "403" in line or "authentication failed" in line), line
     shown = done.stdout + done.stderr
     assert wrong not in shown and not any(secret in shown for secret in team.secrets())
+
+
+# --------------------------------------------------------------------------- the object store's other ports
+
+PROBE = "lockdown-probe"  # a folder of the MLflow bucket that only these tests use
+REFUSED = {0, 401, 403, 404, 405}  # no connection, no credentials, no such API (SeaweedFS's HTTP APIs off)
+GRPC_PORTS = ("master_grpc", "volume_grpc", "filer_grpc", "s3_grpc", "admin_grpc")
+# an HTTP/2 client's first bytes (its preface and an empty SETTINGS frame): a gRPC server answers with SETTINGS
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+FORM = (  # a file upload as a browser sends it
+    b'--lockdown\r\nContent-Disposition: form-data; name="file"; filename="posted.txt"\r\n'
+    b"Content-Type: text/plain\r\n\r\nplanted\r\n--lockdown--\r\n"
+)
+
+
+def _jwt_keys(stack: Stack) -> list[str]:
+    toml = stack.weed_config / "security.toml"
+    return re.findall(r'^key = "([^"]+)"', toml.read_text(), re.M) if toml.exists() else []
+
+
+def _http(method: str, url: str, body: bytes | None = None) -> int:
+    """The status an anonymous request gets (0: no connection)."""
+    request = urllib.request.Request(url, data=body, method=method)
+    if body is FORM:
+        request.add_header("Content-Type", "multipart/form-data; boundary=lockdown")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return 0
+
+
+def _speaks_grpc(port: int, tls: bool = True, cert: tuple[Path, Path] | None = None) -> bool:
+    """Whether the port answers an HTTP/2 (gRPC) client: in plain text, or over TLS with `cert` or none."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # the client is the one checked
+    context.set_alpn_protocols(["h2"])
+    try:
+        if cert:
+            context.load_cert_chain(*cert)
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+            context.wrap_socket(raw) if tls else raw as conn,
+        ):
+            conn.sendall(H2_PREFACE)
+            frame = conn.recv(9)
+    except OSError:  # ssl.SSLError included: the server refused the handshake
+        return False
+    return len(frame) > 3 and frame[3] == 0x04
+
+
+def _file_id(stack: Stack, path: str, cwd: Path) -> str:
+    """The volume file id of an object, asked of the filer as the stack's owner (`weed shell` with the
+    stack's security.toml)."""
+    ports = stack.ports
+    shell = [
+        *(str(Path(sys.executable).parent / "weed"), f"-config_dir={stack.weed_config}", "shell"),
+        f"-master=127.0.0.1:{ports['master']}.{ports['master_grpc']}",
+        f"-filer=127.0.0.1:{ports['filer']}.{ports['filer_grpc']}",
+    ]
+    done = subprocess.run(shell, input=f"fs.meta.cat {path}\n", capture_output=True, text=True, timeout=60, cwd=cwd)
+    found = re.search(r'"fileId":\s*"([^"]+)"', done.stdout)
+    assert found, (done.stdout[-2000:], done.stderr[-2000:])
+    return found.group(1)
+
+
+def _foreign_cert(folder: Path) -> tuple[Path, Path]:
+    """A certificate and key of someone else's making (another local user's)."""
+    from distributed.security import Security
+
+    made = Security.temporary()
+    cert, key = folder / "foreign.pem", folder / "foreign-key.pem"
+    cert.write_text(made.tls_client_cert)
+    key.write_text(made.tls_client_key)
+    return cert, key
+
+
+def _anonymous_requests(stack: Stack, fid: str) -> dict[str, tuple[str, str, bytes | None]]:
+    """What the review did through the non-S3 HTTP ports, and more of the same."""
+    filer, master, volume, admin = (
+        f"http://127.0.0.1:{stack.ports[name]}" for name in ("filer", "master", "volume", "admin")
+    )
+    folder, volume_id = f"{filer}/buckets/{MLFLOW_BUCKET}/{PROBE}", fid.split(",")[0]
+    return {
+        "filer: list the buckets": ("GET", f"{filer}/buckets/", None),
+        "filer: read the object": ("GET", f"{folder}/kept.txt", None),
+        "filer: PUT a file into the bucket": ("PUT", f"{folder}/put.txt", b"planted"),
+        "filer: POST a file into the bucket": ("POST", f"{folder}/", FORM),
+        "filer: delete recursively": ("DELETE", f"{folder}/?recursive=true", None),
+        "filer: read a chunk through its proxy": ("GET", f"{filer}/?proxyChunkId={fid}", None),
+        "master: assign a file id": ("GET", f"{master}/dir/assign", None),
+        "master: grow volumes": ("POST", f"{master}/vol/grow?count=1", None),
+        "master: look a volume up": ("GET", f"{master}/dir/lookup?volumeId={volume_id}", None),
+        "volume server: write a file": (
+            "POST",
+            f"{volume}/{volume_id},{os.urandom(6).hex()}{os.urandom(4).hex()}",
+            b"x",
+        ),
+        "volume server: read the object": ("GET", f"{volume}/{fid}", None),
+        "volume server: delete it": ("DELETE", f"{volume}/{fid}", None),
+        "admin: its API": ("GET", f"{admin}/api/cluster/topology", None),
+    }
+
+
+def test_the_object_store_serves_clients_on_its_s3_port_only(team: Team, tmp_path: Path) -> None:
+    stack = team.stack
+    s3 = s3_client(stack)
+    s3.put_object(Bucket=MLFLOW_BUCKET, Key=f"{PROBE}/kept.txt", Body=b"kept")  # the S3 API with the stack's keys
+    fid = _file_id(stack, f"/buckets/{MLFLOW_BUCKET}/{PROBE}/kept.txt", tmp_path)
+    answered = {}
+    for what, (method, url, body) in _anonymous_requests(stack, fid).items():
+        if (status := _http(method, url, body)) not in REFUSED:
+            answered[what] = status
+    assert not answered, "; ".join(f"{what}: HTTP {status}" for what, status in answered.items())
+    # gRPC: in plain text, over TLS without a certificate, with another one's: no answer
+    foreign = _foreign_cert(tmp_path)
+    for name in GRPC_PORTS:
+        port = stack.ports[name]
+        assert not _speaks_grpc(port, tls=False), f"{name}: plain gRPC answered"
+        assert not _speaks_grpc(port), f"{name}: gRPC over TLS without a client certificate answered"
+        assert not _speaks_grpc(port, cert=foreign), f"{name}: gRPC with a foreign certificate answered"
+    own = (stack.weed_config / "grpc.pem", stack.weed_config / "grpc-key.pem")
+    assert _speaks_grpc(stack.ports["filer_grpc"], cert=own)  # the probe hears a server that answers
+    # nothing planted, nothing deleted; S3 still reads the object
+    assert [key for key in _objects(team, MLFLOW_BUCKET) if key.startswith(f"{PROBE}/")] == [f"{PROBE}/kept.txt"]
+    assert s3.get_object(Bucket=MLFLOW_BUCKET, Key=f"{PROBE}/kept.txt")["Body"].read() == b"kept"
+    # its keys are in the secrets folder only
+    logs = "".join(log.read_text(errors="replace") for log in stack.logs.iterdir())
+    assert _jwt_keys(stack) and not any(key in logs for key in _jwt_keys(stack))
+
+
+def test_the_object_store_keeps_its_other_ports_on_loopback_and_its_files_private(team: Team, tmp_path: Path) -> None:
+    # files: the team's stack
+    root = team.stack.root
+    assert not root.stat().st_mode & 0o067, oct(root.stat().st_mode)  # as root, PostgreSQL's group may pass
+    for folder in (root / "s3", team.stack.secrets, team.stack.weed_config):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    data = [
+        p for p in (root / "s3").rglob("*") if p.is_file() and (p.suffix in (".dat", ".idx") or "filerldb2" in p.parts)
+    ]
+    assert data and not [p for p in data if p.stat().st_mode & 0o077]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in team.stack.weed_config.iterdir())
+    # ports: an object store made with STACK_HOST=0.0.0.0 (its own folder; the rest of its stack not started)
+    wide = open_stack(tmp_path / "wide", host="0.0.0.0")
+    store = ObjectStore(wide)
+    try:
+        store.start()
+        s3 = s3_client(wide)
+        s3.put_object(Bucket=DVC_BUCKET, Key="round-trip", Body=b"trip")
+        assert s3.get_object(Bucket=DVC_BUCKET, Key="round-trip")["Body"].read() == b"trip"
+        sockets = set().union(*(listening(proc) for proc in _server_processes(wide)))
+    finally:
+        store.stop()
+    inner = {name: port for name, port in wide.ports.items() if name not in ("postgres", "mlflow", "prefect")}
+    loopback = {f"127.0.0.1:{inner[name]}" for name in inner if name not in ("s3", "s3_grpc")}
+    assert loopback <= sockets, sockets
+    elsewhere = sockets - loopback
+    assert {int(s.rsplit(":", 1)[1]) for s in elsewhere} == {inner["s3"], inner["s3_grpc"]}, sockets
+    assert not any(s.startswith("127.") for s in elsewhere), sockets  # S3 where STACK_HOST says
