@@ -16,9 +16,10 @@ another machine (Intel vs AMD, AVX2 vs AVX-512):
 
 Portable mode therefore pins ATen to AVX2 and sends convolutions and matrix products to OpenBLAS
 (the BLAS numpy ships) with its kernel set pinned to Haswell's (AVX2 + FMA, blocking fixed at
-compile time): tasks/determinism/kernels.py, tasks/determinism/blas.py. oneDNN and NNPACK are switched off and
-MKL is held to COMPATIBLE for anything that still reaches it. The result is the same bytes on every x86-64 CPU
-with AVX2, for a fixed thread count. Native mode leaves every library its fastest path.
+compile time): tasks/determinism/kernels.py (installed by dispatch.py), tasks/determinism/blas.py.
+oneDNN and NNPACK are switched off and MKL is held to COMPATIBLE for anything that still reaches it.
+The result is the same bytes on every x86-64 CPU with AVX2, for a fixed thread count. Native mode
+leaves every library its fastest path.
 
 These variables are read when torch and numpy load, so `pin_env` runs before either is imported
 in every process that computes (`python -m tasks`, the flow, DDP ranks); `activate` (torch loaded,
@@ -150,7 +151,7 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
     """Check that `mode` is in force in this (torch-loaded) process, set its switches; what is in force."""
     import torch
 
-    from tasks.determinism import kernels
+    from tasks.determinism import dispatch
 
     mode = resolve(mode)
     pinned = current()
@@ -165,9 +166,9 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
     torch.backends.mkldnn.enabled = not portable
     torch.backends.nnpack.set_flags(not portable)
     if portable:
-        kernels.install()
+        dispatch.install()
     else:
-        kernels.uninstall()
+        dispatch.uninstall()
     # Portable products run their chunks on torch's threads (tasks/determinism/blas.py), each chunk one
     # OpenBLAS call on one thread; native leaves numpy's OpenBLAS the run's thread count.
     _set_blas_threads(1 if portable else num_threads)
@@ -177,7 +178,7 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
         "mkldnn": torch.backends.mkldnn.enabled,
         "nnpack": torch._C._get_nnpack_enabled(),
         "openblas_coretype": blas_coretype() or "none",
-        "portable_kernels": kernels.installed(),
+        "portable_kernels": dispatch.installed(),
     }
 
 

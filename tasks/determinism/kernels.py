@@ -1,14 +1,16 @@
 """Convolutions and matrix products whose bytes do not depend on the CPU (determinism.cpu: portable).
 
 Why not torch's own CPU paths is in tasks/determinism/cpu_mode.py: MKL's reproducible branches are Intel-only,
-oneDNN and NNPACK choose kernels by ISA and cache size. `install` registers CPU kernels for torch's
+oneDNN and NNPACK choose kernels by ISA and cache size. These are CPU kernels for torch's
 matrix products and 1-D/2-D convolutions that compute with numpy's OpenBLAS, pinned to its Haswell
 kernels, in chunks on torch's threads (tasks/determinism/blas.py; only these ops pay a Python call; autograd
 and every other op stay torch's own). A convolution is one matrix product over its im2col columns
 (forward, and the weight gradient) and one into columns that are added back in a fixed order (the
 input gradient); the columns are strided copies and adds in ATen, pinned to AVX2 like every ATen
-kernel. The few other ops that would reach MKL are refused rather than computed with CPU-dependent
-bytes.
+kernel. The out= and in-place forms of the products are routed too (an op's CPU kernel may call them:
+the fused CPU attention of nn.MultiheadAttention's inference path writes through aten::bmm.out). The
+other ops that would compute with MKL, oneDNN, NNPACK or fbgemm are refused. Which op runs on which
+kernel, and which is refused, is tasks/determinism/dispatch.py's: it installs them.
 
 Which matrix is which operand of a BLAS call decides the order of its additions; whether an operand
 is stored row- or column-major does not (OpenBLAS packs both the same way), so the kernels pass
@@ -19,7 +21,6 @@ fills every new tensor first, a pass over memory for nothing.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -27,21 +28,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from tasks.core.errors import Refused
 from tasks.determinism import blas
 
 _NO_NUMPY = (torch.float16, torch.bfloat16)
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
-# ops that compute with MKL or oneDNN and have no portable route here
-_REFUSED = ("addmv", "mv", "dot", "baddbmm", "addbmm", "_scaled_dot_product_flash_attention_for_cpu")
+FLOATS = (*_NO_NUMPY, *_NUMPY_DTYPES)  # what the products multiply (dispatch.py refuses other dtypes)
 
 
-class PortableOpError(RuntimeError):
-    """An op with no CPU-independent implementation ran in portable mode."""
+class PortableOpError(Refused):
+    """An op with no CPU-independent implementation ran (or, probed as the model was built, would run) in
+    portable mode: one line naming the op and the way out (exit 3 at the entry points)."""
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """mm and bmm (2-D or 3-D operands): one `blas.gemm` per matrix; half and bfloat16 are
     multiplied in float32, the same way on every CPU."""
+    if a.dtype not in FLOATS or b.dtype not in FLOATS:
+        raise PortableOpError(
+            f"determinism.cpu: portable multiplies floating-point matrices only, not {a.dtype} by {b.dtype}; use native"
+        )
     compute = torch.float32 if a.dtype in _NO_NUMPY else a.dtype
     a3, b3 = a.detach().to(compute), b.detach().to(compute)
     a3, b3 = (a3, b3) if a.dim() == 3 else (a3.unsqueeze(0), b3.unsqueeze(0))
@@ -324,53 +330,7 @@ def _weight_gradient(
     return grad_weight
 
 
-def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
-    product = _matmul(a, b)
-    product = product if alpha == 1 else product * alpha
-    return product + (bias if beta == 1 else bias * beta)
-
-
-def _refuse(name: str):  # noqa: ANN202
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        raise PortableOpError(f"determinism.cpu: portable has no CPU-independent aten::{name}; use native")
-
-    return kernel
-
-
-_ROUTES = {
-    "mm": _matmul,
-    "bmm": _matmul,
-    "addmm": _addmm,
-    "convolution": convolution,
-    "convolution_backward": convolution_backward,
-    **{name: _refuse(name) for name in _REFUSED},
-}
-_library: torch.library.Library | None = None
-
-
-def install() -> None:
-    """Route the ops to the kernels above, for every CPU tensor of this process, until `uninstall`."""
-    global _library
-    if _library is not None:
-        return
-    library = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # "overriding a previously registered kernel": that is the point
-        warnings.simplefilter("ignore", UserWarning)
-        for name, kernel in _ROUTES.items():
-            library.impl(name, kernel, "CPU")
-    _library = library
-
-
-def uninstall() -> None:
-    """torch's own CPU kernels again (native mode)."""
-    global _library
+def clear() -> None:
+    """Drop the columns kept for backward and the pooled temporaries (the kernels are being uninstalled)."""
     _kept.clear()
     _pool.clear()
-    if _library is not None:
-        _library._destroy()
-        _library = None
-
-
-def installed() -> bool:
-    """Whether this process computes with the portable kernels."""
-    return _library is not None

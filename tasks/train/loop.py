@@ -26,11 +26,11 @@ from torch.utils.data.distributed import DistributedSampler
 from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed, load_split
-from tasks.determinism.kernels import installed as portable_installed
+from tasks.determinism.dispatch import installed as portable_installed
 from tasks.determinism.pinning import loader_kwargs
 from tasks.train.checkpoints import cpu_state
 from tasks.train.devices import Distributed, resolve_device
-from tasks.train.models import build_model, head_name, predict, to_float, uses_attention
+from tasks.train.models import build_model, head_name, predict, refuse_unportable, to_float
 
 # How often a GPU run reads back whether a loss was non-finite: each read makes the host wait for the
 # queued kernels, so it is amortised over steps (a diverged run wastes at most this many). On the CPU
@@ -278,12 +278,8 @@ def build_training(
         )
     if model is None:
         model = build_model(cfg.model, len(split.classes), split.mean, split.std, list(split.images.shape[2:]))
-    if device.type == "cpu" and portable_installed() and uses_attention(model):
-        raise ExpectedFailure(
-            f"train.model: {cfg.model} computes attention with torch's fused CPU kernel, which "
-            "determinism.cpu: portable refuses (its bytes depend on the CPU); set determinism.cpu: native "
-            "(this CPU's own kernels), or train on a CUDA device"
-        )
+    if device.type == "cpu" and portable_installed():
+        refuse_unportable(model)  # before the first step, naming the op (attention, a matrix-vector product ...)
     model = model.to(device)
     optimizer = _optimizer(cfg, model)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tasks.core.errors import ExpectedFailure
+from tasks.determinism import escapes
 
 # Shorter image side (px) below which the ImageNet stem (a stride-2, often 7x7, conv and a max-pool:
 # 4x less resolution before the first block) would leave a 28 px image a few pixels wide.
@@ -223,11 +224,22 @@ class Classifier(nn.Module):
     exported model needs nothing else to be used.
     """
 
-    def __init__(self, net: nn.Module, mean: Sequence[float], std: Sequence[float]) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        mean: Sequence[float],
+        std: Sequence[float],
+        *,
+        arch: str | None = None,
+        image_size: Sequence[int] | None = None,
+    ) -> None:
         super().__init__()
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
         self.net = net
+        # What it was built as (`build_model`): the portable probe's input is made from them.
+        self.arch = arch
+        self.image_size = tuple(image_size) if image_size is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         return self.net((x - self.mean) / self.std)
@@ -252,12 +264,22 @@ def build_model(
         net = _torchvision_net(name, in_channels, num_classes, image_size)
         if image_size is not None:
             _check_input(net, name, (in_channels, *image_size), num_classes)
-    return Classifier(net, mean, std)
+    return Classifier(net, mean, std, arch=name, image_size=image_size)
 
 
-def uses_attention(model: nn.Module) -> bool:
-    """Whether `model` computes torch's fused attention, which determinism.cpu: portable refuses on the CPU."""
-    return any(isinstance(module, nn.MultiheadAttention) for module in model.modules())
+def refuse_unportable(model: nn.Module) -> None:
+    """Refuse a model determinism.cpu: portable cannot train on the CPU before its first step, naming it and
+    the op (PortableOpError: one line, exit 3); called where CPU training in portable mode is set up.
+
+    A torchvision model `build_model` made is probed through one training step on fake tensors
+    (tasks/determinism/escapes.py: no arithmetic, a fraction of a second). Ours are not: their ops are
+    fixed, and tests/determinism/test_portable_escapes.py trains them. A model from elsewhere (a pt2e
+    graph being fine-tuned) has no recorded input size: the kernels refuse what it reaches as it runs.
+    """
+    arch, size = getattr(model, "arch", None), getattr(model, "image_size", None)
+    if arch is None or arch in OWN_MODELS or size is None:
+        return
+    escapes.refuse_unportable(model, arch, (model.mean.shape[1], *size))
 
 
 def to_float(images: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -4,7 +4,10 @@ The cross-machine check: a small fixed training in portable mode must give the s
 tests/determinism/golden/portable_training.json on every machine CI gets (Intel and AMD, AVX2 and AVX-512 have
 all been seen). On one machine, the three variables that changed native weights (ATen's capability,
 oneDNN's ISA, MKL's branch) are set in every combination: portable bytes must not move, native ones
-do. Record a new hash (after checking the change is meant) with:
+do; nor may they move with MKL and oneDNN left to pick their own kernels, since portable computes with
+neither. The same holds for a bf16 training (train.amp: bf16, the one other precision the CPU trains
+in: fp16 needs CUDA), whose hash is recorded beside. Record a new hash (after checking the change is
+meant) with:
 
     LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/determinism/test_cpu_mode.py
 """
@@ -25,13 +28,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.determinism import cpu_mode, kernels
+from tasks.determinism import cpu_mode, dispatch, kernels
 from tasks.determinism.fingerprint import explain, fingerprint
 from tests.conftest import ROOT
 
 GOLDEN = Path(__file__).parent / "golden" / "portable_training.json"
 # The variables measured to change native weights, each unset or set to what another CPU would use.
 VARIABLES = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "AVX2"}
+# A process already pinned portable keeps what it finds (cpu_mode.pin_env): here, MKL and oneDNN free to
+# pick their kernels for this CPU, as in native mode.
+LIBRARIES_FREE = {
+    **cpu_mode.PORTABLE_ENV,
+    cpu_mode.MODE_ENV: "portable",
+    "MKL_CBWR": "AUTO",
+    "MKL_DYNAMIC": "TRUE",
+    "ONEDNN_MAX_CPU_ISA": "ALL",
+}
 TRAINING = """
 import hashlib, json, sys
 from tasks.determinism import cpu_mode
@@ -51,19 +63,33 @@ for x, y in zip(images, labels):  # conv, batch norm, pooling, dropout, linear, 
     torch.nn.functional.cross_entropy(model(x), y).backward()
     optimiser.step()
 state = b"".join(t.numpy().tobytes() for t in model.state_dict().values())
-print(json.dumps({"sha256": hashlib.sha256(state).hexdigest(), "machine": fingerprint()}))
+torch.manual_seed(0)  # the same again in bf16, as tasks/train/loop.py's autocast computes it
+model = build_model("small_cnn", 10, [0.5], [0.25])
+optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+for x, y in zip(images, labels):
+    optimiser.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimiser.step()
+bf16 = b"".join(t.numpy().tobytes() for t in model.state_dict().values())
+print(json.dumps({
+    "sha256": hashlib.sha256(state).hexdigest(),
+    "bf16_sha256": hashlib.sha256(bf16).hexdigest(),
+    "machine": fingerprint(),
+}))
 """
 
 
 @contextmanager
 def _portable_kernels(on: bool) -> Iterator[None]:
     """torch's own kernels (False) or the portable ones (True), whatever an earlier test left."""
-    was = kernels.installed()
-    kernels.install() if on else kernels.uninstall()
+    was = dispatch.installed()
+    dispatch.install() if on else dispatch.uninstall()
     try:
         yield
     finally:
-        kernels.install() if was else kernels.uninstall()
+        dispatch.install() if was else dispatch.uninstall()
 
 
 def _train(mode: str, env_vars: dict[str, str], threads: int = 2) -> dict:
@@ -85,7 +111,8 @@ def test_portable_weights_do_not_follow_the_thread_count() -> None:
     """The products are cut by shape, not by thread (tasks/determinism/blas.py): a machine with more or fewer
     cores trains the same bytes."""
     with ThreadPoolExecutor(2) as pool:
-        made = list(pool.map(lambda threads: _train("portable", {}, threads)["sha256"], (1, 2, 3)))
+        made = list(pool.map(lambda threads: _train("portable", {}, threads), (1, 2, 3)))
+    made = [(run["sha256"], run["bf16_sha256"]) for run in made]
     assert made == [made[1]] * 3, made
 
 
@@ -94,22 +121,25 @@ def test_portable_weights_match_the_committed_hash_under_every_cpu_variable() ->
     combos = [
         {name: value for name, value, on in zip(VARIABLES, VARIABLES.values(), flags, strict=True) if on}
         for flags in itertools.product((False, True), repeat=len(VARIABLES))
-    ]
+    ] + [LIBRARIES_FREE]
     with ThreadPoolExecutor(2) as pool:
         portable = list(pool.map(lambda combo: _train("portable", combo), combos))
         native = list(pool.map(lambda combo: _train("native", combo), [{}, {"ATEN_CPU_CAPABILITY": "default"}]))
     made = portable[0]
     if os.environ.get("LOCKSTEP_RECORD_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps({"sha256": made["sha256"], "recorded_on": made["machine"]}, indent=2) + "\n")
-    assert [p["sha256"] for p in portable] == [made["sha256"]] * len(combos), "portable bytes moved with the variables"
-    assert native[0]["sha256"] != native[1]["sha256"], "the variables no longer change native bytes: test is vacuous"
+        record = {"sha256": made["sha256"], "bf16_sha256": made["bf16_sha256"], "recorded_on": made["machine"]}
+        GOLDEN.write_text(json.dumps(record, indent=2) + "\n")
+    for key in ("sha256", "bf16_sha256"):
+        assert [p[key] for p in portable] == [made[key]] * len(combos), f"portable {key} moved with the variables"
+        assert native[0][key] != native[1][key], f"the variables no longer change native {key}: test is vacuous"
     recorded = json.loads(GOLDEN.read_text())
     differences, _ = explain(recorded["recorded_on"], made["machine"])
-    assert made["sha256"] == recorded["sha256"], (
-        f"portable training gave other bytes on this machine ({made['machine']['hw.cpu.model']}) than on the one "
-        f"it was recorded on ({recorded['recorded_on']['hw.cpu.model']}); byte-relevant differences: "
-        f"{differences or 'none (a portability bug)'}"
-    )
+    for key in ("sha256", "bf16_sha256"):
+        assert made[key] == recorded[key], (
+            f"portable training gave other bytes ({key}) on this machine ({made['machine']['hw.cpu.model']}) than "
+            f"on the one it was recorded on ({recorded['recorded_on']['hw.cpu.model']}); byte-relevant "
+            f"differences: {differences or 'none (a portability bug)'}"
+        )
 
 
 @pytest.mark.parametrize(

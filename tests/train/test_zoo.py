@@ -27,7 +27,7 @@ from tasks.data.fetch import DownloadError
 from tasks.data.formats import RawDataset, write_raw
 from tasks.data.preprocess import Preprocessed, load_split, preprocess
 from tasks.data.stats import compute_stats
-from tasks.determinism import kernels
+from tasks.determinism import dispatch
 from tasks.determinism.pinning import pin_everything
 from tasks.train.checkpoints import load_checkpoint
 from tasks.train.loop import build_training
@@ -105,12 +105,12 @@ def test_vit_runs_natively_and_is_refused_in_portable_mode_with_the_way_out() ->
     with pytest.raises(ExpectedFailure, match=r"train.model: vit_b_16 .* set determinism.cpu: native"):
         build_training(cfg, 0, _split(4, 3, 32), CPU)
     model = build_model("vit_b_16", 5, [0.5] * 3, [0.25] * 3, [32, 32])
-    kernels.uninstall()  # this CPU's own kernels, as determinism.cpu: native computes
+    dispatch.uninstall()  # this CPU's own kernels, as determinism.cpu: native computes
     try:
         logits = model(torch.rand(2, 3, 32, 32))
         logits.sum().backward()
     finally:
-        kernels.install()
+        dispatch.install()
     assert logits.shape == (2, 5) and model.net.heads.head.weight.grad is not None
 
 
