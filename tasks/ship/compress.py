@@ -1,6 +1,7 @@
 """Stage 6 — compress: smaller models from the best checkpoint, each one measured the same way.
 
-Variants (`compress.variants`), all written as ONNX to `artifacts/compress/models/<name>.onnx`
+Variants (`compress.variants`: by default only those `export.candidates` may ship; `all` for the
+full table), all written as ONNX to `artifacts/compress/models/<name>.onnx`
 beside the fp32 reference `fp32.onnx`:
 
 | variant | how |
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config.ship import CompressConfig
+from tasks.core.config.ship import VARIANTS, CompressConfig
 from tasks.core.config.train import TrainConfig
 from tasks.data.preprocess import load_split
 from tasks.ship import prune, quantize
@@ -74,6 +75,8 @@ def compress(
 
     `out_dir` is replaced in one step at the end: a failure leaves the previous one as it was.
     """
+    if isinstance(cfg.variants, str):  # "auto" is resolved against export.candidates by Params
+        raise ValueError("compress.variants: auto needs export.candidates: pass params.compress, or for_candidates()")
     train, test = load_split(pre_dir, "train"), load_split(pre_dir, "test")
     model, _ = load_checkpoint(checkpoint, test)
     model.eval()
@@ -184,7 +187,11 @@ def _write_reports(result: CompressResult, out_dir: Path) -> None:
     writer.writeheader()
     writer.writerows(rows)
     (out_dir / "compression.csv").write_text(buffer.getvalue())
-    header = f"Measured with ONNX Runtime on CPU, {result.threads} thread(s); latency: median per run.\n\n"
+    header = f"Measured with ONNX Runtime on CPU, {result.threads} thread(s); latency: median per run.\n"
+    left_out = [name for name in VARIANTS if name not in {r.variant for r in result.rows}]
+    if left_out:  # the default builds only what may ship: say what one switch adds to this table
+        header += f"Not built: {', '.join(left_out)} (`compress.variants: all` builds every variant).\n"
+    header += "\n"
     (out_dir / "compression.md").write_text(header + markdown_table(result.rows))
     metrics = {r["variant"]: {k: v for k, v in r.items() if k != "variant"} for r in rows}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

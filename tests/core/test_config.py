@@ -9,6 +9,7 @@ import yaml
 
 from tasks.core.config.base import ConfigError
 from tasks.core.config.params import STAGE_PARAMS, Params
+from tasks.core.config.ship import VARIANTS, CompressConfig
 from tasks.core.config.yaml_io import load_params
 from tests.conftest import ROOT, run, write_params
 
@@ -46,6 +47,8 @@ def test_repository_params_are_valid_and_complete() -> None:
         ({"data": {"mirror": "ftp://old.host/"}}, "data.mirror", "should match pattern"),
         ({"compress": {"variants": ["pruned_l1", "pruned_l1"]}}, "compress.variants", "lists a variant twice"),
         ({"compress": {"variants": ["fp16"]}}, "compress.variants.0", "'dynamic_int8', 'static_int8'"),
+        ({"compress": {"variants": "everything"}}, "compress.variants", "'auto' or 'all' (got everything)"),
+        ({"compress": {"variants": None}}, "compress.variants", "'auto' or 'all' (got None)"),
         ({"compress": {"latency_runs": 5}}, "compress.latency_runs", "greater than or equal to 20"),
         ({"compress": {"prune_amount": 1.0}}, "compress.prune_amount", "less than 1"),
         (
@@ -72,6 +75,62 @@ def test_bad_values_are_rejected_naming_the_key(tmp_path: Path, override, key: s
     message = str(caught.value)
     assert f"{path}: {key}: " in message
     assert fragment in message
+
+
+def test_a_list_of_variants_fails_on_the_item_alone(tmp_path: Path) -> None:
+    # a list is what the key was given, so "should be 'auto' or 'all'" would only mislead
+    path = write_params(tmp_path / "params.yaml", {"compress": {"variants": ["static_int8", "fp16"]}})
+    with pytest.raises(ConfigError) as caught:
+        load_params(path)
+    assert str(caught.value) == (
+        f"{path}: compress.variants.1: Input should be 'dynamic_int8', 'static_int8', 'qat_int8', 'pruned_l1' "
+        "or 'pruned_ln' (got fp16)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("variants", "candidates", "built"),
+    [
+        ("auto", ["static_int8", "fp32"], ("static_int8",)),  # the defaults: one variant, not five
+        ("auto", ["qat_int8", "static_int8", "fp32"], ("qat_int8", "static_int8")),
+        ("auto", ["fp32"], ()),  # fp32 is the reference, always built
+        ("all", ["static_int8", "fp32"], VARIANTS),
+        (["pruned_ln", "static_int8"], ["static_int8", "fp32"], ("pruned_ln", "static_int8")),
+    ],
+)
+def test_compress_variants_resolve_once(tmp_path: Path, variants, candidates: list[str], built: tuple) -> None:
+    override = {"compress": {"variants": variants}, "export": {"candidates": candidates}}
+    params = load_params(write_params(tmp_path / "params.yaml", override))
+    assert params.compress.variants == built
+    logged = params.sections("compress")  # the compress stage's MLflow params (and DVC's, by name)
+    assert logged["compress.variants"] == built and logged["export.candidates"] == tuple(candidates)
+    # the model card's params, and a run rebuilt from them (tasks/tools/reproduce), hold the list
+    assert Params.model_validate(params.model_dump(mode="json")).compress.variants == built
+
+
+def test_repository_default_builds_only_what_can_ship() -> None:
+    assert yaml.safe_load((ROOT / "params.yaml").read_text())["compress"]["variants"] == "auto"
+    params = load_params(ROOT / "params.yaml")
+    assert params.compress.variants == tuple(c for c in params.export.candidates if c != "fp32")
+
+
+def test_compress_config_alone_resolves_all_but_not_auto() -> None:
+    assert CompressConfig(variants="all").variants == VARIANTS
+    assert CompressConfig().variants == "auto"  # Params resolves it: it needs export.candidates
+    assert CompressConfig().for_candidates(("pruned_l1", "fp32")).variants == ("pruned_l1",)
+    assert CompressConfig(variants=("qat_int8",)).for_candidates(("static_int8", "fp32")).variants == ("qat_int8",)
+
+
+def test_a_candidate_not_built_is_one_line_naming_the_keys(tmp_path: Path) -> None:
+    override = {"compress": {"variants": ["pruned_l1"]}, "export": {"candidates": ["static_int8", "fp32"]}}
+    with pytest.raises(ConfigError) as caught:
+        load_params(write_params(tmp_path / "params.yaml", override))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.endswith(
+        "export.candidates: 'static_int8' is not built: add it to compress.variants (now ['pruned_l1']), "
+        "set that to auto, or drop it from export.candidates"
+    )
 
 
 def test_malformed_yaml_and_missing_file(tmp_path: Path) -> None:

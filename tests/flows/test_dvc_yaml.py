@@ -3,10 +3,15 @@ imports, so that a change to either re-runs the stage and nothing else does."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
 import yaml
 
 from tasks.core import layout
 from tasks.core.config.params import STAGE_PARAMS, STAGES
+from tests.conftest import write_params
 from tests.support.code_graph import PACKAGES, ROOT, closure, module_path
 
 
@@ -74,3 +79,28 @@ def test_each_stage_lists_exactly_the_code_it_imports() -> None:
         )
         for module, source in NATIVE_SOURCES.items():
             assert (module in imported) == (source in stage["deps"]), f"{name}: {source} goes with {module}"
+
+
+def test_compress_reruns_when_the_candidates_it_builds_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compress.variants: auto` builds what export.candidates names: real DVC must see that change
+    as compress's (dvc.yaml's params, a stub command; in-process, about a second)."""
+    from dvc.repo import Repo
+
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    monkeypatch.chdir(tmp_path)
+    Repo.init(str(tmp_path), no_scm=True)
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert params["compress"]["variants"] == "auto"
+    stage = {"cmd": "echo built > built.txt", "params": _stages()["compress"]["params"], "outs": ["built.txt"]}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"compress": stage}}))
+
+    def stale_params(**changes: Any) -> list[str]:
+        write_params(tmp_path / "params.yaml", changes)
+        status = Repo(str(tmp_path)).status(["compress"])
+        return sorted(key for entry in status.get("compress", []) for key in entry["changed deps"]["params.yaml"])
+
+    write_params(tmp_path / "params.yaml", {})
+    Repo(str(tmp_path)).reproduce("compress")
+    assert stale_params() == []
+    assert stale_params(export={"max_accuracy_drop": 0.02}) == []  # export's own gates: not compress's
+    assert stale_params(export={"candidates": ["qat_int8", "static_int8", "fp32"]}) == ["export.candidates"]

@@ -68,7 +68,9 @@ def test_compress_measures_every_variant_and_export_ships_what_was_measured(dvc_
     # the CSV and Markdown tables hold the same rows
     csv_rows = (compress_dir / "compression.csv").read_text().splitlines()
     assert csv_rows[0].startswith("variant,accuracy,") and [r.split(",")[0] for r in csv_rows[1:]] == list(table)
-    assert all(f"| {name} |" in (compress_dir / "compression.md").read_text() for name in table)
+    markdown = (compress_dir / "compression.md").read_text()
+    assert all(f"| {name} |" in markdown for name in table)
+    assert "Not built: dynamic_int8, qat_int8, pruned_ln (`compress.variants: all`" in markdown
 
     # fused conv-bn-relu: no BatchNormalization anywhere; static int8 is QDQ with ReLU absorbed
     assert "BatchNormalization" not in _ops(compress_dir / "models/fp32.onnx")
@@ -98,6 +100,9 @@ def test_model_card_and_registry(dvc_repo: dict[str, Any]) -> None:
     data_md5 = yaml.safe_load((repo / "data.dvc").read_text())["outs"][0]["md5"]
     assert data_md5 in card and '"seed": 42' in card and '"lr": 0.05' in card
     assert "| static_int8 |" in card and "| pruned_l1 |" in card  # the compression table
+    assert "Not built: dynamic_int8, qat_int8, pruned_ln" in card  # what `compress.variants: all` would add
+    (compress_run,) = _stage_runs(repo, "compress")
+    assert compress_run.data.params["compress.variants"] == str(("static_int8", "pruned_l1"))  # what was built
     for name in ("model.onnx", "model_fp32.onnx", "torch/model.pt2"):
         assert f"`{name}`: `{sha256(export_dir / name)}`" in card
 

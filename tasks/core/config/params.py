@@ -39,12 +39,18 @@ class Params(Section):
         return self.model_copy(update={"train": self.train.for_source(self.data.source)})
 
     @model_validator(mode="after")
+    def _variants_for_the_candidates(self) -> Params:
+        # Resolved here, once, before the check below: the compress stage, its MLflow params and the
+        # model card see the list it builds, never "auto".
+        return self.model_copy(update={"compress": self.compress.for_candidates(self.export.candidates)})
+
+    @model_validator(mode="after")
     def _candidates_are_built(self) -> Params:
         for variant in self.export.candidates:
             if variant != "fp32" and variant not in self.compress.variants:
                 raise ValueError(
                     f"export.candidates: {variant!r} is not built: add it to compress.variants "
-                    f"(now {list(self.compress.variants)}) or drop it from export.candidates"
+                    f"(now {list(self.compress.variants)}), set that to auto, or drop it from export.candidates"
                 )
         return self
 
@@ -92,8 +98,9 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     # data.source: what `auto` resolves to; sweep.applied: the sweep trial whose params these are (lineage)
     "train": ("seed", "determinism", "train", "data.source", "sweep.applied"),
     "evaluate": ("seed", "determinism", "evaluate"),
-    # fine-tuning (pruning, QAT) continues with the train stage's optimiser and augmentation
-    "compress": ("seed", "determinism", "train", "data.source", "compress"),
+    # fine-tuning (pruning, QAT) continues with the train stage's optimiser and augmentation;
+    # export.candidates: what `compress.variants: auto` builds
+    "compress": ("seed", "determinism", "train", "data.source", "compress", "export.candidates"),
     "export": ("seed", "determinism", "export"),
 }
 STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -14,14 +15,16 @@ from tasks.core.config.base import (
 )
 
 Variant = Literal["dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln"]
+VARIANTS: tuple[Variant, ...] = get_args(Variant)  # what `compress.variants: all` builds, in this order
 
 
 class CompressConfig(Section):
     """Which smaller models the compress stage builds from the best checkpoint, and how it measures them."""
 
-    variants: tuple[Variant, ...] = Field(
-        ("dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln"), strict=False
-    )
+    # auto: the variants export.candidates may ship, resolved by Params (`for_candidates`): the others
+    # fine-tune for epochs only to fill the comparison table. all: every variant (VARIANTS), that table.
+    # A CompressConfig made alone keeps `auto` until `for_candidates`; `all` becomes the list here.
+    variants: Annotated[tuple[Variant, ...], Field(strict=False)] | Literal["auto", "all"] = "auto"
     calibration_size: int = Field(512, ge=1, le=1_000_000)  # static int8: seeded subset of the training split
     qat_epochs: int = Field(2, ge=1, le=MAX_EPOCHS)  # quantization-aware fine-tuning epochs (qat_int8)
     qat_lr: float = Field(0.001, gt=0, le=MAX_LR)
@@ -35,10 +38,18 @@ class CompressConfig(Section):
 
     @field_validator("variants")
     @classmethod
-    def _unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if len(set(value)) != len(value):
+    def _all_or_unique(cls, value: tuple[Variant, ...] | str) -> tuple[Variant, ...] | str:
+        if value == "all":
+            return VARIANTS
+        if isinstance(value, tuple) and len(set(value)) != len(value):
             raise ValueError(f"lists a variant twice: {list(value)}")
         return value
+
+    def for_candidates(self, candidates: Sequence[str]) -> CompressConfig:
+        """This config with `auto` variants replaced by `candidates` less fp32 (always built, as the reference)."""
+        if self.variants != "auto":
+            return self
+        return self.model_copy(update={"variants": tuple(name for name in candidates if name != "fp32")})
 
 
 ExportFormat = Literal["onnx", "pt2", "torchscript"]

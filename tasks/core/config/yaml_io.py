@@ -16,20 +16,30 @@ PARAMS_FILE = "params.yaml"
 MAX_PARAMS_BYTES = 1 << 20
 
 # The tags pydantic puts in an error's location for the branch of a union that failed
-# (`epochs: int | "auto"` fails as train.epochs.constrained-int and train.epochs.literal['auto']).
-_UNION_BRANCH = re.compile(r"^(constrained-\w+|literal\[.*\]|int|bool|str|float)$")
+# (`epochs: int | "auto"` fails as train.epochs.constrained-int and train.epochs.literal['auto'];
+# `variants: [names] | "auto"` as compress.variants.tuple[literal[...],...].0 and ...literal['auto','all']).
+_UNION_BRANCH = re.compile(r"^(constrained-\w+|literal\[.*\]|tuple\[.*\]|int|bool|str|float)$")
 
 
 def _merge_union_branches(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One error per key: a union's failed branches become one message ("... or 'auto'")."""
+    """One error per key: a union's failed branches become one message ("... or 'auto'"). Where one
+    branch failed inside the value (a list's item: compress.variants.0), that is the one the value
+    was meant for: the other branches' errors on the whole value are left out."""
     merged: dict[tuple, dict[str, Any]] = {}
+    from_branch: set[tuple] = set()
     for error in errors:
         loc = tuple(part for part in error["loc"] if not (isinstance(part, str) and _UNION_BRANCH.match(part)))
+        if loc != tuple(error["loc"]):
+            from_branch.add(loc)
         if loc in merged and loc != tuple(error["loc"]):
             merged[loc]["msg"] += " or " + error["msg"].removeprefix("Input should be ")
         else:
             merged.setdefault(loc, {**error, "loc": loc})
-    return list(merged.values())
+
+    def inside(loc: tuple) -> bool:
+        return any(len(other) > len(loc) and other[: len(loc)] == loc for other in from_branch)
+
+    return [error for loc, error in merged.items() if not (loc in from_branch and inside(loc))]
 
 
 def _format_error(error: dict[str, Any]) -> str:
