@@ -79,9 +79,16 @@ class DownloadError(ExpectedFailure):
 class Checksum:
     algorithm: str  # "md5" (what torchvision publishes) or "sha256"
     hexdigest: str
+    prefix: bool = False  # hexdigest is the digest's first characters (torchvision's weights file names)
 
     def of(self, path: Path) -> str:
         return file_digest(path, self.algorithm)
+
+    def matches(self, digest: str) -> bool:
+        return digest.startswith(self.hexdigest) if self.prefix else digest == self.hexdigest
+
+    def expected(self) -> str:
+        return f"{self.hexdigest}..." if self.prefix else self.hexdigest
 
 
 @dataclass(frozen=True)
@@ -203,7 +210,7 @@ def fetch(
     dest.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive(dest):
         if dest.exists():
-            if checksum.of(dest) == checksum.hexdigest:
+            if checksum.matches(checksum.of(dest)):
                 log.info("%s: verified copy in %s, not downloading", dest.name, dest.parent)
                 return dest
             dest.unlink()  # wrong content under the final name (edited by hand?): fetch again
@@ -428,8 +435,8 @@ def _exclusive(dest: Path) -> Iterator[None]:
 def verify(path: Path, checksum: Checksum, name: str | None = None, origin: str | None = None) -> None:
     """Raise DownloadError unless `path` has `checksum`; the message names the file and where it came from."""
     got = checksum.of(path)
-    if got != checksum.hexdigest:
+    if not checksum.matches(got):
         raise DownloadError(
-            f"checksum mismatch for {name or Path(path).name}: expected {checksum.hexdigest}, "
+            f"checksum mismatch for {name or Path(path).name}: expected {checksum.expected()}, "
             f"got {got} ({checksum.algorithm}, from {origin or path})"
         )

@@ -2,7 +2,11 @@
 
 `train.pretrained_path` (a local file) or `train.pretrained_url` (downloaded with tasks/data/fetch.py:
 retries, a size limit, credentials from the environment, cached by digest) must have
-`train.pretrained_sha256`. The bytes are read once, bounded by `train.pretrained_max_bytes`, hashed,
+`train.pretrained_sha256`. `train.pretrained` names torchvision's published weights of `train.model`
+(IMAGENET1K_V1, DEFAULT, ...): torchvision gives their URL and the sha256 prefix in its file name, the
+same check torch.hub makes; they are fetched by the same downloader into the same cache (from
+`train.pretrained_mirror` when set), or read from `train.pretrained_path` on a machine offline.
+The bytes are read once, bounded by `train.pretrained_max_bytes`, hashed,
 and only then parsed, so what is loaded is what was verified. Two formats, neither runs code:
 safetensors, or a torch state dict that `torch.load(weights_only=True)` accepts (a pickle of other
 objects is refused, never unpickled).
@@ -20,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +35,7 @@ from safetensors.torch import load as load_safetensors
 from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import redact
-from tasks.data.fetch import Auth, Checksum, Retry, fetch
+from tasks.data.fetch import NO_AUTH, Auth, Checksum, Retry, fetch
 from tasks.train.models import Classifier, head_name, stem_name
 
 SHOWN = 5  # keys named in an error, of each kind
@@ -62,24 +67,67 @@ def load_pretrained(cfg: TrainConfig, model: Classifier, cache: Path) -> Pretrai
     A URL is downloaded into `cache` (once: a verified copy is reused). Raises PretrainedError (or
     tasks.data.fetch.DownloadError) before changing `model` when the file is not the one configured.
     """
-    if cfg.pretrained_path is None and cfg.pretrained_url is None:
-        return None
-    assert cfg.pretrained_sha256 is not None  # TrainConfig insists
-    if cfg.pretrained_url is not None:
-        source = redact(cfg.pretrained_url)
-        dest = Path(cache) / "weights" / cfg.pretrained_sha256
-        checksum = Checksum("sha256", cfg.pretrained_sha256)
+    if cfg.pretrained is not None:
+        path, source, expected = _published_file(cfg, Path(cache))
+    elif cfg.pretrained_url is not None:
+        assert cfg.pretrained_sha256 is not None  # TrainConfig insists
+        source, expected = redact(cfg.pretrained_url), Checksum("sha256", cfg.pretrained_sha256)
         auth = Auth.from_environment([cfg.pretrained_url])
-        path = fetch([cfg.pretrained_url], dest, checksum, Retry(), cfg.pretrained_max_bytes, auth)
+        dest = Path(cache) / "weights" / cfg.pretrained_sha256
+        path = fetch([cfg.pretrained_url], dest, expected, Retry(), cfg.pretrained_max_bytes, auth)
+    elif cfg.pretrained_path is not None:
+        assert cfg.pretrained_sha256 is not None  # TrainConfig insists
+        source, path = redact(cfg.pretrained_path), Path(cfg.pretrained_path)
+        expected = Checksum("sha256", cfg.pretrained_sha256)
     else:
-        source, path = redact(cfg.pretrained_path or ""), Path(cfg.pretrained_path or "")
-    data = _verified_bytes(path, source, cfg.pretrained_sha256, cfg.pretrained_max_bytes)
+        return None
+    data, sha256 = _verified_bytes(path, source, expected, cfg.pretrained_max_bytes)
+    if cfg.pretrained_sha256 is not None and sha256 != cfg.pretrained_sha256:
+        raise PretrainedError(f"{source}: sha256 {sha256}, but train.pretrained_sha256 is {cfg.pretrained_sha256}")
     reinitialised = _fit(model, _tensors(data, source), source, cfg.model)
-    return Pretrained(cfg.pretrained_sha256, source, tuple(reinitialised))
+    return Pretrained(sha256, source, tuple(reinitialised))
 
 
-def _verified_bytes(path: Path, source: str, sha256: str, max_bytes: int) -> bytes:
-    """The file's bytes, read once: the digest is of exactly what is parsed next."""
+def published_weights(model: str, name: str) -> tuple[str, str]:
+    """torchvision's published weights `name` of `model`: (URL, the sha256 prefix in its file name)."""
+    from torchvision.models import get_model_weights
+
+    try:
+        weights = get_model_weights(model)
+    except (ValueError, KeyError):
+        raise PretrainedError(f"train.pretrained: train.model {model} has no torchvision weights") from None
+    try:
+        url = weights[name].url
+    except KeyError:
+        names = ", ".join(["DEFAULT", *(w.name for w in weights)])
+        raise PretrainedError(f"train.pretrained: {name} is not a weights name of {model} ({names})") from None
+    found = re.search(r"-([0-9a-f]{8,64})\.[A-Za-z0-9]+$", url)  # torch.hub's HASH_REGEX, anchored
+    if found is None:
+        raise PretrainedError(
+            f"train.pretrained: {model} {name}: {url} carries no hash to check; download it yourself and give "
+            "pretrained_path with pretrained_sha256"
+        )
+    return url, found.group(1)
+
+
+def _published_file(cfg: TrainConfig, cache: Path) -> tuple[Path, str, Checksum]:
+    """(path, source, checksum) of `cfg.pretrained`: the file given, or fetched into the cache."""
+    assert cfg.pretrained is not None
+    url, prefix = published_weights(cfg.model, cfg.pretrained)
+    name = url.rsplit("/", 1)[-1]
+    checksum = Checksum("sha256", prefix, prefix=True)
+    if cfg.pretrained_path is not None:  # an offline machine, given the published file
+        return Path(cfg.pretrained_path), f"{redact(cfg.pretrained_path)} ({cfg.model} {cfg.pretrained})", checksum
+    mirror = cfg.pretrained_mirror
+    urls = [f"{mirror.rstrip('/')}/{name}"] if mirror else [url]
+    # credentials go to a mirror the user named, never to torchvision's host
+    auth = Auth.from_environment([mirror]) if mirror else NO_AUTH
+    path = fetch(urls, cache / "weights" / name, checksum, Retry(), cfg.pretrained_max_bytes, auth)
+    return path, f"{redact(urls[0])} ({cfg.model} {cfg.pretrained})", checksum
+
+
+def _verified_bytes(path: Path, source: str, expected: Checksum, max_bytes: int) -> tuple[bytes, str]:
+    """The file's bytes, read once, and their sha256: the digest is of exactly what is parsed next."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(max_bytes + 1)
@@ -88,11 +136,14 @@ def _verified_bytes(path: Path, source: str, sha256: str, max_bytes: int) -> byt
     if len(data) > max_bytes:
         raise PretrainedError(f"{source}: more than train.pretrained_max_bytes ({max_bytes}) bytes")
     got = hashlib.sha256(data).hexdigest()
-    if got != sha256:
-        raise PretrainedError(
-            f"{source}: sha256 {got}, but train.pretrained_sha256 is {sha256}; not loaded (another or a changed file)"
+    if not expected.matches(got):
+        wanted = (
+            f"torchvision publishes {expected.expected()}"
+            if expected.prefix
+            else f"train.pretrained_sha256 is {expected.hexdigest}"
         )
-    return data
+        raise PretrainedError(f"{source}: sha256 {got}, but {wanted}; not loaded (another or a changed file)")
+    return data, got
 
 
 def _tensors(data: bytes, source: str) -> dict[str, torch.Tensor]:

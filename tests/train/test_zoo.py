@@ -296,7 +296,7 @@ def test_pretrained_options_are_validated_once() -> None:
         TrainConfig(pretrained_url="https://example.org/w.safetensors")
     with pytest.raises(ValueError, match="give one"):
         TrainConfig(pretrained_path="w", pretrained_url="https://example.org/w", pretrained_sha256="0" * 64)
-    with pytest.raises(ValueError, match="pretrained_sha256 without pretrained_path or pretrained_url"):
+    with pytest.raises(ValueError, match="pretrained_sha256 without pretrained, pretrained_path or pretrained_url"):
         TrainConfig(pretrained_sha256="0" * 64)
 
 

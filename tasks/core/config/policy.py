@@ -20,6 +20,8 @@ REMOTE_KEYS = (
     "data.sha256",
     "train.rdzv_endpoint",
     "train.nnodes",
+    "train.pretrained",
+    "train.pretrained_mirror",
     "train.pretrained_url",
     "train.pretrained_path",
     "train.pretrained_sha256",
@@ -111,5 +113,6 @@ def changed_keys(base: Mapping[str, Any], other: Mapping[str, Any], prefix: str 
 # trial's is derived from sweep.seed and its number).
 SWEEP_FORBIDDEN = frozenset(
     {"strategy", "nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts", "checkpoint_every", "num_workers"}
-    | {"device", "seed", "pretrained_path", "pretrained_url", "pretrained_sha256", "pretrained_max_bytes"}
+    | {"device", "seed", "pretrained", "pretrained_mirror", "pretrained_path", "pretrained_url", "pretrained_sha256"}
+    | {"pretrained_max_bytes"}
 )

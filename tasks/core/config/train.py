@@ -110,6 +110,11 @@ class TrainConfig(Section):
     sync_batchnorm: bool = False  # under ddp: BatchNorm statistics over the global batch
     # Fine-tuning (tasks/train/pretrained.py): weights from a local file or a URL, verified against their sha256
     # before a byte is parsed; safetensors, or a torch state dict that loads with weights_only=True.
+    # Or torchvision's published weights of train.model by name (IMAGENET1K_V1, DEFAULT, ...): the URL and the
+    # sha256 prefix torchvision publishes in the file name are torchvision's; fetched into the download cache
+    # (from pretrained_mirror/<file name> when set), or read from pretrained_path on an offline machine.
+    pretrained: str | None = Field(None, pattern=r"^[A-Z][A-Z0-9_]{0,63}$")
+    pretrained_mirror: Url | None = None  # credentials: env or ~/.netrc, as for data.mirror
     pretrained_path: str | None = Field(None, min_length=1, max_length=4096)
     pretrained_url: Url | None = None  # credentials: env or ~/.netrc, as for data.url
     pretrained_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
@@ -145,11 +150,19 @@ class TrainConfig(Section):
     def _pretrained_is_verified(self) -> TrainConfig:
         if self.pretrained_path is not None and self.pretrained_url is not None:
             raise ValueError("pretrained_path and pretrained_url: give one (a local file, or a URL to download)")
+        if self.pretrained is not None:
+            if self.pretrained_url is not None:
+                raise ValueError("pretrained and pretrained_url: give one (a torchvision weights name, or a URL)")
+            if self.model in OWN_MODELS:
+                raise ValueError(f"pretrained: {self.model} has no published weights (give pretrained_path)")
+            return self  # verified against torchvision's published hash (and pretrained_sha256, if given)
+        if self.pretrained_mirror is not None:
+            raise ValueError("pretrained_mirror: where the weights pretrained names are fetched from: set pretrained")
         given = self.pretrained_path is not None or self.pretrained_url is not None
         if given and self.pretrained_sha256 is None:
             raise ValueError("pretrained weights need pretrained_sha256: they are verified before they are loaded")
         if not given and self.pretrained_sha256 is not None:
-            raise ValueError("pretrained_sha256 without pretrained_path or pretrained_url")
+            raise ValueError("pretrained_sha256 without pretrained, pretrained_path or pretrained_url")
         return self
 
 
