@@ -346,7 +346,24 @@ def run_study(
         outcomes = {outcome.number: outcome for outcome in run_batch(batch)}
         for spec in batch:
             tell(study, outcomes[spec.number], cfg.metric)
+            log.info("%s", progress(study, cfg, outcomes[spec.number]))
     return study
+
+
+def progress(study: Any, cfg: SweepConfig, outcome: TrialOutcome) -> str:
+    """One line for a person watching: which trial ended and how, how far the study is, the best so far."""
+    from optuna.trial import TrialState
+
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    done = sum(state.is_finished() for state in states)
+    value = f" {cfg.metric} {outcome.value:.4f}" if outcome.value is not None else ""
+    best = best_trial(study)
+    leader = f"trial {best.number}, {cfg.metric} {best.value:.4f}" if best is not None else "none yet"
+    pruned, failed = states.count(TrialState.PRUNED), states.count(TrialState.FAIL)
+    return (
+        f"sweep {cfg.name}: trial {outcome.number} {outcome.state}{value} ({done} of {cfg.trials} done, "
+        f"{pruned} pruned, {failed} failed); best so far: {leader}"
+    )
 
 
 # --------------------------------------------------------------------------- inside a trial

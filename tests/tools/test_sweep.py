@@ -96,6 +96,21 @@ def test_results_do_not_depend_on_the_order_trials_finish_in(tmp_path: Path) -> 
     assert rows[0]["seed"] == search.derived_seed(0, 0, "train")
 
 
+def test_each_trial_told_is_a_line_with_the_study_s_progress_and_the_best_so_far(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    params = _params(tmp_path)
+    with caplog.at_level("INFO", logger=search.__name__):
+        rows = _run(params, tmp_path / "study", Trainer(params.sweep))
+    lines = [r.getMessage() for r in caplog.records if "best so far" in r.getMessage()]
+    assert len(lines) == 12 and lines[0].startswith("sweep lockstep: trial 0 complete val_accuracy ")
+    assert "(1 of 12 done, 0 pruned, 0 failed); best so far: trial 0, val_accuracy" in lines[0]
+    pruned = sum(row["state"] == "pruned" for row in rows)
+    best = max((r for r in rows if r["state"] == "complete"), key=lambda r: (r["value"], -r["trial"]))
+    leader = f"trial {best['trial']}, val_accuracy {best['value']:.4f}"
+    assert lines[-1].endswith(f"(12 of 12 done, {pruned} pruned, 0 failed); best so far: {leader}")
+
+
 def test_another_sweep_seed_gives_other_trials(tmp_path: Path) -> None:
     one = _run(_params(tmp_path), tmp_path / "a", Trainer(_params(tmp_path).sweep))
     other_params = _params(tmp_path, seed=1)
