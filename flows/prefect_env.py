@@ -13,6 +13,7 @@ server's own origin. `make schedule`'s string is made once and kept in PREFECT_H
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -51,8 +52,10 @@ def configure() -> None:
     # Prefect's state (its sqlite database) inside the project, like MLflow's and DVC's
     os.environ.setdefault("PREFECT_HOME", str(ROOT / ".prefect"))
     # the stages' own log lines (download retries, epochs, gates, lock waits) in Prefect's run logs;
-    # inherited by the processes that serve and run deployments
+    # inherited by the processes that serve and run deployments. At INFO: Prefect leaves an extra
+    # logger's level to the root's (WARNING), which would keep the epoch lines out.
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")
+    logging.getLogger("tasks").setLevel(logging.INFO)
 
 
 # Comma-separated keys beyond the API allow-list (tasks/core/config/policy.py API_OVERRIDABLE; remote keys

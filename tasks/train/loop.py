@@ -11,7 +11,7 @@ per-sample Python work, no PIL.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +194,7 @@ class Training:
     ranks: Distributed
     frozen: bool = False  # the backbone is held this epoch (train.freeze_backbone_epochs)
     progress: Progress = field(default_factory=Progress)
+    on_batch: Callable[[], None] | None = None  # after each training step (a progress bar)
 
     def distribute(self) -> None:
         """Wrap the model for DDP when there are several ranks (after a resume has restored it)."""
@@ -331,6 +332,8 @@ def _run_epoch(t: Training, batches: Iterable, epoch: int) -> tuple[float, float
         loss_sum += loss.detach().double() * len(y)
         correct += (logits.argmax(1) == y).sum()
         seen += len(y)
+        if t.on_batch is not None:
+            t.on_batch()
     if step % check_every:
         _stop_if_diverged(bad_step, bad_loss, epoch, t.ranks)
     total_loss, total_correct, seen = t.ranks.all_reduce([loss_sum.item(), float(correct.item()), seen])

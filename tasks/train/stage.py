@@ -16,6 +16,8 @@ verified and fitted to the model before the first epoch, are tasks/train/pretrai
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ from tasks.train.loop import Training, build_training
 from tasks.train.pretrained import Pretrained, load_pretrained
 
 OnEpoch = Callable[[dict[str, float]], None]  # called with each epoch's history row, in order
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,13 +89,16 @@ def train(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     epochs = range(progress.epoch + 1, cfg.epochs + 1)
-    bar = tqdm(epochs, desc="train", unit="epoch", dynamic_ncols=True, disable=ranks.rank != 0)
-    for epoch in bar:
-        row = training.epoch(epoch, val_split)  # recorded in training.progress
-        on_epoch(row)
-        bar.set_postfix(loss=f"{row['train_loss']:.3f}", val_acc=f"{row['val_accuracy']:.4f}")
-        if resume_path is not None and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs):
-            resume.save(resume_path, training, signature)
+    with _batch_bar(training, len(epochs)) as bar:
+        for epoch in epochs:
+            started = time.monotonic()
+            row = training.epoch(epoch, val_split)  # recorded in training.progress
+            on_epoch(row)
+            bar.set_postfix(epoch=f"{epoch}/{cfg.epochs}", val_acc=f"{row['val_accuracy']:.4f}")
+            if ranks.rank == 0:
+                _log_epoch(row, cfg.epochs, time.monotonic() - started)
+            if resume_path is not None and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs):
+                resume.save(resume_path, training, signature)
 
     if progress.best_state is None:  # validation never scored (an empty split): the last weights are the best known
         progress.best_state, progress.best_epoch = cpu_state(training.model), cfg.epochs
@@ -105,6 +111,27 @@ def train(
     if ranks.world_size > 1:
         dist.barrier()  # no rank leaves (and no launcher reports success) before the files exist
     return result
+
+
+def _batch_bar(training: Training, epochs: int) -> tqdm:
+    """A bar over every training step left, with its rate and time to go, on rank 0's terminal (tqdm
+    stays quiet when stderr is not one: a log file gets the epoch lines instead)."""
+    per_epoch = len(training.loader)
+    if training.cfg.max_batches is not None:
+        per_epoch = min(per_epoch, training.cfg.max_batches)
+    quiet = None if training.ranks.rank == 0 else True
+    bar = tqdm(total=epochs * per_epoch, desc="train", unit="batch", dynamic_ncols=True, disable=quiet)
+    training.on_batch = bar.update
+    return bar
+
+
+def _log_epoch(row: dict[str, float], epochs: int, seconds: float) -> None:
+    """One line per epoch through logging: what a Prefect flow run's page shows as training goes."""
+    log.info(
+        "epoch %d/%d: train_loss %.4f, train_accuracy %.4f, val_loss %.4f, val_accuracy %.4f, lr %.4g, %.1f s",
+        row["epoch"], epochs, row["train_loss"], row["train_accuracy"], row["val_loss"], row["val_accuracy"],
+        row["lr"], seconds,
+    )  # fmt: skip
 
 
 def _result(training: Training, resumed_from: int | None, pretrained: Pretrained | None) -> TrainResult:

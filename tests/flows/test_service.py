@@ -36,7 +36,7 @@ from PIL import Image
 from tasks.core.config.params import STAGES
 from tasks.core.lock import pipeline_lock
 from tasks.tracking.dashboard import CURVES, run_page, runs_page
-from tests.conftest import ROOT, copy_project, free_port, run, service, stop_group, subprocess_env, until_healthy
+from tests.conftest import ROOT, TINY, copy_project, free_port, run, service, stop_group, subprocess_env, until_healthy
 from tests.support.chromium import devtools
 from tests.support.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
 from tests.support.webhook import WebhookReceiver
@@ -231,6 +231,8 @@ def test_deployment_run_completes_and_logs_to_the_mlflow_server(stack: Stack, fi
     # the stages' own log lines reach Prefect's run log
     messages = [entry["message"] for entry in flow_run_logs(stack, first_run.flow_run_id)]
     assert any(m.startswith("train: best_val_accuracy 0.") for m in messages), messages
+    epochs = [m.split(":")[0] for m in messages if m.startswith("epoch ")]  # the train stage's, as it trained
+    assert epochs == [f"epoch {n}/{TINY['train']['epochs']}" for n in range(1, TINY["train"]["epochs"] + 1)], messages
     print(f"prefect deployment run -> completed pipeline: {stack.timings[DEPLOYMENT]:.1f} s")
 
 
@@ -568,3 +570,8 @@ def test_the_prefect_ui_lists_the_flow_run_and_its_task_runs(stack: Stack, first
         assert all(stage in text for stage in STAGES), text[:2000]
         assert not [f for f in page.failed if f.startswith(ui)], page.failed  # every call to its API answered
         page.screenshot(SCREENSHOTS / "prefect-flow-run.png")
+        # its log, as training went: the train stage's epoch lines
+        first_epoch = f"epoch 1/{TINY['train']['epochs']}: train_loss"
+        page.open(
+            f"{ui}/runs/flow-run/{first_run.flow_run_id}?tab=Logs", f"document.body.innerText.includes({first_epoch!r})"
+        )

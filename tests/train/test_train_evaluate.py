@@ -105,6 +105,30 @@ def test_checkpoint_is_plain_safetensors_with_provenance(workdir: Path, tmp_path
     assert set(history[0]) == {"epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr"}
 
 
+def test_training_shows_a_bar_per_batch_and_a_line_per_epoch(
+    workdir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from tqdm.auto import tqdm
+
+    shown = io.StringIO()
+
+    class OnATerminal(tqdm):  # tqdm as on a terminal (it stays quiet when stderr is not one, as under pytest)
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **{**kwargs, "disable": False, "file": shown, "mininterval": 0})
+
+    monkeypatch.setattr("tasks.train.stage.tqdm", OnATerminal)
+    pin_everything(42, 1)
+    with caplog.at_level("INFO", logger="tasks.train.stage"):
+        train(TrainConfig(epochs=2, num_workers=0, max_batches=3), 42, workdir / "artifacts" / "preprocessed", tmp_path)
+    bar = shown.getvalue()
+    assert "train: 100%" in bar and "6/6 [" in bar and "batch/s" in bar and "epoch=2/2" in bar, bar[-500:]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch ")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]
+    assert all(all(f" {key} " in line for key in ("train_loss", "val_accuracy", "lr")) for line in lines), lines
+
+
 def test_resnet18_adamw_and_step_schedule(workdir: Path, tmp_path: Path) -> None:
     pin_everything(0, 2)
     cfg = TrainConfig(
