@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 LAUNCH_KEYS = frozenset(
     {"strategy", "nproc_per_node", "nnodes", "rdzv_endpoint", "max_restarts", "checkpoint_every", "num_workers"}
 )
+# Which published weights a run starts from and the mirror they came through: the file itself is
+# recorded by its digest (the metadata's `pretrained`), so a run given the same file by path writes
+# the same checkpoint, as does a run from before these keys existed.
+SOURCE_KEYS = frozenset({"pretrained", "pretrained_mirror"})
 
 
 class CheckpointError(ExpectedFailure):
@@ -38,9 +42,9 @@ class CheckpointError(ExpectedFailure):
 
 
 def result_config(cfg: TrainConfig) -> dict[str, Any]:
-    """The train config that shapes the weights (everything but LAUNCH_KEYS). Its `seed` is left out
-    too: the checkpoints record the seed actually used (train.seed or the top-level one) beside it."""
-    return cfg.model_dump(exclude={*LAUNCH_KEYS, "seed"})
+    """The train config that shapes the weights (everything but LAUNCH_KEYS and SOURCE_KEYS). Its `seed` is
+    left out too: the checkpoints record the seed actually used (train.seed or the top-level one) beside it."""
+    return cfg.model_dump(exclude={*LAUNCH_KEYS, *SOURCE_KEYS, "seed"})
 
 
 def checkpoint_metadata(
