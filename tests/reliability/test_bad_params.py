@@ -174,27 +174,25 @@ def bad_documents(draw: st.DrawFn) -> tuple[str, str | None]:
     raise AssertionError("unreachable")
 
 
-# What a stage or the flow writes in the project. Not the whole root: the other xdist worker's tests
-# write there too at any moment (hypothesis' database, screenshots in test-artifacts/).
-PROJECT_OUTPUTS = ("artifacts", "data", "data.dvc", "dvc.lock", "params.yaml", "mlflow.db", "mlartifacts", "mlruns")
-
-
-def _snapshot(folder: Path, names: tuple[str, ...] | None = None) -> dict[str, float | None]:
-    paths = folder.iterdir() if names is None else (folder / name for name in names)
-    return {str(p): p.stat().st_mtime if p.exists() else None for p in paths}
+def _snapshot(folder: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in sorted(folder.rglob("*"))}
 
 
 def _never_run(*args: Any) -> None:
     raise AssertionError("params passed validation: the pipeline would have run on the repository")
 
 
-def _run_main(entry: str, params: Path) -> tuple[int, str]:
+def _run_main(entry: str, params: Path, workdir: Path) -> tuple[int, str]:
+    """`main()` run from `workdir`, its MLflow store there too: the stages write relative to the
+    working directory and MLflow at the project root, where other xdist workers' tests write too."""
     err = io.StringIO()
     with (
         contextlib.redirect_stderr(err),
         contextlib.redirect_stdout(io.StringIO()),
         pytest.MonkeyPatch.context() as patch,
     ):
+        patch.chdir(workdir)
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'mlflow.db'}")
         # tripwires, should validation let bad params through: never run anything on the repository
         patch.setattr(flows.pipeline, "_run_with_local_api", _never_run)
         patch.setattr(tasks.stages, "run_stage", _never_run)
@@ -214,8 +212,10 @@ def test_bad_params_exit_2_with_one_line_naming_the_key(
     text, key = case
     params = tmp_path / "params.yaml"
     params.write_text(text)
-    before = {**_snapshot(tmp_path), **_snapshot(ROOT, PROJECT_OUTPUTS)}
-    code, err = _run_main(entry, params)
+    workdir = tmp_path / "project"
+    workdir.mkdir(exist_ok=True)
+    before = _snapshot(tmp_path)
+    code, err = _run_main(entry, params, workdir)
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith(f"error: {params}: "), err  # one line, naming the file
     assert "Traceback" not in err
@@ -223,7 +223,8 @@ def test_bad_params_exit_2_with_one_line_naming_the_key(
         assert re.search(r"not valid YAML at line|line \d+: YAML aliases", err), err
     else:
         assert re.search(rf"\b{re.escape(key)}\b", err), (key, err)
-    assert {**_snapshot(tmp_path), **_snapshot(ROOT, PROJECT_OUTPUTS)} == before  # nothing written
+    assert _snapshot(tmp_path) == before  # nothing written, beside params.yaml or in the project
+    assert not any(workdir.iterdir())
     assert params.read_text() == text
 
 
@@ -274,7 +275,7 @@ def test_in_range_values_of_the_right_type_are_accepted(key: str, data: st.DataO
 def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
     params = tmp_path / "params.yaml"
     params.write_text("train:\n  lr: 0.1\n  epochs: 3\n  lr: 0.2\n")
-    code, err = _run_main("tasks", params)
+    code, err = _run_main("tasks", params, tmp_path)
     assert code == 2 and err == f"error: {params}: lr: given twice (lines 2 and 4); keep one\n"
 
 
@@ -293,7 +294,7 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
 def test_unreadable_and_odd_files(tmp_path: Path, content: bytes | None, shown: str) -> None:
     params = tmp_path / "params.yaml"
     params.mkdir() if content is None else params.write_bytes(content)
-    code, err = _run_main("tasks", params)
+    code, err = _run_main("tasks", params, tmp_path)
     assert code == 2 and err.count("\n") == 1 and shown in err, err
 
 
