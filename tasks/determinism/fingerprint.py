@@ -138,11 +138,12 @@ def _gpu(torch: Any, index: int) -> dict[str, str]:
     }
 
 
-def nvidia_driver() -> str:
+def nvidia_driver(proc: Path = Path("/proc/driver/nvidia/version")) -> str:
     """The NVIDIA kernel driver's version: from /proc (no process started), else as nvidia-smi prints it;
     torch itself does not expose it."""
-    proc = Path("/proc/driver/nvidia/version")
-    found = re.search(r"Kernel Module\s+(\S+)", proc.read_text()) if proc.exists() else None
+    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06 ..." or, for the open modules,
+    # "... UNIX Open Kernel Module for x86_64  580.159.04 ...": the first version number after it
+    found = re.search(r"Kernel Module\b.*?\s(\d+(?:\.\d+)+)\s", proc.read_text()) if proc.exists() else None
     if found:
         return found.group(1)
     smi = shutil.which("nvidia-smi")

@@ -14,8 +14,9 @@ Checks, on `--device cuda` (default) or `--device cpu` (smaller sizes; what CI r
 2. determinism: the same training twice, pinned by tasks/determinism/pinning.py, weights compared by sha256,
    in fp32, bf16 autocast and fp16 with a GradScaler (CUDA only; "n/a on cpu");
 3. throughput: resnet18 on CIFAR-shaped data, images/s of the project's loop pinned vs with
-   `cudnn.benchmark` and nondeterministic kernels allowed (target: pinning costs <= 1.3x on CUDA), and
-   vs a plain hand-written loop; warm-up first, medians of timed runs, synchronised;
+   `cudnn.benchmark` and nondeterministic kernels allowed, in fp32 and bf16 autocast (target: pinning
+   costs <= 1.3x on CUDA in bf16; fp32 is reported), and vs a plain hand-written loop; warm-up first,
+   medians of timed runs, synchronised;
 4. compress and export (tasks/ship/compress.py, tasks/ship/export.py) from a checkpoint trained on the device.
 
 The data is synthetic and seeded: CIFAR-shaped uint8 images (3x32x32, 10 classes), each a class
