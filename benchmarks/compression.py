@@ -18,6 +18,7 @@ from pathlib import Path
 from benchmarks.data import params, prepared
 from benchmarks.harness import Figure, fixed_threads
 from tasks.core.config.ship import VARIANTS
+from tasks.determinism.threads import resolve
 
 
 def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
@@ -28,7 +29,7 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
     from tasks.train.stage import train
 
     p = params()
-    threads = p.determinism.num_threads
+    threads = resolve(p.determinism.num_threads)
     fixed_threads(threads)
     pre = prepared(work)
     train_cfg = p.train.model_copy(update={"epochs": 1, "max_batches": 3}) if smoke else p.train

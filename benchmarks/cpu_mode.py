@@ -18,6 +18,7 @@ from pathlib import Path
 from benchmarks.data import params, prepared
 from benchmarks.harness import ROOT, Figure, fixed_threads, median
 from tasks.determinism import cpu_mode
+from tasks.determinism.threads import resolve
 
 _EPOCHS = """
 import json, sys, time
@@ -77,7 +78,7 @@ def _timed(script: str, mode: str, *args: object) -> list[float]:
 
 def b9(work: Path, rounds: int, epochs: int = 3, steps: int = 8) -> list[Figure]:
     p = params()
-    threads = p.determinism.num_threads
+    threads = resolve(p.determinism.num_threads)
     fixed_threads(threads)
     pre = prepared(work)
     runs: dict[str, list[float]] = {"portable": [], "native": []}

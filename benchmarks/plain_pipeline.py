@@ -19,6 +19,7 @@ from pathlib import Path
 from tasks.core import layout
 from tasks.core.config.yaml_io import load_params
 from tasks.determinism.pinning import pin_everything
+from tasks.determinism.threads import resolve
 
 
 def run(params_file: Path, skip_download: bool) -> float:
@@ -49,12 +50,20 @@ def run(params_file: Path, skip_download: bool) -> float:
     pin()
     evaluate(p.evaluate, best, layout.PREPROCESSED_DIR, layout.EVALUATE_DIR)
     pin()
-    compress(p.compress, p.train, p.seed, p.determinism.num_threads, best, layout.PREPROCESSED_DIR, layout.COMPRESS_DIR)
+    compress(
+        p.compress,
+        p.train,
+        p.seed,
+        resolve(p.determinism.num_threads),
+        best,
+        layout.PREPROCESSED_DIR,
+        layout.COMPRESS_DIR,
+    )
     pin()
     card = CardContext(data_md5="n/a (plain baseline)", params=p.model_dump(mode="json"))
     result = export(
         p.export,
-        p.determinism.num_threads,
+        resolve(p.determinism.num_threads),
         best,
         layout.PREPROCESSED_DIR,
         layout.COMPRESS_DIR,

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness import ROOT, Figure
+from tasks.determinism.threads import resolve
 
 if TYPE_CHECKING:
     from tasks.core.config.params import Params
@@ -277,7 +278,7 @@ def b7(
 
     if smoke:
         scales, data_unit, epoch_unit = (1, 2), 1, 1
-    threads = str(params().determinism.num_threads)
+    threads = str(resolve(params().determinism.num_threads))
     # the children's thread pools, pinned as harness.fixed_threads would (the epoch child also calls
     # pin_everything); set in their environment only, so this process stays free of torch
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}

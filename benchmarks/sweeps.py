@@ -1,8 +1,9 @@
 """B10: a sweep's speed-up from 1 to 2 Dask workers (flows/sweep.py), on an 8-trial study.
 
 The same study (same params: the results are identical, tests/tools/test_sweep_dask.py) runs on a local
-cluster of 1 worker and of 2, one trial per worker at a time with `determinism.num_threads: 1`, so
-two workers use the machine's two cores. The figure is the trial phase (the study's batches, from the
+cluster of 1 worker and of 2, one trial per worker at a time, on the default thread count
+(`determinism.num_threads: auto`: one worker's trials take every core, two workers' half each).
+The figure is the trial phase (the study's batches, from the
 first trial asked to the last result told: `seconds` in the sweep's sweep.json), which is what more
 workers shorten; the command's start-up (Prefect server, Dask cluster, data stages skipped by DVC) is
 in the details. Trials are digits trainings long enough to dominate their batch's Prefect and Dask
@@ -32,7 +33,6 @@ def b10(work: Path, smoke: bool = False) -> list[Figure]:
         "sweep.batch": 2 if smoke else 4,
         "sweep.pruner": "none",
         "train.epochs": 1 if smoke else 8,
-        "determinism.num_threads": 1,
     }
     set_params(project / "params.yaml", settings)
     seconds, wall, busy = {}, {}, {}

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from benchmarks.data import params, prepared
 from benchmarks.harness import ROOT, Figure, alternate, fixed_threads, median, run_python
 from tasks.core.config.yaml_io import with_overrides
+from tasks.determinism.threads import resolve
 
 
 class TutorialDigits(Dataset):
@@ -159,7 +160,7 @@ def _stage_data_only(pre: Path):
 
 def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
     p = params()
-    fixed_threads(p.determinism.num_threads)
+    fixed_threads(resolve(p.determinism.num_threads))
     pre = prepared(work)
     tutorial, tutorial_data = _tutorial_epoch(pre, p.train.num_workers)
     # what tutorials write (PyTorch's CIFAR-10 tutorial: num_workers=2): the baseline is the faster
@@ -193,7 +194,7 @@ def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
             "baseline": baseline,
             "batch_size": p.train.batch_size,
             "num_workers": p.train.num_workers,
-            "threads": p.determinism.num_threads,
+            "threads": resolve(p.determinism.num_threads),
             "compute_floor_ratio": floor / tut,
             "stage_over_floor": stage / floor,
         },

@@ -44,6 +44,7 @@ from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import PARAMS_FILE, set_params
 from tasks.core.layout import ROOT
 from tasks.determinism.bootstrap import bootstrap
+from tasks.determinism.threads import shared_env
 
 FLOW_NAME = "lockstep-sweep"
 ADDRESS_ENV = "LOCKSTEP_DASK_ADDRESS"
@@ -69,7 +70,8 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
 
     os.chdir(ROOT)
     logger = get_run_logger()
-    params = bootstrap(params_file)
+    loaded = bootstrap(params_file)
+    params = _trial_threads(loaded, logger)
     cfg = params.sweep
     if not cfg.space:
         raise ConfigError(f"{params_file}: sweep.space is empty: name the train keys to search (README, Sweeps)")
@@ -90,9 +92,27 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
             summary = _summary(study, cfg, round(time.monotonic() - started, 2))
             _record(study, summary, study_dir, parent_id, params)
     logger.info("sweep %s: %s", cfg.name, summary["line"])
-    if apply:
-        _apply(params_file, summary, cfg.name)
+    if apply:  # a thread count fixed for native trials goes with their values
+        _apply(params_file, summary, cfg.name, None if params is loaded else params.determinism.num_threads)
     return summary
+
+
+def _trial_threads(params: Params, logger: Any) -> Params:
+    """In native mode the thread count changes the weights, so every trial gets the same one, said
+    once; in portable mode each worker takes its share of the cores (`_task_runner`)."""
+    from tasks.determinism import cpu_mode
+    from tasks.determinism.threads import resolve
+
+    if params.determinism.num_threads != "auto" or cpu_mode.current() != "native":
+        return params
+    threads = resolve("auto", params.sweep.workers)
+    logger.info(
+        "determinism.cpu is native here, where the thread count changes the weights: every trial trains "
+        "with %d thread(s) (determinism.num_threads: %d reproduces one)",
+        threads,
+        threads,
+    )
+    return params.model_copy(update={"determinism": params.determinism.model_copy(update={"num_threads": threads})})
 
 
 def _dask_client() -> Any:
@@ -182,7 +202,7 @@ def _record_in_mlflow(run_id: str, summary: dict[str, Any], out: Path, drawn: di
         client.log_artifact(run_id, str(out / name), "sweep")
 
 
-def _apply(params_file: str, summary: dict[str, Any], study: str) -> None:
+def _apply(params_file: str, summary: dict[str, Any], study: str, threads: int | str | None = None) -> None:
     """The best trial's values and seed into params.yaml, with `sweep.applied` naming the trial: the
     pipeline's next train run then rebuilds that trial's weights, and DVC records where they came from."""
     best = summary["best"]
@@ -190,6 +210,8 @@ def _apply(params_file: str, summary: dict[str, Any], study: str) -> None:
         raise ConfigError(f"sweep {study}: no complete trial to apply")
     overrides: dict[str, Any] = dict(best["params"])
     overrides["train.seed"] = best["seed"]
+    if threads is not None:
+        overrides["determinism.num_threads"] = threads
     overrides["sweep.applied"] = {"study": study, "trial": best["trial"], "run_id": best["run_id"]}
     set_params(params_file, overrides)
     print(f"params.yaml: {', '.join(f'{k}={v}' for k, v in overrides.items() if k != 'sweep.applied')}")
@@ -208,7 +230,9 @@ def _task_runner(params: Params, address: str | None, tls: Path | None) -> Any:
     _keep_malloc_defaults()
     # worker processes, one trial (one thread) each, on loopback with Dask's temporary TLS credentials
     # (in memory: another local user cannot join); the dashboard on a free loopback port
+    # each with its share of the cores (`determinism.num_threads: auto`, tasks/determinism/threads.py)
     cluster = {"n_workers": params.sweep.workers, "threads_per_worker": 1, "processes": True, "preload": [PRELOAD]}
+    cluster["env"] = shared_env(params.sweep.workers)
     return DaskTaskRunner(cluster_kwargs={**cluster, "security": True, "dashboard_address": "127.0.0.1:0"})
 
 
@@ -291,9 +315,21 @@ def _dask(role: str, argv: list[str]) -> int:
 
         os.chdir(ROOT)
         _keep_malloc_defaults()  # in this process: its nanny starts the worker processes
+        os.environ.update(shared_env(_worker_count(rest)))  # `--nworkers N` share this machine's cores
         options = [args.scheduler, "--nthreads", "1", "--preload", PRELOAD, *options]
     dask_main(args=options, prog_name=f"dask {role}")  # click: exits itself
     return 0
+
+
+def _worker_count(options: list[str]) -> int:
+    """The worker processes `dask worker` will start (`--nworkers N`, or 1)."""
+    for i, option in enumerate(options):
+        value = option.split("=", 1)[1] if option.startswith("--nworkers=") else None
+        if option == "--nworkers" and i + 1 < len(options):
+            value = options[i + 1]
+        if value is not None:
+            return int(value) if value.isdigit() and int(value) > 0 else 1
+    return 1
 
 
 def _tls(argv: list[str]) -> int:

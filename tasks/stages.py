@@ -22,6 +22,7 @@ from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5, file_digest
 from tasks.determinism.fingerprint import fingerprint
 from tasks.determinism.pinning import pin_everything
+from tasks.determinism.threads import resolve
 from tasks.tracking.dashboard import log_dataset
 from tasks.tracking.runs import StageRun, lineage_tags, stage_run
 
@@ -222,7 +223,7 @@ def _compress(params: Params, run: StageRun) -> dict[str, float]:
         params.compress,
         params.train,
         params.seed,
-        params.determinism.num_threads,
+        resolve(params.determinism.num_threads),
         layout.TRAIN_DIR / "best.safetensors",
         layout.PREPROCESSED_DIR,
         layout.COMPRESS_DIR,
@@ -251,7 +252,7 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
     )
     result = export(
         params.export,
-        params.determinism.num_threads,
+        resolve(params.determinism.num_threads),
         layout.TRAIN_DIR / "best.safetensors",
         layout.PREPROCESSED_DIR,
         layout.COMPRESS_DIR,

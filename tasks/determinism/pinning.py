@@ -16,26 +16,29 @@ import numpy as np
 import torch
 
 from tasks.determinism import cpu_mode
+from tasks.determinism.threads import NumThreads, resolve
 
 # cuBLAS needs this before CUDA initialises to pick deterministic workspaces.
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 
 
-def pin_everything(seed: int, num_threads: int, strict: bool = True, cpu: str | None = None) -> dict[str, Any]:
+def pin_everything(seed: int, num_threads: NumThreads, strict: bool = True, cpu: str | None = None) -> dict[str, Any]:
     """Seed python, numpy and torch (all devices) and pin every backend switch.
 
     `strict` turns on `torch.use_deterministic_algorithms`; a stage that uses ops with no
     deterministic implementation (eager int8 kernels) passes `strict=False` and says so in its
     run: the flag is then in warn-only mode rather than silently off. `cpu` is `determinism.cpu`
-    (tasks/determinism/cpu_mode.py); None: the mode this process was started in.
+    (tasks/determinism/cpu_mode.py); None: the mode this process was started in. `num_threads`
+    may be `auto` (tasks/determinism/threads.py).
     """
     os.environ["PYTHONHASHSEED"] = str(seed)  # inherited by subprocesses (torchrun ranks)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # seeds every CUDA device too
-    torch.set_num_threads(num_threads)
-    cpu_settings = cpu_mode.activate(cpu or cpu_mode.current(), num_threads)
+    threads = resolve(num_threads)
+    torch.set_num_threads(threads)
+    cpu_settings = cpu_mode.activate(cpu or cpu_mode.current(), threads)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -41,6 +41,7 @@ from tasks.core.config.yaml_io import PARAMS_FILE, load_params
 from tasks.core.errors import ExpectedFailure
 from tasks.data.archive import ArchiveLimits, extract, is_archive
 from tasks.data.images import IMG_EXTENSIONS, decode, mode_of
+from tasks.determinism.threads import resolve
 from tasks.ship.onnx_model import ModelInput, model_input, predict, session, top_k, top_k_text
 
 BATCH = 256  # images decoded and scored at a time: memory stays flat for any number of files
@@ -169,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
         if not files:
             raise ExpectedFailure(f"no image files in {', '.join(map(str, args.inputs))} ({' '.join(IMG_EXTENSIONS)})")
         model, named = resolve_model(args, params, scratch / "model")
-        rows = predict_files(model, files, args.top_k, params.determinism.num_threads, data.max_image_pixels)
+        rows = predict_files(model, files, args.top_k, resolve(params.determinism.num_threads), data.max_image_pixels)
         for inside, given in _extracted_names(args.inputs, scratch / "inputs"):  # the CSV names what the user gave
             rows = [Scored(r.path.replace(inside, given, 1), r.label, r.probability, r.top_k, r.error) for r in rows]
     failed = [r for r in rows if r.error]

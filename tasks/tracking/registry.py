@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.core import layout
 from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5, file_digest
+from tasks.determinism.threads import resolve
 from tasks.tracking.runs import StageRun
 from tasks.tracking.store import store_lock, tracking_uri
 
@@ -142,7 +143,10 @@ def _log_models(params: Params, run: StageRun, exported: ExportResult) -> Any:
             python_model=str(layout.ROOT / "tasks/ship/serving.py"),  # models from code: no pickle
             artifacts={"onnx": str(layout.EXPORT_DIR / SHIPPED)},
             code_paths=[str(_serving_code(Path(code)))],
-            model_config={"threads": params.determinism.num_threads, "max_pixels": params.data.max_image_pixels},
+            model_config={
+                "threads": resolve(params.determinism.num_threads),
+                "max_pixels": params.data.max_image_pixels,
+            },
             signature=ModelSignature(
                 inputs=Schema([ColSpec(DataType.binary, "image")]), outputs=Schema([ColSpec(t, c) for t, c in served])
             ),

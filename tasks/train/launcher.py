@@ -40,6 +40,7 @@ from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import PARAMS_FILE
 from tasks.core.errors import ExpectedFailure
 from tasks.determinism.bootstrap import bootstrap
+from tasks.determinism.threads import resolve, shared_env
 
 if TYPE_CHECKING:
     from tasks.train.stage import TrainResult
@@ -86,8 +87,10 @@ def launch_env(params: Params, private_dir: Path) -> dict[str, str]:
         **os.environ,
         PARAMS_ENV: params.model_dump_json(),
         ERRORS_ENV: str(private_dir),
-        # torchrun would otherwise set 1 and warn; each rank pins its own count anyway
-        "OMP_NUM_THREADS": str(params.determinism.num_threads),
+        # this node's ranks share its cores (`auto` threads: cores / ranks); torchrun would otherwise
+        # set OMP_NUM_THREADS=1 and warn, and each rank pins its own count anyway
+        **shared_env(params.train.nproc_per_node),
+        "OMP_NUM_THREADS": str(resolve(params.determinism.num_threads, params.train.nproc_per_node)),
     }
     if params.train.nnodes == 1:
         # The agent would host a TCP store for the ranks on every interface; rank 0 hosts it on loopback.

@@ -250,6 +250,7 @@ def test_a_crashing_trial_is_retried_once_then_recorded_failed_on_a_local_cluste
     project = cluster.project
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["sweep"].update(name="crash", trials=1, space={"train.lr": {"type": "categorical", "choices": [1.0e10]}})
+    params["determinism"]["num_threads"] = "auto"  # each of the sweep.workers (2) takes its share of the cores
     (project / "crash-params.yaml").write_text(yaml.safe_dump(params))
     done = run([sys.executable, "-m", "flows.sweep", "--params", "crash-params.yaml"], project)
     assert "1 trials, none complete" in done.stdout
@@ -263,3 +264,5 @@ def test_a_crashing_trial_is_retried_once_then_recorded_failed_on_a_local_cluste
     )
     attempts = sorted((r.data.tags["sweep.attempt"], r.info.status, r.data.tags["sweep.state"]) for r in runs)
     assert attempts == [("1", "FAILED", "failed"), ("2", "FAILED", "failed")]
+    share = max(1, len(os.sched_getaffinity(0)) // params["sweep"]["workers"])
+    assert {r.data.tags["determinism.num_threads"] for r in runs} == {str(share)}

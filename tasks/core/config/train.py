@@ -22,7 +22,9 @@ from tasks.core.config.base import (
 
 
 class DeterminismConfig(Section):
-    num_threads: int = Field(2, ge=1, le=1024)
+    # auto: the cores this process is given, shared among a sweep's workers or a node's DDP ranks
+    # (tasks/determinism/threads.py)
+    num_threads: Annotated[int, Field(ge=1, le=1024)] | Auto = "auto"
     strict: bool = True
     # auto: portable where the CPU supports it (x86-64 with AVX2 and FMA), native elsewhere
     cpu: Literal["auto", "portable", "native"] = "auto"

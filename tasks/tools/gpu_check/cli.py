@@ -20,6 +20,7 @@ from tasks.core.config.ship import Variant
 from tasks.core.config.train import DeterminismConfig
 from tasks.core.errors import ExitCode
 from tasks.determinism.pinning import CUBLAS_WORKSPACE_CONFIG
+from tasks.determinism.threads import resolve
 from tasks.tools.gpu_check.report import Check
 from tasks.tools.gpu_check.runner import run_checks
 from tasks.tools.gpu_check.workload import DEFAULT_VARIANTS, GROUPS, MAX_COST, MODELS, SIZES, CheckOptions
@@ -106,7 +107,7 @@ def _options(args: argparse.Namespace) -> CheckOptions:
     sizes = replace(SIZES[kind], **{key: value for key, value in chosen.items() if value is not None})
     # One thread on the CPU: CI runs this beside another test worker on 2 cores, where every parallel
     # op of a 2-thread torch waits for the busy core (measured: 20 ms per BatchNorm instead of 1 ms).
-    threads = args.threads or (1 if kind == "cpu" else DeterminismConfig().num_threads)
+    threads = args.threads or (1 if kind == "cpu" else resolve(DeterminismConfig().num_threads))
     return CheckOptions(
         device=args.device,
         sizes=sizes,

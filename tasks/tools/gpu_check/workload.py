@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from tasks.core.config.train import DeterminismConfig, TrainConfig
+from tasks.core.config.train import TrainConfig
 from tasks.data.preprocess import Preprocessed
 from tasks.data.stats import channel_stats
 from tasks.determinism.pinning import pin_everything
+from tasks.determinism.threads import resolve
 from tasks.train.checkpoints import checkpoint_bytes
 from tasks.train.loop import Training, build_training
 
@@ -74,7 +75,7 @@ class CheckOptions:
     device: str = "cuda"  # "cuda", "cuda:N" or "cpu"
     sizes: Sizes = SIZES["cuda"]
     seed: int = 42
-    threads: int = DeterminismConfig().num_threads
+    threads: int = field(default_factory=lambda: resolve("auto"))
     groups: tuple[str, ...] = GROUPS
     determinism_models: tuple[str, ...] = ()  # empty: every model of MODELS on CUDA, COMPRESS_MODEL on the CPU
     variants: tuple[str, ...] = DEFAULT_VARIANTS["cuda"]  # compress.variants to build
