@@ -26,7 +26,16 @@ from tasks.determinism.bootstrap import bootstrap
 
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
-    from benchmarks import compression, cpu_mode, pipeline_overhead, scaling, stats_loop, sweeps, train_epoch
+    from benchmarks import (
+        compression,
+        contention,
+        cpu_mode,
+        pipeline_overhead,
+        scaling,
+        stats_loop,
+        sweeps,
+        train_epoch,
+    )
 
     if smoke:  # one round, no warm-up, one epoch: that everything runs, not how fast
         return {
@@ -39,6 +48,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
             "B7": lambda work: scaling.b7(work, smoke=True),
             "B9": lambda work: cpu_mode.b9(work, rounds=1, epochs=1, steps=1),
             "B10": lambda work: sweeps.b10(work, smoke=True),
+            "B11": lambda work: contention.b11(rounds=1, steps=1),
         }
     return {
         "B1": lambda work: train_epoch.b1_b8(work, rounds=5),  # B8 too: the same set-up
@@ -50,6 +60,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B7": lambda work: scaling.b7(work),
         "B9": lambda work: cpu_mode.b9(work, rounds=6, epochs=4),
         "B10": lambda work: sweeps.b10(work),
+        "B11": lambda work: contention.b11(rounds=3, steps=4),
     }
 
 

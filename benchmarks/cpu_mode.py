@@ -43,17 +43,19 @@ print(json.dumps(seconds))
 """
 
 
-_RGB_STEPS = """
+_STEPS = """
 import json, sys, time
 from tasks.determinism import cpu_mode
 cpu_mode.pin_env(sys.argv[1])
 import torch
 from tasks.determinism.pinning import pin_everything
 from tasks.train.models import build_model
-pin_everything(0, int(sys.argv[2]), True, sys.argv[1])
+pin_everything(0, sys.argv[2] if sys.argv[2] == "auto" else int(sys.argv[2]), True, sys.argv[1])
+batch = int(sys.argv[5])
 generator = torch.Generator().manual_seed(0)
-images, labels = torch.rand(64, 3, 32, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator)
-model = build_model("resnet9", 10, [0.5] * 3, [0.25] * 3)
+images = torch.rand(batch, 3, 32, 32, generator=generator)
+labels = torch.randint(0, 10, (batch,), generator=generator)
+model = build_model(sys.argv[4], 10, [0.5] * 3, [0.25] * 3)
 optimiser = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 seconds = []
 for step in range(2 + int(sys.argv[3])):  # two untimed steps first
@@ -72,8 +74,14 @@ def _timed(script: str, mode: str, *args: object) -> list[float]:
         [sys.executable, "-c", script, mode, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
-        raise RuntimeError(f"B9 {mode} run failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"{mode} run failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def step_seconds(mode: str, threads: int | str, steps: int, model: str, batch: int) -> list[float]:
+    """Seconds of each timed training step of `model` on random 32x32 RGB images, in a fresh process
+    started in CPU `mode` with `threads` (a count, or `auto`), two untimed steps first."""
+    return _timed(_STEPS, mode, threads, steps, model, batch)
 
 
 def b9(work: Path, rounds: int, epochs: int = 3, steps: int = 8) -> list[Figure]:
@@ -86,7 +94,7 @@ def b9(work: Path, rounds: int, epochs: int = 3, steps: int = 8) -> list[Figure]
     for _ in range(rounds):
         for mode in runs:
             runs[mode] += _timed(_EPOCHS, mode, pre, epochs)
-            rgb[mode] += _timed(_RGB_STEPS, mode, threads, steps)
+            rgb[mode] += step_seconds(mode, threads, steps, "resnet9", 64)
     epoch = _figure("B9", "train epoch: determinism.cpu portable (same bytes on any AVX2 CPU) vs native", runs)
     epoch.target, epoch.met = "<= 1.3x", epoch.ratio <= 1.3
     epoch.details.update(threads=threads, model=p.train.model)

@@ -36,9 +36,10 @@ def pin_everything(seed: int, num_threads: NumThreads, strict: bool = True, cpu:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # seeds every CUDA device too
-    threads = resolve(num_threads)
+    mode = cpu_mode.resolve(cpu or cpu_mode.current())
+    threads = resolve(num_threads, follow_load=mode == "portable")  # portable bytes do not follow it
     torch.set_num_threads(threads)
-    cpu_settings = cpu_mode.activate(cpu or cpu_mode.current(), threads)
+    cpu_settings = cpu_mode.activate(mode, threads)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.matmul.allow_tf32 = False
