@@ -22,6 +22,7 @@ from pathlib import Path
 from benchmarks.harness import Figure, run_timed
 from benchmarks.pipeline_overhead import project_copy
 from tasks.core.config.yaml_io import set_params
+from tasks.determinism.threads import shared_env
 
 TARGET = 1.8  # speed-up of 2 workers over 1
 
@@ -94,11 +95,11 @@ def _two_trainings_side_by_side(project: Path, env: dict[str, str]) -> dict[str,
     """What two workers can gain at most on this machine: one training alone vs two at once (each
     process timing its training only, not its imports)."""
 
-    def start(out: str) -> subprocess.Popen[str]:
+    def start(out: str, side_by_side: int = 1) -> subprocess.Popen[str]:
         return subprocess.Popen(
             [sys.executable, "-c", _TRAIN, str(project / "artifacts" / "ceiling" / out)],
             cwd=project,
-            env=env,
+            env={**env, **shared_env(side_by_side)},  # a pair shares the cores, as two workers' trials do
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -112,6 +113,6 @@ def _two_trainings_side_by_side(project: Path, env: dict[str, str]) -> dict[str,
     alones, pairs = [], []
     for r in range(2):  # taking turns, the best round of each: a slow moment must not flatter either
         alones += seconds(start(f"alone{r}"))
-        pairs.append(max(seconds(start(f"pair{r}a"), start(f"pair{r}b"))))
+        pairs.append(max(seconds(start(f"pair{r}a", 2), start(f"pair{r}b", 2))))
     alone, pair = min(alones), min(pairs)
     return {"alone_s": round(alone, 3), "pair_s": round(pair, 3), "speedup": round(2 * alone / pair, 3)}
