@@ -228,9 +228,9 @@ def _task_runner(params: Params, address: str | None, tls: Path | None) -> Any:
     if address:
         return DaskTaskRunner(address=address, client_kwargs={"security": security(tls)} if tls else None)
     _keep_malloc_defaults()
-    # worker processes, one trial (one thread) each, on loopback with Dask's temporary TLS credentials
-    # (in memory: another local user cannot join); the dashboard on a free loopback port
-    # each with its share of the cores (`determinism.num_threads: auto`, tasks/determinism/threads.py)
+    # worker processes, one trial at a time each (one Dask thread) with its share of the cores
+    # (`determinism.num_threads: auto`), on loopback with Dask's temporary TLS credentials (in memory:
+    # another local user cannot join); the dashboard on a free loopback port
     cluster = {"n_workers": params.sweep.workers, "threads_per_worker": 1, "processes": True, "preload": [PRELOAD]}
     cluster["env"] = shared_env(params.sweep.workers)
     return DaskTaskRunner(cluster_kwargs={**cluster, "security": True, "dashboard_address": "127.0.0.1:0"})

@@ -18,7 +18,7 @@ Portable mode therefore pins ATen to AVX2 and sends convolutions and matrix prod
 (the BLAS numpy ships) with its kernel set pinned to Haswell's (AVX2 + FMA, blocking fixed at
 compile time): tasks/determinism/kernels.py (installed by dispatch.py), tasks/determinism/blas.py.
 oneDNN and NNPACK are switched off and MKL is held to COMPATIBLE for anything that still reaches it.
-The result is the same bytes on every x86-64 CPU with AVX2, for a fixed thread count. Native mode
+The result is the same bytes on every x86-64 CPU with AVX2, whatever the thread count. Native mode
 leaves every library its fastest path.
 
 These variables are read when torch and numpy load, so `pin_env` runs before either is imported
