@@ -14,6 +14,8 @@ user's, is a link, or is writable by group or others, is refused in one line (ex
 elsewhere: whoever could write there may have planted it, and rebuilding in a private folder on
 every run would hide that (and cost a compile per process). Where it cannot be built, the same
 calls run from Python, one chunk after another: the same bytes, slower, and a warning says so.
+The op also takes a grouped convolution's products in one call (Python's call per group cost more
+than a depthwise group's product) and does the convolutions' col2im (`columns_op`).
 (torch.utils.cpp_extension.load would build it too, but it wants ninja on PATH and builds a Python
 module; g++ alone makes a torch op library.)
 """
@@ -92,15 +94,19 @@ def plan(m: int, n: int) -> tuple[int, int]:
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, pool: bool = True) -> torch.Tensor:
-    """`out` = a @ b for 2-D float32/float64 tensors; `out` row-major. An operand that is neither
-    row-major nor transposed is copied first. `pool=False` makes the same calls one after another."""
+    """`out` = a @ b for float32/float64 tensors: 2-D, or 3-D for one product per group (a grouped
+    convolution's), made in one call; `out` row-major. An operand whose matrices are neither row-major
+    nor transposed is copied first. `pool=False` makes the same calls one after another."""
     a, b = _operand(a), _operand(b)
-    dim, chunk = plan(a.shape[0], b.shape[1])
+    dim, chunk = plan(a.shape[-2], b.shape[-1])
     op = _pool_op() if pool else None
     if op is not None:
         op(a, b, out, dim, chunk)
-    else:
+    elif a.dim() == 2:
         _sequential(a, b, out, dim, chunk)
+    else:
+        for a_group, b_group, out_group in zip(a, b, out, strict=True):
+            _sequential(a_group, b_group, out_group, dim, chunk)
     return out
 
 
@@ -110,15 +116,15 @@ def backend() -> str:
 
 
 def _row_major(t: torch.Tensor) -> bool:
-    return t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1])
+    return t.stride(-1) == 1 and t.stride(-2) >= max(1, t.shape[-1])
 
 
 def _transposed(t: torch.Tensor) -> bool:
-    return t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0])
+    return t.stride(-2) == 1 and t.stride(-1) >= max(1, t.shape[-2])
 
 
 def _operand(t: torch.Tensor) -> torch.Tensor:
-    """`t` as BLAS takes it: row-major or transposed (as blas_pool.cpp's `operand` checks), else a copy."""
+    """`t` as BLAS takes it: matrices row-major or transposed (as blas_pool.cpp's `operand` checks), else a copy."""
     return t.detach() if _row_major(t) or _transposed(t) else t.detach().contiguous()
 
 
@@ -145,17 +151,27 @@ def _sequential(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, dim: int, c
         call(_ROW_MAJOR, trans_a, trans_b, rows, cols, k, 1, pa, lda, pb, ldb, 0, pc, ldc)
 
 
-@functools.cache
 def _pool_op() -> Any:
-    """torch.ops.lockstep_blas.gemm_chunks, bound to numpy's OpenBLAS; None (and one warning) if it
-    cannot be built here."""
+    """torch.ops.lockstep_blas.gemm_chunks, bound to numpy's OpenBLAS; None if the op cannot be built here."""
+    return torch.ops.lockstep_blas.gemm_chunks if _library_loaded() else None
+
+
+def columns_op() -> Any:
+    """torch.ops.lockstep_blas.add_columns (a convolution's col2im, kernels.py's loop in C++); None if the
+    op cannot be built here."""
+    return torch.ops.lockstep_blas.add_columns if _library_loaded() else None
+
+
+@functools.cache
+def _library_loaded() -> bool:
+    """Load blas_pool.cpp's ops, bound to numpy's OpenBLAS; False (and one warning) if it cannot be built."""
     try:
         torch.ops.load_library(str(build()))
     except BuildError as exc:
         warnings.warn(f"determinism.cpu portable: {exc}; products run on one thread (same bytes, slower)", stacklevel=2)
-        return None
+        return False
     torch.ops.lockstep_blas.bind(_blas().path)
-    return torch.ops.lockstep_blas.gemm_chunks
+    return True
 
 
 class BuildError(RuntimeError):

@@ -42,8 +42,8 @@ class PortableOpError(Refused):
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """mm and bmm (2-D or 3-D operands): one `blas.gemm` per matrix; half and bfloat16 are
-    multiplied in float32, the same way on every CPU."""
+    """mm and bmm (2-D or 3-D operands): one `blas.gemm`; half and bfloat16 are multiplied in
+    float32, the same way on every CPU."""
     if a.dtype not in FLOATS or b.dtype not in FLOATS:
         raise PortableOpError(
             f"determinism.cpu: portable multiplies floating-point matrices only, not {a.dtype} by {b.dtype}; use native"
@@ -134,14 +134,13 @@ def _temporaries() -> Iterator:
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out` = a @ b per group (3-D), one `blas.gemm` each, written in place; half and bfloat16 as
-    in `_matmul`."""
-    for a_group, b_group, out_group in zip(a, b, out, strict=True):
-        if out.dtype in _NO_NUMPY:
-            a32, b32 = a_group.float(), b_group.float()
-            out_group.copy_(blas.gemm(a32, b32, _buffer(tuple(out_group.shape), a32)))
-        else:
-            blas.gemm(a_group, b_group, out_group)
+    """`out` = a @ b per group (3-D), written in place: one `blas.gemm` call for every group (a
+    depthwise convolution has hundreds); half and bfloat16 as in `matmul`."""
+    if out.dtype in _NO_NUMPY:
+        a32, b32 = a.float(), b.float()
+        out.copy_(blas.gemm(a32, b32, _buffer(tuple(out.shape), a32)))
+    else:
+        blas.gemm(a, b, out)
     return out
 
 
@@ -149,22 +148,24 @@ def _columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int
     """Every receptive field as a row: (groups, N * oh * ow, kh * kw * C/groups), channels fastest,
     in memory from `take(shape, like)`.
 
-    Channels-last, so each copied run is kw * C contiguous values rather than a few pixels; the
-    padded channels-last image is written in one pass, the rows in a second.
+    The padded image is written in one pass and the rows in a second. Without groups it is
+    channels-last, so each copied run is kw * C contiguous values rather than a few pixels; with groups
+    (a depthwise convolution's: one channel each) channel-first, so a group's rows are read from its own
+    plane. Either way the rows hold the same values.
     """
     stride, padding, dilation = geometry
     n, c, h, w = x.shape
     kh, kw, oh, ow = _shapes(x, weight, geometry)
+    channels_last = groups == 1
     with _temporaries() as temporary:
-        padded = temporary((n, h + 2 * padding[0], w + 2 * padding[1], c), x)
-        _zero_border(padded, padding)
+        padded = _padded_image(x, padding, channels_last, temporary)
         padded[:, padding[0] : padding[0] + h, padding[1] : padding[1] + w].copy_(x.permute(0, 2, 3, 1))
         sn, sh, sw, sc = padded.stride()
         fields = padded.as_strided(
             (n, oh, ow, kh, kw, c), (sn, sh * stride[0], sw * stride[1], sh * dilation[0], sw * dilation[1], sc)
         )
         columns = take((groups, n * oh * ow, kh * kw * (c // groups)), x)
-        if groups == 1:
+        if channels_last:
             columns.view(n, oh, ow, kh, kw, c).copy_(fields)
         else:
             per_group = fields.reshape(n, oh, ow, kh, kw, groups, c // groups).permute(5, 0, 1, 2, 3, 4, 6)
@@ -172,16 +173,21 @@ def _columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int
     return columns
 
 
-def _zero_border(padded: torch.Tensor, padding: tuple) -> None:
-    """Zero the padding rows and columns of a channels-last (N, H, W, C) image (its inside is
-    written next): reused memory holds the last image's values."""
+def _padded_image(x: torch.Tensor, padding: tuple, channels_last: bool, take: Any) -> torch.Tensor:
+    """Memory for `x` with its padding, seen as (N, H, W, C) but laid out channels-last or channel-first;
+    the padding zeroed and the inside left to the caller: reused memory holds the last image's values."""
+    n, c, h, w = x.shape
+    height, width = h + 2 * padding[0], w + 2 * padding[1]
+    image = take((n, height, width, c) if channels_last else (n, c, height, width), x)
+    image = image if channels_last else image.permute(0, 2, 3, 1)  # (N, H, W, C) either way
     top, left = padding
     if top:
-        padded[:, :top].zero_()
-        padded[:, -top:].zero_()
+        image[:, :top].zero_()
+        image[:, -top:].zero_()
     if left:
-        padded[:, :, :left].zero_()
-        padded[:, :, -left:].zero_()
+        image[:, :, :left].zero_()
+        image[:, :, -left:].zero_()
+    return image
 
 
 # Forward columns kept for the same convolution's backward (its weight gradient needs them again):
@@ -228,21 +234,29 @@ def _weight_matrix(weight: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _add_columns(columns: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> torch.Tensor:
     """col2im: each row of (groups, N * oh * ow, kh * kw * C/g) back onto the input positions it was
-    read from, kernel offset by kernel offset: a fixed order of additions, the same bytes anywhere."""
+    read from, kernel offset by kernel offset: a fixed order of additions, the same bytes anywhere.
+    Into a channels-last image without groups, a channel-first one with (as `_columns` reads them)."""
     stride, padding, dilation = geometry
     n, c, h, w = x.shape
     kh, kw, oh, ow = _shapes(x, weight, geometry)
     groups = columns.shape[0]
     fields = columns.reshape(groups, n, oh, ow, kh, kw, c // groups).permute(1, 2, 3, 4, 5, 0, 6)
     fields = fields.reshape(n, oh, ow, kh, kw, c)
+    channels_last = groups == 1
+    height, width = h + 2 * padding[0], w + 2 * padding[1]
     with _temporaries() as temporary:
-        grad = temporary((n, h + 2 * padding[0], w + 2 * padding[1], c), x).zero_()
-        for i in range(kh):
-            for j in range(kw):
-                top, left = i * dilation[0], j * dilation[1]
-                rows = slice(top, top + stride[0] * (oh - 1) + 1, stride[0])
-                cols = slice(left, left + stride[1] * (ow - 1) + 1, stride[1])
-                grad[:, rows, cols, :] += fields[:, :, :, i, j, :]
+        grad = temporary((n, height, width, c) if channels_last else (n, c, height, width), x).zero_()
+        grad = grad if channels_last else grad.permute(0, 2, 3, 1)  # (N, H, W, C) either way
+        op = blas.columns_op() if x.dtype in _NUMPY_DTYPES else None
+        if op is not None:  # the same additions in the same order, without a Python call per offset
+            op(fields, grad, stride[0], stride[1], dilation[0], dilation[1])
+        else:
+            for i in range(kh):
+                for j in range(kw):
+                    top, left = i * dilation[0], j * dilation[1]
+                    rows = slice(top, top + stride[0] * (oh - 1) + 1, stride[0])
+                    cols = slice(left, left + stride[1] * (ow - 1) + 1, stride[1])
+                    grad[:, rows, cols, :] += fields[:, :, :, i, j, :]
         grad = grad[:, padding[0] : padding[0] + h, padding[1] : padding[1] + w, :]
         return _buffer((n, c, h, w), x).copy_(grad.permute(0, 3, 1, 2))
 

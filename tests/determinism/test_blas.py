@@ -74,6 +74,59 @@ def test_the_pool_gives_the_bytes_of_one_thread_for_any_thread_count(
             assert torch.equal(pooled, one), (a_shape, b_shape, a_rows, b_rows, threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_grouped_product_in_one_call_gives_each_group_its_own_product_bytes(
+    dtype: torch.dtype, one_blas_thread: None, torch_threads: None
+) -> None:
+    """A grouped convolution's products go to the op in one call: each group's bytes are those of its
+    own product, made alone (kernels.py made one call per group before), for any thread count."""
+    _needs_the_pool()
+    generator = torch.Generator().manual_seed(1)
+    for groups, m, k, n in [(96, 2048, 9, 1), (4, 300, 72, 16), (32, 7, 25, 1)]:
+        a = torch.randn(groups, m, k, generator=generator, dtype=dtype)
+        b = torch.randn(groups, n, k, generator=generator, dtype=dtype).transpose(1, 2)  # transposed matrices
+        alone = torch.stack([blas.gemm(a[g], b[g], torch.empty(m, n, dtype=dtype)) for g in range(groups)])
+        assert torch.equal(blas.gemm(a, b, torch.empty(groups, m, n, dtype=dtype), pool=False), alone)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(blas.gemm(a, b, torch.empty(groups, m, n, dtype=dtype)), alone), (groups, threads)
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize(("stride", "dilation"), [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((1, 2), (2, 1))])
+def test_col2im_in_the_op_adds_in_the_order_of_the_python_loop(
+    stride: tuple[int, int], dilation: tuple[int, int], channels_last: bool, torch_threads: None
+) -> None:
+    """The op's col2im (kernels._add_columns) against the loop of strided adds it replaces: equal bytes,
+    for strided fields (a grouped convolution's), a channels-last or channel-first gradient, and any
+    thread count."""
+    _needs_the_pool()
+    blas.gemm(torch.ones(4, 4), torch.ones(4, 4), torch.empty(4, 4))  # loads the ops
+    generator = torch.Generator().manual_seed(2)
+    n, oh, ow, kh, kw, c, groups = 3, 5, 6, 3, 3, 8, 4
+    columns = torch.randn(groups, n * oh * ow, kh * kw * c // groups, generator=generator)
+    fields = columns.reshape(groups, n, oh, ow, kh, kw, c // groups).permute(1, 2, 3, 4, 5, 0, 6)
+    fields = fields.reshape(n, oh, ow, kh, kw, c)  # a copy with the groups' channels side by side
+    fields = fields.permute(0, 1, 2, 4, 3, 5).contiguous().permute(0, 1, 2, 4, 3, 5)  # kh, kw strides swapped
+    height = (oh - 1) * stride[0] + (kh - 1) * dilation[0] + 1
+    width = (ow - 1) * stride[1] + (kw - 1) * dilation[1] + 1
+    expected = torch.zeros(n, height, width, c)
+    for i in range(kh):
+        for j in range(kw):
+            rows = slice(i * dilation[0], i * dilation[0] + stride[0] * (oh - 1) + 1, stride[0])
+            cols = slice(j * dilation[1], j * dilation[1] + stride[1] * (ow - 1) + 1, stride[1])
+            expected[:, rows, cols, :] += fields[:, :, :, i, j, :]
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        grad = (
+            torch.zeros(n, height, width, c) if channels_last else torch.zeros(n, c, height, width).permute(0, 2, 3, 1)
+        )
+        blas.columns_op()(fields, grad, *stride, *dilation)
+        assert torch.equal(grad, expected), threads
+    with pytest.raises(RuntimeError, match="lockstep_blas: fields reach outside grad"):
+        blas.columns_op()(fields, torch.zeros(n, height - 1, width, c), *stride, *dilation)
+
+
 def test_the_cut_follows_the_longer_side_and_no_chunk_is_a_narrow_edge() -> None:
     assert blas.plan(4096, 64) == (0, 512) and blas.plan(9, 4096) == (1, 512)
     for m, n in [(288, 64), (1001, 333), (40, 7), (3, 2)]:
@@ -108,7 +161,7 @@ def test_a_failed_build_says_why_and_the_products_run_on_one_thread(
         raise blas.BuildError("no C++ compiler (g++) to build blas_pool.cpp")
 
     monkeypatch.setattr(blas, "build", no_compiler)
-    blas._pool_op.cache_clear()
+    blas._library_loaded.cache_clear()
     try:
         a, b = torch.randn(500, 40), torch.randn(40, 70)
         with pytest.warns(UserWarning, match=r"no C\+\+ compiler .* products run on one thread \(same bytes, slower\)"):
@@ -119,4 +172,4 @@ def test_a_failed_build_says_why_and_the_products_run_on_one_thread(
             blas.gemm(a, b, out)
         assert blas.backend() == "one thread (blas_pool.cpp not built)"
     finally:
-        blas._pool_op.cache_clear()
+        blas._library_loaded.cache_clear()
