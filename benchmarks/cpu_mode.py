@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from benchmarks.data import params, prepared
 from benchmarks.harness import ROOT, Figure, fixed_threads, median
@@ -55,20 +56,24 @@ batch = int(sys.argv[5])
 generator = torch.Generator().manual_seed(0)
 images = torch.rand(batch, 3, 32, 32, generator=generator)
 labels = torch.randint(0, 10, (batch,), generator=generator)
-model = build_model(sys.argv[4], 10, [0.5] * 3, [0.25] * 3)
-optimiser = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-seconds = []
-for step in range(2 + int(sys.argv[3])):  # two untimed steps first
-    start = time.perf_counter()
-    optimiser.zero_grad()
-    torch.nn.functional.cross_entropy(model(images), labels).backward()
-    optimiser.step()
-    seconds.append(time.perf_counter() - start)
-print(json.dumps(seconds[2:]))
+timed = {}
+for name in sys.argv[4].split(","):
+    model = build_model(name, 10, [0.5] * 3, [0.25] * 3)
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    seconds = []
+    for step in range(2 + int(sys.argv[3])):  # two untimed steps first
+        start = time.perf_counter()
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimiser.step()
+        seconds.append(time.perf_counter() - start)
+    timed[name] = seconds[2:]
+print(json.dumps(timed))
 """
 
 
-def _timed(script: str, mode: str, *args: object) -> list[float]:
+def _timed(script: str, mode: str, *args: object) -> Any:
+    """What `script`, run in a fresh process started in CPU `mode`, printed last (JSON)."""
     env = cpu_mode.clean_env(dict(os.environ))
     done = subprocess.run(
         [sys.executable, "-c", script, mode, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True
@@ -81,7 +86,12 @@ def _timed(script: str, mode: str, *args: object) -> list[float]:
 def step_seconds(mode: str, threads: int | str, steps: int, model: str, batch: int) -> list[float]:
     """Seconds of each timed training step of `model` on random 32x32 RGB images, in a fresh process
     started in CPU `mode` with `threads` (a count, or `auto`), two untimed steps first."""
-    return _timed(_STEPS, mode, threads, steps, model, batch)
+    return steps_seconds(mode, threads, steps, [model], batch)[model]
+
+
+def steps_seconds(mode: str, threads: int | str, steps: int, models: list[str], batch: int) -> dict[str, list[float]]:
+    """`step_seconds` for several models, one after another in one fresh process."""
+    return _timed(_STEPS, mode, threads, steps, ",".join(models), batch)
 
 
 # The models people pick (resnet9: the real-image recipe's), a row each; small_cnn is B9's epoch.
@@ -89,8 +99,11 @@ STEP_MODELS = ("resnet9", "resnet18", "mobilenet_v3_small", "efficientnet_b0", "
 TARGET = 1.3
 
 
-def b9(work: Path, rounds: int, epochs: int = 3, steps: int = 8, batch: int = 32) -> list[Figure]:
-    """B9 (the stage's epoch) and a B9-<model> row per STEP_MODELS (`steps` steps of `batch` images)."""
+def b9(
+    work: Path, rounds: int, epochs: int = 3, steps: int = 8, batch: int = 32, one_process: bool = False
+) -> list[Figure]:
+    """B9 (the stage's epoch) and a B9-<model> row per STEP_MODELS (`steps` steps of `batch` images),
+    each model in a fresh process, or all in one per mode (`one_process`: the smoke run's, cheaper)."""
     p = params()
     threads = resolve(p.determinism.num_threads)
     fixed_threads(threads)
@@ -100,8 +113,10 @@ def b9(work: Path, rounds: int, epochs: int = 3, steps: int = 8, batch: int = 32
     for _ in range(rounds):
         for mode in runs:
             runs[mode] += _timed(_EPOCHS, mode, pre, epochs)
-            for model in STEP_MODELS:
-                rgb[model][mode] += step_seconds(mode, threads, steps, model, batch)
+            groups = [list(STEP_MODELS)] if one_process else [[model] for model in STEP_MODELS]
+            for models in groups:
+                for model, seconds in steps_seconds(mode, threads, steps, models, batch).items():
+                    rgb[model][mode] += seconds
     epoch = _figure("B9", "train epoch: determinism.cpu portable (same bytes on any AVX2 CPU) vs native", runs)
     epoch.details.update(model=p.train.model)
     figures = [epoch]
