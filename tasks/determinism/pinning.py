@@ -7,6 +7,7 @@ from `loader_kwargs`.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sys
@@ -16,10 +17,12 @@ import numpy as np
 import torch
 
 from tasks.determinism import cpu_mode
-from tasks.determinism.threads import NumThreads, resolve
+from tasks.determinism.threads import LoadFollower, NumThreads, resolve
 
 # cuBLAS needs this before CUDA initialises to pick deterministic workspaces.
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+log = logging.getLogger(__name__)
+_follower: LoadFollower | None = None  # set by pin_everything where the count follows the load
 
 
 def pin_everything(seed: int, num_threads: NumThreads, strict: bool = True, cpu: str | None = None) -> dict[str, Any]:
@@ -39,6 +42,8 @@ def pin_everything(seed: int, num_threads: NumThreads, strict: bool = True, cpu:
     mode = cpu_mode.resolve(cpu or cpu_mode.current())
     threads = resolve(num_threads, follow_load=mode == "portable")  # portable bytes do not follow it
     torch.set_num_threads(threads)
+    global _follower
+    _follower = LoadFollower(resolve(num_threads)) if mode == "portable" and num_threads == "auto" else None
     cpu_settings = cpu_mode.activate(mode, threads)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
@@ -46,6 +51,16 @@ def pin_everything(seed: int, num_threads: NumThreads, strict: bool = True, cpu:
     torch.backends.cudnn.allow_tf32 = False
     _use_deterministic_algorithms(warn_only=not strict)
     return {**settings(), **cpu_settings}
+
+
+def follow_load() -> None:
+    """Under `num_threads: auto` in portable mode (whose bytes do not follow the count), compute from now
+    on with the cores other processes left idle since the last call (tasks/determinism/threads.py's
+    LoadFollower): the training loop calls it before each epoch. Elsewhere it does nothing."""
+    count = _follower.count() if _follower is not None else None
+    if count is not None and count != torch.get_num_threads():
+        log.info("other processes' load changed: computing with %d thread(s), not %d", count, torch.get_num_threads())
+        torch.set_num_threads(count)
 
 
 def _use_deterministic_algorithms(warn_only: bool) -> None:

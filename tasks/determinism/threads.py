@@ -106,6 +106,64 @@ def _cpu_times(stat: str) -> dict[int, list[int]]:
     return times
 
 
+def _own_seconds() -> float:
+    """CPU seconds this process's threads have used (user + system), its children not included."""
+    user, system = os.times()[:2]
+    return user + system
+
+
+class LoadFollower:
+    """A portable process's thread count, decided again from time to time (each training epoch): the
+    cores it may take (`ceiling`) less those that other processes kept busy since the last decision.
+
+    The kernel counts this process's own work as busy too, so its CPU time is subtracted: its own
+    threads never count against it. Two processes started together each see idle cores and take them
+    all; after their first epoch each sees the other's work, and both settle on a share. When the
+    other finishes, the cores come back. (The count is decided at start by `resolve`, with a short
+    look at /proc/stat; this looks at the whole stretch since.)
+    """
+
+    MIN_WINDOW_S = 0.2  # a shorter stretch is a few clock ticks of /proc/stat: noise
+
+    def __init__(
+        self,
+        ceiling: int,
+        read: Callable[[], str] = _proc_stat,
+        own: Callable[[], float] = _own_seconds,
+        ticks_per_s: int | None = None,
+    ) -> None:
+        self.ceiling = ceiling
+        self._read, self._own = read, own
+        self._ticks_per_s = ticks_per_s or os.sysconf("SC_CLK_TCK")
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[dict[int, list[int]], float] | None:
+        try:
+            return _cpu_times(self._read()), self._own()
+        except OSError:
+            return None
+
+    def count(self) -> int | None:
+        """The thread count for what comes next, from the load since the last call (or since this
+        follower was made); None where the kernel does not say or the stretch was too short to judge."""
+        now = self._sample()
+        before, self._last = self._last, now
+        if before is None or now is None:
+            return None
+        (times_before, own_before), (times_now, own_now) = before, now
+        cores = [cpu for cpu in _cores() if cpu in times_before and cpu in times_now]
+        if not cores:
+            return None
+        total = sum(sum(times_now[cpu]) - sum(times_before[cpu]) for cpu in cores)
+        idle = sum(times_now[cpu][3] + times_now[cpu][4] - times_before[cpu][3] - times_before[cpu][4] for cpu in cores)
+        window = total / len(cores)  # ticks that passed, per core
+        if window < self.MIN_WINDOW_S * self._ticks_per_s:
+            self._last = before  # judge a longer stretch next time
+            return None
+        others = max(0.0, (total - idle) - (own_now - own_before) * self._ticks_per_s) / window  # cores' worth
+        return max(1, min(self.ceiling, len(cores) - int(others + 0.5)))
+
+
 def shared_env(processes: int) -> dict[str, str]:
     """The environment for `processes` processes started side by side from this one on its cores."""
     return {SHARE_ENV: str(min(MAX_SHARE, sharing() * processes))}

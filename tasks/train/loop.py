@@ -27,7 +27,7 @@ from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed, load_split
 from tasks.determinism.dispatch import installed as portable_installed
-from tasks.determinism.pinning import loader_kwargs
+from tasks.determinism.pinning import follow_load, loader_kwargs
 from tasks.train.checkpoints import cpu_state
 from tasks.train.devices import Distributed, resolve_device
 from tasks.train.models import build_model, head_name, predict, refuse_unportable, to_float
@@ -206,6 +206,7 @@ class Training:
 
     def epoch(self, epoch: int, val: Preprocessed) -> dict[str, float]:
         """Train one epoch, step the schedule, validate, record it in `progress`: the epoch's row."""
+        follow_load()  # portable mode: the cores other processes left since the last epoch
         train_loss, train_acc = self.train_epoch(epoch)
         self.scheduler.step()
         val_loss, val_acc = self.validate(val)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,76 @@ def test_cores_kept_busy_by_other_processes_are_seen_busy() -> None:
         for hog in hogs:
             hog.kill()
             hog.wait()
+
+
+def test_a_follower_leaves_out_what_others_kept_busy_and_takes_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between two looks, the kernel's busy time less this process's own is what others used."""
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    jiffies = {0: [0, 0], 1: [0, 0]}  # (busy, idle) per core
+    own = [0.0]
+
+    def spend(ours: list[int], others: list[int], idle: list[int]) -> None:  # ticks per core
+        for core in (0, 1):
+            jiffies[core][0] += ours[core] + others[core]
+            jiffies[core][1] += idle[core]
+        own[0] += sum(ours) / 100
+
+    follower = threads.LoadFollower(
+        2, read=lambda: _stat({k: tuple(v) for k, v in jiffies.items()}), own=lambda: own[0], ticks_per_s=100
+    )
+    spend(ours=[100, 0], others=[0, 100], idle=[0, 0])  # another process kept core 1 busy
+    assert follower.count() == 1
+    spend(ours=[100, 100], others=[0, 0], idle=[0, 0])  # our own two threads: not held against us
+    assert follower.count() == 2
+    spend(ours=[50, 0], others=[0, 30], idle=[50, 70])  # another used a third of a core: rounded away
+    assert follower.count() == 2
+    spend(ours=[5, 0], others=[0, 5], idle=[0, 0])  # 0.05 s: too short to judge ...
+    assert follower.count() is None
+    spend(ours=[15, 0], others=[0, 15], idle=[0, 0])  # ... so the next look judges the whole 0.2 s
+    assert follower.count() == 1
+    one = threads.LoadFollower(
+        1, read=lambda: _stat({k: tuple(v) for k, v in jiffies.items()}), own=lambda: own[0], ticks_per_s=100
+    )
+    spend(ours=[100, 0], others=[0, 0], idle=[0, 100])
+    assert one.count() == 1  # never above the cores given (and this process's share of them)
+
+
+@pytest.mark.slow
+def test_a_portable_training_takes_fewer_threads_while_other_processes_keep_the_cores_busy(
+    torch_threads: None,
+) -> None:
+    """Real /proc/stat, real busy processes: the next epoch's count (pinning.follow_load) drops to 1;
+    under native mode, or a fixed num_threads, it never moves."""
+    import torch
+
+    from tasks.determinism import pinning
+
+    cores = sorted(threads._cores())
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to leave out")
+    pinning.pin_everything(0, "auto", True, "portable")
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+        for core in cores
+    ]
+    try:
+        time.sleep(1.0)
+        pinning.follow_load()
+        assert torch.get_num_threads() == 1
+        pinning.pin_everything(0, 2, True, "portable")
+        time.sleep(0.5)
+        pinning.follow_load()
+        assert torch.get_num_threads() == 2  # a number is a number
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
