@@ -17,6 +17,7 @@ weights, so it follows only the cores given: a run records the count it used (th
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -124,6 +125,7 @@ class LoadFollower:
     """
 
     MIN_WINDOW_S = 0.2  # a shorter stretch is a few clock ticks of /proc/stat: noise
+    FREE_BELOW = 0.25  # of a core's time used by others
 
     def __init__(
         self,
@@ -161,7 +163,9 @@ class LoadFollower:
             self._last = before  # judge a longer stretch next time
             return None
         others = max(0.0, (total - idle) - (own_now - own_before) * self._ticks_per_s) / window  # cores' worth
-        return max(1, min(self.ceiling, len(cores) - int(others + 0.5)))
+        # A core counts as free only if others used under a quarter of it: a thread too many costs far
+        # more (its peers wait on it at every parallel region) than a thread too few.
+        return max(1, min(self.ceiling, len(cores) - math.ceil(others - self.FREE_BELOW)))
 
 
 def shared_env(processes: int) -> dict[str, str]:

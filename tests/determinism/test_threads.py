@@ -132,8 +132,10 @@ def test_a_follower_leaves_out_what_others_kept_busy_and_takes_it_back(monkeypat
     assert follower.count() == 1
     spend(ours=[100, 100], others=[0, 0], idle=[0, 0])  # our own two threads: not held against us
     assert follower.count() == 2
-    spend(ours=[50, 0], others=[0, 30], idle=[50, 70])  # another used a third of a core: rounded away
+    spend(ours=[50, 0], others=[0, 20], idle=[50, 80])  # another used a fifth of a core: still free
     assert follower.count() == 2
+    spend(ours=[50, 0], others=[0, 30], idle=[50, 70])  # a third: not free (a thread too many costs more)
+    assert follower.count() == 1
     spend(ours=[5, 0], others=[0, 5], idle=[0, 0])  # 0.05 s: too short to judge ...
     assert follower.count() is None
     spend(ours=[15, 0], others=[0, 15], idle=[0, 0])  # ... so the next look judges the whole 0.2 s
