@@ -371,6 +371,7 @@ def test_a_lock_path_through_a_symlink_out_of_the_workspace_is_refused_before_an
 ) -> None:
     """A path that reads as inside (`artifacts/preprocessed`) but resolves outside: nothing is hashed,
     not even the outputs listed before it."""
+    import dvc.output  # noqa: F401  (imported first: it binds `build` at import, and must keep the real one)
     import dvc_data.hashfile.build
 
     workspace, outside = tmp_path / "workspace", tmp_path / "outside"
