@@ -85,8 +85,7 @@ def idle_cores(window_s: float = 0.1, read: Callable[[], str] = _proc_stat) -> i
     for cpu in _cores():
         if cpu in before and cpu in after:
             total = sum(after[cpu]) - sum(before[cpu])
-            # idle and iowait: the 4th and 5th fields
-            idle += (after[cpu][3] + after[cpu][4] - before[cpu][3] - before[cpu][4]) / total if total > 0 else 1.0
+            idle += _idle_ticks(before[cpu], after[cpu]) / total if total > 0 else 1.0
     return int(idle + 0.5)
 
 
@@ -105,6 +104,11 @@ def _cpu_times(stat: str) -> dict[int, list[int]]:
         if name.startswith("cpu") and name[3:].isdigit():
             times[int(name[3:])] = [int(field) for field in fields.split()]
     return times
+
+
+def _idle_ticks(before: list[int], after: list[int]) -> int:
+    """A core's idle and iowait ticks (/proc/stat's 4th and 5th fields) between two readings."""
+    return after[3] + after[4] - before[3] - before[4]
 
 
 def _own_seconds() -> float:
@@ -157,7 +161,7 @@ class LoadFollower:
         if not cores:
             return None
         total = sum(sum(times_now[cpu]) - sum(times_before[cpu]) for cpu in cores)
-        idle = sum(times_now[cpu][3] + times_now[cpu][4] - times_before[cpu][3] - times_before[cpu][4] for cpu in cores)
+        idle = sum(_idle_ticks(times_before[cpu], times_now[cpu]) for cpu in cores)
         window = total / len(cores)  # ticks that passed, per core
         if window < self.MIN_WINDOW_S * self._ticks_per_s:
             self._last = before  # judge a longer stretch next time
