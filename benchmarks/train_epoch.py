@@ -76,7 +76,7 @@ def _tutorial_epoch(pre: Path, num_workers: int):
     from torchvision import transforms
 
     from tasks.data.preprocess import load_split
-    from tasks.train.loop import shift_pixels
+    from tasks.train.augment import shift_pixels
     from tasks.train.models import build_model
 
     p = params()

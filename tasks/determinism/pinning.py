@@ -122,6 +122,10 @@ def _seed_worker(worker_id: int) -> None:
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
+    # A worker computes too (an augmentation policy's sharpness filter is a convolution): in the mode the
+    # training process runs in, which it inherits through the environment (a forkserver child starts bare).
+    if cpu_mode.current() == "portable":
+        cpu_mode.activate("portable", 1)
 
 
 def loader_kwargs(seed: int) -> dict[str, Any]:

@@ -40,6 +40,7 @@ import torch
 
 from tasks.core.atomic import atomic_dir
 from tasks.core.config.ship import ExportConfig
+from tasks.core.config.train import RECIPE_KEYS, TrainConfig
 from tasks.core.errors import Refused
 from tasks.core.hashing import file_digest
 from tasks.core.redact import redact, redact_tree
@@ -281,6 +282,21 @@ def _run_torch(module: torch.nn.Module, pixels: torch.Tensor) -> np.ndarray:
     return module(pixels).numpy()
 
 
+def _recipe_lines(config: dict[str, Any]) -> list[str]:
+    """How the weights were trained, from the checkpoint's own config: the basics, and the recipe options
+    the run set (a checkpoint records only those: tasks/train/checkpoints.py)."""
+    basics = ("model", "epochs", "batch_size", "optimizer", "lr", "scheduler", "label_smoothing", "amp")
+    lines = [f"- {key}: `{config[key]}`" for key in basics if key in config]
+    changed = [key for key in RECIPE_KEYS if key in config]
+    lines += [f"- {key}: `{config[key]}`" for key in changed]
+    if len(changed) < len(RECIPE_KEYS):
+        defaults = ", ".join(
+            f"{key} `{TrainConfig.model_fields[key].default}`" for key in RECIPE_KEYS if key not in changed
+        )
+        lines.append(f"- at their defaults: {defaults}")
+    return lines
+
+
 def _model_card(
     result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float], table: str, card: CardContext
 ) -> str:
@@ -301,6 +317,10 @@ def _model_card(
         f"- best epoch: {meta['epoch']}, validation accuracy {meta['val_accuracy']:.4f}",
         f"- classes: {', '.join(map(str, meta['classes']))}",
         *(f"- {key}: `{value}`" for key, value in sorted(card.lineage.items())),
+        "",
+        "## Training recipe",
+        "",
+        *_recipe_lines(meta.get("config", {})),
         "",
         "## Machine",
         "",

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as serialize
 from torch import nn
 
-from tasks.core.config.train import TrainConfig
+from tasks.core.config.train import RECIPE_KEYS, TrainConfig, recipe_changes
 from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed
 from tasks.train.models import Classifier, build_model
@@ -42,9 +42,11 @@ class CheckpointError(ExpectedFailure):
 
 
 def result_config(cfg: TrainConfig) -> dict[str, Any]:
-    """The train config that shapes the weights (everything but LAUNCH_KEYS and SOURCE_KEYS). Its `seed` is
-    left out too: the checkpoints record the seed actually used (train.seed or the top-level one) beside it."""
-    return cfg.model_dump(exclude={*LAUNCH_KEYS, *SOURCE_KEYS, "seed"})
+    """The train config that shapes the weights (everything but LAUNCH_KEYS and SOURCE_KEYS, and the recipe
+    options a run leaves at their defaults: RECIPE_KEYS). Its `seed` is left out too: the checkpoints
+    record the seed actually used (train.seed or the top-level one) beside it."""
+    unchanged = set(RECIPE_KEYS) - set(recipe_changes(cfg))
+    return cfg.model_dump(exclude={*LAUNCH_KEYS, *SOURCE_KEYS, *unchanged, "seed"})
 
 
 def checkpoint_metadata(

@@ -4,33 +4,36 @@
 loader for one process (a lone one, or one rank of a torchrun job); `Training.epoch` runs one epoch
 of it and returns that epoch's row of the history. Nothing here writes files or logs to MLflow.
 
-Data path: the split sits in memory as uint8 tensors; the DataLoader fetches whole batches
-(`__getitems__`), workers apply the random shift and mirror, and the model normalises on the device. No
-per-sample Python work, no PIL.
+Batches come from tasks/train/batches.py, augmented by tasks/train/augment.py; what happens around
+each optimiser step (warm-up, clipping, the weight EMA, early stopping) is tasks/train/recipe.py.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed, load_split
 from tasks.determinism.dispatch import installed as portable_installed
-from tasks.determinism.pinning import follow_load, loader_kwargs
+from tasks.determinism.pinning import follow_load
+from tasks.train.augment import BatchMixing
+from tasks.train.batches import BalancedSampler, build_loader, class_weights
 from tasks.train.checkpoints import cpu_state
 from tasks.train.devices import Distributed, resolve_device
 from tasks.train.models import build_model, head_name, predict, refuse_unportable, to_float
+from tasks.train.recipe import better, should_stop, warmup_factor, warmup_steps, weight_average
 
 # How often a GPU run reads back whether a loss was non-finite: each read makes the host wait for the
 # queued kernels, so it is amortised over steps (a diverged run wastes at most this many). On the CPU
@@ -41,82 +44,6 @@ ALONE = Distributed()  # a lone process: rank 0 of 1
 
 class TrainingDiverged(ExpectedFailure):
     """The loss became NaN or infinite; nothing of the failing epoch was written."""
-
-
-def shift_pixels(cfg: TrainConfig, image_size: tuple[int, ...]) -> int:
-    """`train.random_shift` in pixels: `auto` is an eighth of the shorter side, at least 1."""
-    return max(1, round(min(image_size) / 8)) if cfg.random_shift == "auto" else int(cfg.random_shift)
-
-
-class AugmentedBatches(Dataset):
-    """A split as uint8 tensors, fetched a batch at a time, randomly shifted and mirrored if asked.
-
-    A batch's shifts and flips are drawn from a generator seeded by (seed, the batch's sample
-    indices), so augmentation does not depend on which worker fetches the batch or on how many
-    workers there are: `num_workers` 0 and 2 give the same weights.
-    """
-
-    def __init__(self, split: Preprocessed, max_shift: int, hflip: bool, seed: int) -> None:
-        self.images = torch.from_numpy(np.ascontiguousarray(split.images))
-        self.labels = torch.from_numpy(np.ascontiguousarray(split.labels))
-        self.max_shift = max_shift
-        self.hflip = hflip
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.as_tensor(indices)
-        images, labels = self.images[index], self.labels[index]
-        if self.max_shift or self.hflip:
-            state = np.random.SeedSequence([self.seed, *indices]).generate_state(2, dtype=np.uint32)
-            if self.max_shift:
-                images = _random_shift(images, self.max_shift, torch.Generator().manual_seed(int(state[0])))
-            if self.hflip:
-                images = _random_hflip(images, torch.Generator().manual_seed(int(state[1])))
-        return images, labels
-
-
-def _random_hflip(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Mirror each image left-right with probability 1/2."""
-    flip = torch.rand(len(images), generator=generator) < 0.5
-    return torch.where(flip[:, None, None, None], images.flip(-1), images)
-
-
-def _random_shift(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
-    """Translate each image by up to `max_shift` pixels in x and y, filling with zeros."""
-    n, c, h, w = images.shape
-    padded = nn.functional.pad(images, (max_shift,) * 4)
-    dy, dx = torch.randint(0, 2 * max_shift + 1, (2, n, 1), generator=generator)
-    rows = (dy + torch.arange(h))[:, None, :, None]
-    cols = (dx + torch.arange(w))[:, None, None, :]
-    return padded[torch.arange(n)[:, None, None, None], torch.arange(c)[None, :, None, None], rows, cols]
-
-
-def _whole_batches(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    return batch  # __getitems__ already returns stacked tensors
-
-
-def _loader(split: Preprocessed, cfg: TrainConfig, seed: int, ranks: Distributed, device: torch.device):
-    dataset = AugmentedBatches(split, shift_pixels(cfg, split.images.shape[2:]), cfg.hflip, seed)
-    # The shuffle order is a function of (seed, epoch) alone, set through `set_epoch`, not of how
-    # much the loader's generator has been drawn from; the same sampler shards it across ranks.
-    sampler = DistributedSampler(dataset, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=True, seed=seed)
-    loader = DataLoader(
-        dataset,
-        batch_size=cfg.batch_size // ranks.world_size,
-        sampler=sampler,
-        num_workers=cfg.num_workers,
-        persistent_workers=cfg.num_workers > 0,
-        collate_fn=_whole_batches,
-        pin_memory=device.type == "cuda",
-        # forkserver, not fork: workers forked from an orchestrator's process (Prefect's threads and
-        # handlers) died at shutdown; a forkserver child starts clean. Costs one import of torch.
-        multiprocessing_context="forkserver" if cfg.num_workers > 0 else None,
-        **loader_kwargs(seed),
-    )
-    return sampler, loader
 
 
 def head_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -155,10 +82,11 @@ def _autocast(amp: str, device: torch.device) -> AbstractContextManager:
 @dataclass
 class Progress:
     """Where a training run stands after its last epoch: the history so far, and the best weights on
-    validation. What a resume checkpoint carries besides the model and optimiser (tasks/train/resume.py)."""
+    validation (by `train.monitor`). What a resume checkpoint carries besides the model and optimiser
+    (tasks/train/resume.py)."""
 
     history: list[dict[str, float]] = field(default_factory=list)
-    best_acc: float = -1.0
+    best_acc: float = -1.0  # the validation accuracy of the best epoch
     best_epoch: int = 0
     best_state: dict[str, torch.Tensor] | None = None
 
@@ -166,10 +94,11 @@ class Progress:
     def epoch(self) -> int:
         return int(self.history[-1]["epoch"]) if self.history else 0
 
-    def record(self, row: dict[str, float], model: nn.Module) -> None:
+    def record(self, row: dict[str, float], model: nn.Module, monitor: str = "val_accuracy") -> None:
         """Add an epoch's row; keep a copy of `model`'s weights if it is the best so far on validation."""
+        best = next((r[monitor] for r in self.history if r["epoch"] == self.best_epoch), None)
         self.history.append(row)
-        if row["val_accuracy"] > self.best_acc:
+        if better(row[monitor], best, monitor):
             self.best_acc, self.best_epoch = row["val_accuracy"], int(row["epoch"])
             self.best_state = cpu_state(model)
 
@@ -181,20 +110,36 @@ class Training:
     the checkpoints are written from it."""
 
     cfg: TrainConfig
-    model: nn.Module  # what is validated and saved
+    model: nn.Module  # what steps and is saved for a resume
     net: nn.Module  # what steps: `model`, or `model` wrapped for DDP by `distribute`
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     criterion: nn.Module
     autocast: AbstractContextManager
-    sampler: DistributedSampler
+    sampler: DistributedSampler | BalancedSampler
     loader: DataLoader
     device: torch.device
     ranks: Distributed
+    mixing: BatchMixing  # mixup / cutmix on the device
+    ema: AveragedModel | None = None  # train.ema_decay: the average is what is validated and shipped
     frozen: bool = False  # the backbone is held this epoch (train.freeze_backbone_epochs)
     progress: Progress = field(default_factory=Progress)
     on_batch: Callable[[], None] | None = None  # after each training step (a progress bar)
+
+    @property
+    def evaluated(self) -> nn.Module:
+        """The weights validated, kept as the best and written as the result: the EMA's when it is on."""
+        return self.ema.module if self.ema is not None else self.model
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.loader) if self.cfg.max_batches is None else min(len(self.loader), self.cfg.max_batches)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimiser steps per epoch: a step per `accumulate_steps` batches, and one for the rest."""
+        return math.ceil(self.batches_per_epoch / self.cfg.accumulate_steps)
 
     def distribute(self) -> None:
         """Wrap the model for DDP when there are several ranks (after a resume has restored it)."""
@@ -218,8 +163,12 @@ class Training:
             "val_accuracy": val_acc,
             "lr": self.scheduler.get_last_lr()[0],
         }
-        self.progress.record(row, self.model)
+        self.progress.record(row, self.evaluated, self.cfg.monitor)
         return row
+
+    def should_stop(self) -> bool:
+        """Early stopping (`train.early_stop_patience`), decided from the history alone."""
+        return should_stop(self.progress.history, self.cfg)
 
     def train_epoch(self, epoch: int) -> tuple[float, float]:
         """One pass over the (sharded, shuffled, at most `max_batches`) training split: loss, accuracy."""
@@ -249,10 +198,10 @@ class Training:
         """Loss and accuracy over the whole split, each sample counted once: rank r takes r::world."""
         if len(split.labels) == 0:
             return float("nan"), float("nan")
-        ranks = self.ranks
-        ranks.share_buffers(self.model)
+        ranks, model = self.ranks, self.evaluated
+        ranks.share_buffers(model)
         mine = slice(ranks.rank, None, ranks.world_size)
-        logits = predict(self.model, split.images[mine], self.device, batch_size=1024)
+        logits = predict(model, split.images[mine], self.device, batch_size=1024)
         labels = torch.from_numpy(split.labels[mine])
         loss = nn.functional.cross_entropy(
             logits, labels, label_smoothing=self.cfg.label_smoothing, reduction="sum"
@@ -278,20 +227,22 @@ def build_training(
         raise ValueError(
             f"train.batch_size {cfg.batch_size} is global and must divide by the {ranks.world_size} processes"
         )
+    num_classes, image_size = len(split.classes), tuple(split.images.shape[2:])
     if model is None:
-        model = build_model(cfg.model, len(split.classes), split.mean, split.std, list(split.images.shape[2:]))
+        model = build_model(cfg.model, num_classes, split.mean, split.std, list(image_size))
     if device.type == "cpu" and portable_installed():
         refuse_unportable(model)  # before the first step, naming the op (attention, a matrix-vector product ...)
     model = model.to(device)
     optimizer = _optimizer(cfg, model)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    weights = class_weights(split.labels, num_classes).to(device) if cfg.class_balance == "loss" else None
+    criterion = nn.CrossEntropyLoss(weight=weights, label_smoothing=cfg.label_smoothing)
     scheduler = _scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
     autocast = _autocast(cfg.amp, device)
-    sampler, loader = _loader(split, cfg, seed, ranks, device)
-    return Training(
-        cfg, model, model, optimizer, scheduler, scaler, criterion, autocast, sampler, loader, device, ranks
-    )
+    sampler, loader = build_loader(split, cfg, seed, ranks, device)
+    mixing = BatchMixing(cfg, num_classes, seed, ranks.rank)
+    parts = (optimizer, scheduler, scaler, criterion, autocast, sampler, loader, device, ranks, mixing)
+    return Training(cfg, model, model, *parts, ema=weight_average(cfg, model))
 
 
 def _limited(loader: DataLoader, max_batches: int | None) -> Iterator:
@@ -315,21 +266,27 @@ def _run_epoch(t: Training, batches: Iterable, epoch: int) -> tuple[float, float
     bad_step = torch.full((), -1, dtype=torch.int64, device=t.device)
     bad_loss = torch.zeros((), dtype=torch.float32, device=t.device)
     check_every = FINITE_CHECK_EVERY_CUDA if t.device.type == "cuda" else 1
+    accumulate, last = t.cfg.accumulate_steps, t.batches_per_epoch
     seen, step = 0, 0
     for step, (images, labels) in enumerate(batches, start=1):
         x, y = to_float(images, t.device), labels.to(t.device)
-        t.optimizer.zero_grad(set_to_none=True)
-        with t.autocast:
-            logits = t.net(x)
-            loss = t.criterion(logits, y)
-        first = (bad_step < 0) & ~torch.isfinite(loss.detach())
-        bad_step = torch.where(first, step, bad_step)
-        bad_loss = torch.where(first, loss.detach().float(), bad_loss)
-        if step % check_every == 0:
-            _stop_if_diverged(bad_step, bad_loss, epoch, t.ranks)
-        t.scaler.scale(loss).backward()
-        t.scaler.step(t.optimizer)
-        t.scaler.update()
+        x, target = t.mixing(x, y, epoch, step)
+        if (step - 1) % accumulate == 0:
+            t.optimizer.zero_grad(set_to_none=True)
+        stepping = step % accumulate == 0 or step == last
+        # DDP all-reduces the gradients once per optimiser step, not once per accumulated batch
+        with nullcontext() if stepping or t.net is t.model else t.net.no_sync():
+            with t.autocast:
+                logits = t.net(x)
+                loss = t.criterion(logits, target)
+            first = (bad_step < 0) & ~torch.isfinite(loss.detach())
+            bad_step = torch.where(first, step, bad_step)
+            bad_loss = torch.where(first, loss.detach().float(), bad_loss)
+            if step % check_every == 0:
+                _stop_if_diverged(bad_step, bad_loss, epoch, t.ranks)
+            t.scaler.scale(loss / accumulate if accumulate > 1 else loss).backward()
+        if stepping:
+            _optimizer_step(t, (epoch - 1) * t.steps_per_epoch + math.ceil(step / accumulate))
         loss_sum += loss.detach().double() * len(y)
         correct += (logits.argmax(1) == y).sum()
         seen += len(y)
@@ -339,6 +296,27 @@ def _run_epoch(t: Training, batches: Iterable, epoch: int) -> tuple[float, float
         _stop_if_diverged(bad_step, bad_loss, epoch, t.ranks)
     total_loss, total_correct, seen = t.ranks.all_reduce([loss_sum.item(), float(correct.item()), seen])
     return total_loss / seen, total_correct / seen
+
+
+def _optimizer_step(t: Training, step: int) -> None:
+    """Optimiser step `step` of the run (1-based): clipped, at the warm-up's share of the scheduled
+    learning rate, then folded into the EMA."""
+    if t.cfg.grad_clip_norm is not None:
+        t.scaler.unscale_(t.optimizer)  # clip the true gradients, not fp16's scaled ones
+        parameters = [p for group in t.optimizer.param_groups for p in group["params"]]
+        nn.utils.clip_grad_norm_(parameters, t.cfg.grad_clip_norm)
+    factor = warmup_factor(step, warmup_steps(t.cfg, t.steps_per_epoch))
+    scheduled = [group["lr"] for group in t.optimizer.param_groups]
+    if factor != 1.0:
+        for group in t.optimizer.param_groups:
+            group["lr"] *= factor
+    t.scaler.step(t.optimizer)
+    t.scaler.update()
+    if factor != 1.0:  # the epoch schedulers compute from the lr they set (cosine does so recursively)
+        for group, lr in zip(t.optimizer.param_groups, scheduled, strict=True):
+            group["lr"] = lr
+    if t.ema is not None:
+        t.ema.update_parameters(t.model)
 
 
 def _stop_if_diverged(bad_step: torch.Tensor, bad_loss: torch.Tensor, epoch: int, ranks: Distributed) -> None:
@@ -372,6 +350,9 @@ def fine_tune(model: nn.Module, cfg: TrainConfig, seed: int, pre_dir: Path, epoc
     train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
     # no backbone held, one learning rate: fine-tuning a compressed model is not fine-tuning a pretrained one
     update = {"lr": lr, "epochs": epochs, "scheduler": "cosine", "amp": "none", "freeze_backbone_epochs": 0}
-    tuning = cfg.model_copy(update={**update, "head_lr": None})
+    # nor the run-long parts of the recipe: a warm-up, an average that would hold a few epochs' weights
+    # near the uncompressed ones, or a stop before `epochs`
+    run_long = {"warmup_epochs": 0, "warmup_steps": 0, "ema_decay": None, "early_stop_patience": None}
+    tuning = cfg.model_copy(update={**update, **run_long, "head_lr": None})
     training = build_training(tuning, seed, train_split, resolve_device(cfg.device), model=model)
     return [training.epoch(epoch, val_split) for epoch in range(1, epochs + 1)]

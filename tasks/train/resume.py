@@ -1,8 +1,8 @@
 """Resumable training state: everything a restarted train stage needs to continue bit for bit.
 
 Every `train.checkpoint_every` epochs the train stage writes `resume_dir/resume.safetensors`: the
-model, the optimiser (tensors as tensors, the rest as JSON), scheduler and GradScaler state, the best
-model so far, the history, and the RNG states of every rank. A restarted stage (or a torchrun
+model, the optimiser (tensors as tensors, the rest as JSON), scheduler and GradScaler state, the weight
+EMA, the best model so far, the history, and the RNG states of every rank. A restarted stage (or a torchrun
 restart) that finds it continues, and its final weights equal an uninterrupted run's.
 """
 
@@ -44,6 +44,8 @@ def save(path: Path, training: Training, run_signature: str) -> None:
     progress = training.progress
     tensors = {f"model.{k}": v for k, v in cpu_state(training.model).items()}
     tensors.update({f"best.{k}": v for k, v in (progress.best_state or {}).items()})
+    if training.ema is not None:
+        tensors.update({f"ema.{k}": v for k, v in cpu_state(training.ema).items()})
     optim = training.optimizer.state_dict()
     scalars: dict[str, dict[str, Any]] = {}
     for index, values in optim["state"].items():
@@ -91,6 +93,8 @@ def restore(path: Path, training: Training, run_signature: str) -> bool:
         )
     tensors = read_safetensors(path)[1]
     training.model.load_state_dict(_prefixed(tensors, "model."))
+    if training.ema is not None:
+        training.ema.load_state_dict(_prefixed(tensors, "ema."))
     _restore_optimizer(training.optimizer, meta, tensors)
     training.scheduler.load_state_dict(meta["scheduler"])
     training.scaler.load_state_dict(meta["scaler"])

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from tasks.core import layout
 from tasks.core.atomic import atomic_files
 from tasks.core.config.train import TrainConfig
-from tasks.data.preprocess import load_split
+from tasks.data.preprocess import Preprocessed, load_split
 from tasks.train import resume
 from tasks.train.checkpoints import checkpoint_bytes, checkpoint_metadata, cpu_state
 from tasks.train.devices import join_process_group
@@ -52,6 +52,7 @@ class TrainResult:
     resumed_from_epoch: int | None
     pretrained: dict[str, str] | None = None  # the weights fine-tuned from: sha256, source, re-initialised tensors
     random_shift_px: int = 0  # train.random_shift in pixels (auto: from the image size)
+    stopped_early_at: int | None = None  # the last epoch trained, when early stopping ended the run
 
 
 def train(
@@ -88,20 +89,10 @@ def train(
     training.distribute()
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    epochs = range(progress.epoch + 1, cfg.epochs + 1)
-    with _batch_bar(training, len(epochs)) as bar:
-        for epoch in epochs:
-            started = time.monotonic()
-            row = training.epoch(epoch, val_split)  # recorded in training.progress
-            on_epoch(row)
-            bar.set_postfix(epoch=f"{epoch}/{cfg.epochs}", val_acc=f"{row['val_accuracy']:.4f}")
-            if ranks.rank == 0:
-                _log_epoch(row, cfg.epochs, time.monotonic() - started)
-            if resume_path is not None and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs):
-                resume.save(resume_path, training, signature)
+    _train_epochs(training, val_split, on_epoch, resume_path, signature)
 
     if progress.best_state is None:  # validation never scored (an empty split): the last weights are the best known
-        progress.best_state, progress.best_epoch = cpu_state(training.model), cfg.epochs
+        progress.best_state, progress.best_epoch = cpu_state(training.evaluated), progress.epoch
     result = _result(training, resumed_from, pretrained)
     if ranks.rank == 0:
         metadata = checkpoint_metadata(cfg, seed, train_split, ranks.world_size, pretrained)
@@ -111,6 +102,32 @@ def train(
     if ranks.world_size > 1:
         dist.barrier()  # no rank leaves (and no launcher reports success) before the files exist
     return result
+
+
+def _train_epochs(
+    training: Training, val: Preprocessed, on_epoch: OnEpoch, resume_path: Path | None, signature: str
+) -> None:
+    """The epochs left to train, up to `train.epochs` or an early stop, with a resume checkpoint every
+    `checkpoint_every` epochs and at the last one."""
+    cfg, rank = training.cfg, training.ranks.rank
+    # resumed from the checkpoint of the epoch that stopped the run: nothing is left to train
+    epochs = range(training.progress.epoch + 1, cfg.epochs + 1) if not training.should_stop() else range(0)
+    with _batch_bar(training, len(epochs)) as bar:
+        for epoch in epochs:
+            started = time.monotonic()
+            row = training.epoch(epoch, val)  # recorded in training.progress
+            on_epoch(row)
+            bar.set_postfix(epoch=f"{epoch}/{cfg.epochs}", val_acc=f"{row['val_accuracy']:.4f}")
+            if rank == 0:
+                _log_epoch(row, cfg.epochs, time.monotonic() - started)
+            stopping = training.should_stop()
+            if stopping and rank == 0:
+                log.info("early stop after epoch %d: %s has not improved for %d epochs", epoch, cfg.monitor,
+                         cfg.early_stop_patience)  # fmt: skip
+            if resume_path is not None and (epoch % cfg.checkpoint_every == 0 or epoch == cfg.epochs or stopping):
+                resume.save(resume_path, training, signature)
+            if stopping:
+                return
 
 
 def _batch_bar(training: Training, epochs: int) -> tqdm:
@@ -147,6 +164,7 @@ def _result(training: Training, resumed_from: int | None, pretrained: Pretrained
         resumed_from_epoch=resumed_from,
         pretrained=pretrained.lineage() if pretrained else None,
         random_shift_px=training.loader.dataset.max_shift,
+        stopped_early_at=progress.epoch if progress.epoch < training.cfg.epochs else None,
     )
 
 
@@ -154,10 +172,10 @@ def _write_outputs(out_dir: Path, training: Training, result: TrainResult, metad
     """All four outputs replaced together: a kill or a full disk leaves the previous four."""
     progress = training.progress
     best = {**metadata, "epoch": progress.best_epoch, "val_accuracy": progress.best_acc}
-    last = {**metadata, "epoch": training.cfg.epochs, "val_accuracy": progress.history[-1]["val_accuracy"]}
+    last = {**metadata, "epoch": progress.epoch, "val_accuracy": progress.history[-1]["val_accuracy"]}
     contents = {
         "best.safetensors": checkpoint_bytes(progress.best_state, best),
-        "last.safetensors": checkpoint_bytes(cpu_state(training.model), last),
+        "last.safetensors": checkpoint_bytes(cpu_state(training.evaluated), last),
         "history.json": (json.dumps(progress.history, indent=2) + "\n").encode(),
         "train.json": (json.dumps(asdict(result), indent=2) + "\n").encode(),
     }

@@ -99,6 +99,7 @@ def test_model_card_and_registry(dvc_repo: dict[str, Any]) -> None:
     card = (export_dir / "model_card.md").read_text()
     data_md5 = yaml.safe_load((repo / "data.dvc").read_text())["outs"][0]["md5"]
     assert data_md5 in card and '"seed": 42' in card and '"lr": 0.05' in card
+    assert "## Training recipe" in card and "- optimizer: `sgd`" in card and "ema_decay `None`" in card
     assert "| static_int8 |" in card and "| pruned_l1 |" in card  # the compression table
     assert "Not built: dynamic_int8, qat_int8, pruned_ln" in card  # what `compress.variants: all` would add
     (compress_run,) = _stage_runs(repo, "compress")

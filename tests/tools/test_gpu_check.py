@@ -68,13 +68,14 @@ def test_every_model_and_optimiser_of_the_config_steps_in_strict_mode(cpu_run: d
 
 def test_fp32_and_bf16_training_twice_gives_equal_weight_bytes(cpu_run: dict[str, Any]) -> None:
     rows = _rows(cpu_run["report"], "determinism")
-    for name in ("resnet9 fp32", "resnet9 bf16"):
+    for name in ("resnet9 fp32", "resnet9 bf16", "resnet9 fp32 recipe", "resnet9 bf16 recipe"):
         row = rows[name]
         first, second = row["numbers"]["sha256"]
         assert row["status"] == "pass", row
         assert first == second and len(first) == 64
         assert row["numbers"]["weights_changed"] is True  # equal because deterministic, not because untouched
     assert rows["resnet9 fp32"]["numbers"]["sha256"] != rows["resnet9 bf16"]["numbers"]["sha256"]
+    assert rows["resnet9 fp32"]["numbers"]["sha256"] != rows["resnet9 fp32 recipe"]["numbers"]["sha256"]
 
 
 def test_fp16_is_not_applicable_on_cpu_rather_than_passed(cpu_run: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """DDP and exact resume, on CPU with gloo: real `python -m tasks train` processes, real torchrun.
 
-1. DDP with 2 processes, twice: byte-identical weights.
+1. DDP with 2 processes (and the recipe options of the optimiser step), twice: byte-identical weights.
 2. SIGKILL after epoch k, restart: byte-identical to an uninterrupted run (one process, and DDP);
    torchrun --max-restarts recovers a killed rank the same way; another world size is refused.
 3. Two torchrun launchers with --nnodes 2 and c10d rendezvous on 127.0.0.1 give the result of
@@ -49,7 +49,20 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work / "preprocessed"
 
 
+# DDP runs train with the recipe options that touch the optimiser step: accumulated batches (synced once
+# per step), clipping, warm-up and the weight EMA, balanced sampling across ranks; all must resume exactly.
+DDP_RECIPE = {
+    "accumulate_steps": 2,
+    "grad_clip_norm": 1.0,
+    "warmup_epochs": 1,
+    "ema_decay": 0.9,
+    "class_balance": "sampler",
+}
+
+
 def _project(data: Path, where: Path, **train: object) -> Path:
+    if train.get("strategy") == "ddp":
+        train = {**DDP_RECIPE, **train}
     (where / "artifacts").mkdir(parents=True)
     (where / "artifacts" / "preprocessed").symlink_to(data)
     write_params(
@@ -156,6 +169,8 @@ def test_ddp_stage_logs_one_mlflow_run_with_bf16(data: Path, tmp_path: Path) -> 
     assert len(train_runs) == 1  # one run for the job, not one per rank
     tags = train_runs[0].data.tags
     assert (tags["train.world_size"], tags["train.backend"], tags["train.amp"]) == ("2", "gloo", "bf16")
+    logged = train_runs[0].data.params  # the recipe options are the run's params
+    assert {k: logged[f"train.{k}"] for k in DDP_RECIPE} == {k: str(v) for k, v in DDP_RECIPE.items()}
     steps = [m.step for m in client.get_metric_history(train_runs[0].info.run_id, "val_accuracy")]
     assert steps == [1, 2]
 
@@ -180,7 +195,7 @@ def test_sigkill_then_restart_gives_identical_weights_ddp(
     killed_after = _kill_after(project, 2, _everything)
     assert killed_after in (2, 4)
     # the same checkpoint under another world size is refused, naming the file and both sizes
-    other = _project(data, tmp_path / "other")
+    other = _project(data, tmp_path / "other", **DDP_RECIPE)  # the same config: only the world size differs
     (other / "artifacts/train-resume").mkdir()
     resume = project / "artifacts/train-resume/resume.safetensors"
     (other / "artifacts/train-resume/resume.safetensors").write_bytes(resume.read_bytes())

@@ -20,9 +20,10 @@ from tasks.data.download import download
 from tasks.data.preprocess import Preprocessed, load_split, preprocess
 from tasks.data.stats import compute_stats
 from tasks.determinism.pinning import pin_everything
+from tasks.train.augment import AugmentedBatches, shift_pixels
 from tasks.train.checkpoints import CheckpointError, load_checkpoint, result_config
 from tasks.train.evaluate import evaluate
-from tasks.train.loop import AugmentedBatches, build_training, shift_pixels
+from tasks.train.loop import build_training
 from tasks.train.stage import train
 from tests.conftest import ROOT, run, subprocess_env, write_params
 

@@ -126,6 +126,20 @@ class TrainConfig(Section):
     # The seed of the model's initialisation, the batch order and the augmentation; null: the top-level
     # seed. A sweep trial trains with its own (tasks/tools/sweep.py) on the data the top-level seed split.
     seed: int | None = Field(None, ge=0, lt=2**32)
+    # The training recipe (tasks/train/recipe.py, tasks/train/augment.py, tasks/train/batches.py): every
+    # option off by default, each a function of (seed, epoch, step), so deterministic and resumable.
+    monitor: Literal["val_accuracy", "val_loss"] = "val_accuracy"  # picks best.safetensors; early stopping watches it
+    early_stop_patience: int | None = Field(None, ge=1, le=MAX_EPOCHS)  # epochs without improvement; null: never
+    early_stop_min_delta: float = Field(0.0, ge=0, le=1e6)  # a smaller change of `monitor` is no improvement
+    warmup_epochs: int = Field(0, ge=0, le=MAX_EPOCHS)  # the lr rises linearly over the first N epochs' steps
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)  # ... or over the first N optimiser steps (give one)
+    grad_clip_norm: float | None = Field(None, gt=0, le=1e6)  # the gradients' global L2 norm, at most
+    accumulate_steps: int = Field(1, ge=1, le=MAX_BATCH)  # batches per optimiser step (ddp: synced once per step)
+    ema_decay: float | None = Field(None, gt=0, lt=1)  # an exponential moving average of the weights ships
+    class_balance: Literal["none", "loss", "sampler"] = "none"  # inverse-frequency loss weights, or sampling
+    augment: Literal["shift_flip", "none", "trivialaugment", "randaugment", "resized_crop"] = "shift_flip"
+    mixup_alpha: float = Field(0.0, ge=0, le=100)  # > 0: mix image pairs (Beta(alpha, alpha) weights)
+    cutmix_alpha: float = Field(0.0, ge=0, le=100)  # > 0: paste a patch of another image (both: one per batch)
 
     @field_validator("model")
     @classmethod
@@ -149,6 +163,12 @@ class TrainConfig(Section):
         return self.model_copy(update=update) if update else self
 
     @model_validator(mode="after")
+    def _one_warmup(self) -> TrainConfig:
+        if self.warmup_epochs and self.warmup_steps:
+            raise ValueError("warmup_epochs and warmup_steps: give one (the other stays 0)")
+        return self
+
+    @model_validator(mode="after")
     def _pretrained_is_verified(self) -> TrainConfig:
         if self.pretrained_path is not None and self.pretrained_url is not None:
             raise ValueError("pretrained_path and pretrained_url: give one (a local file, or a URL to download)")
@@ -166,6 +186,30 @@ class TrainConfig(Section):
         if not given and self.pretrained_sha256 is not None:
             raise ValueError("pretrained_sha256 without pretrained, pretrained_path or pretrained_url")
         return self
+
+
+# The recipe options above. A run that leaves one at its default records no key for it (checkpoints,
+# resume signature: tasks/train/checkpoints.py), so its files are the bytes of a run from before the
+# option existed, and the model card lists only the options a run changed.
+RECIPE_KEYS = (
+    "monitor",
+    "early_stop_patience",
+    "early_stop_min_delta",
+    "warmup_epochs",
+    "warmup_steps",
+    "grad_clip_norm",
+    "accumulate_steps",
+    "ema_decay",
+    "class_balance",
+    "augment",
+    "mixup_alpha",
+    "cutmix_alpha",
+)
+
+
+def recipe_changes(cfg: TrainConfig) -> dict[str, object]:
+    """The recipe options `cfg` sets away from their defaults."""
+    return {k: getattr(cfg, k) for k in RECIPE_KEYS if getattr(cfg, k) != TrainConfig.model_fields[k].default}
 
 
 class EvaluateConfig(Section):

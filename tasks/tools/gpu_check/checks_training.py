@@ -1,5 +1,5 @@
 """Checks 1 and 2: every model x optimiser steps in strict mode, and the same training twice gives the
-same weight bytes, per precision."""
+same weight bytes, per precision, and with the training recipe's options on."""
 
 from __future__ import annotations
 
@@ -45,6 +45,19 @@ def strict_checks(options: CheckOptions) -> Iterator[Check]:
 # --- 2. determinism: same weights twice, per precision -------------------------------------------
 
 PRECISIONS = {"fp32": "none", "bf16": "bf16", "fp16": "fp16"}  # row label -> train.amp
+# Every recipe option that draws or keeps state (tasks/train/recipe.py, augment.py, batches.py): on the
+# GPU mixup/cutmix, clipping and the EMA run on the device, where strict mode must find deterministic kernels.
+RECIPE = {
+    "accumulate_steps": 2,
+    "grad_clip_norm": 1.0,
+    "warmup_steps": 4,
+    "ema_decay": 0.9,
+    "class_balance": "sampler",
+    "augment": "trivialaugment",
+    "mixup_alpha": 0.2,
+    "cutmix_alpha": 1.0,
+    "hflip": True,
+}
 
 
 def determinism_checks(options: CheckOptions) -> Iterator[Check]:
@@ -60,6 +73,11 @@ def determinism_checks(options: CheckOptions) -> Iterator[Check]:
                 continue
             cfg = train_config(options, model=model, amp=amp, batch_size=sizes.batch_size, max_batches=sizes.steps)
             yield _twice(options, cfg, split, name)
+    for label in ("fp32", "bf16"):  # the recipe, on the default model
+        cfg = train_config(
+            options, model=COMPRESS_MODEL, amp=PRECISIONS[label], batch_size=sizes.batch_size, max_batches=sizes.steps
+        )
+        yield _twice(options, cfg.model_copy(update=RECIPE), split, f"{COMPRESS_MODEL} {label} recipe")
 
 
 def _twice(options: CheckOptions, cfg: TrainConfig, split: Preprocessed, name: str) -> Check:
@@ -71,12 +89,12 @@ def _twice(options: CheckOptions, cfg: TrainConfig, split: Preprocessed, name: s
     }
     try:
         first, initial = trained(options, cfg, split)
-        first_sha = digest(cpu_state(first.model))
+        first_sha = digest(cpu_state(first.evaluated))  # the EMA's when the recipe keeps one
         changed = digest(dict(first.model.named_parameters())) != initial
         scale = first.scaler.get_scale() if first.scaler.is_enabled() else None
         del first
         second, _ = trained(options, cfg, split)
-        second_sha = digest(cpu_state(second.model))
+        second_sha = digest(cpu_state(second.evaluated))
     except Exception as exc:
         return Check("determinism", name, FAIL, describe(exc), numbers)
     numbers.update(sha256=[first_sha, second_sha], equal=first_sha == second_sha, weights_changed=changed)

@@ -1,0 +1,156 @@
+"""Augmentation, seeded so that the bytes stay fixed: `train.augment`, `train.random_shift`, `train.hflip`,
+`train.mixup_alpha`, `train.cutmix_alpha`.
+
+Two places, each with its own seed:
+- While a batch is fetched (`AugmentedBatches`, in the DataLoader's workers when `num_workers` > 0):
+  the random shift, the mirror, then torchvision.transforms.v2's policy (TrivialAugment, RandAugment,
+  RandomResizedCrop) per image, drawn from (seed, the batch's sample indices), so the number of loader
+  workers changes nothing. A policy is Python per image (a few hundred microseconds each, on any
+  device): in workers it overlaps the training step, where on the GPU it would hold the step up.
+- On the device, in the training loop (`BatchMixing`): MixUp or CutMix, one draw per batch, cheap,
+  seeded from (seed, epoch, step, rank).
+v2 draws its choices from torch's global CPU generator, so each draw runs with that generator seeded
+and put back afterwards (`_seeded`): nothing else's random stream moves, and an interrupted and
+resumed run augments each batch as the unbroken one did. On the CPU in portable mode the v2 ops run on
+the pinned ATen kernels, and the loader's workers compute in portable mode as the training process
+does (tasks/determinism/pinning.py), so the bytes are the same on every x86-64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from tasks.core.config.train import TrainConfig
+from tasks.data.preprocess import Preprocessed
+
+# The presets that shift and mirror while fetching (random_shift, hflip); resized_crop crops instead
+# of shifting (and still mirrors), none does nothing.
+SHIFTING = ("shift_flip", "trivialaugment", "randaugment")
+# RandomResizedCrop's area range for photos: torchvision's reference recipe uses (0.08, 1) on 224 px
+# ImageNet crops; on 32 px images a crop of 8% (9x9 px) upscaled leaves little of the object.
+CROP_SCALE = (0.25, 1.0)
+Transform = Callable[[torch.Tensor], torch.Tensor]  # a torchvision v2 transform of one uint8 image
+
+
+def shift_pixels(cfg: TrainConfig, image_size: tuple[int, ...]) -> int:
+    """`train.random_shift` in pixels under a shifting preset: `auto` is an eighth of the shorter side,
+    at least 1; 0 under the other presets."""
+    if cfg.augment not in SHIFTING:
+        return 0
+    return max(1, round(min(image_size) / 8)) if cfg.random_shift == "auto" else int(cfg.random_shift)
+
+
+class AugmentedBatches(Dataset):
+    """A split as uint8 tensors, fetched a batch at a time, randomly shifted and mirrored if asked.
+
+    A batch's shifts and flips are drawn from a generator seeded by (seed, the batch's sample
+    indices), so augmentation does not depend on which worker fetches the batch or on how many
+    workers there are: `num_workers` 0 and 2 give the same weights.
+    """
+
+    def __init__(
+        self, split: Preprocessed, max_shift: int, hflip: bool, seed: int, policy: Transform | None = None
+    ) -> None:
+        self.images = torch.from_numpy(np.ascontiguousarray(split.images))
+        self.labels = torch.from_numpy(np.ascontiguousarray(split.labels))
+        self.max_shift = max_shift
+        self.hflip = hflip
+        self.seed = seed
+        self.policy = policy  # per image, after the shift and the mirror
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.as_tensor(indices)
+        images, labels = self.images[index], self.labels[index]
+        if self.max_shift or self.hflip or self.policy is not None:
+            state = np.random.SeedSequence([self.seed, *indices]).generate_state(3, dtype=np.uint32)
+            if self.max_shift:
+                images = _random_shift(images, self.max_shift, torch.Generator().manual_seed(int(state[0])))
+            if self.hflip:
+                images = _random_hflip(images, torch.Generator().manual_seed(int(state[1])))
+            if self.policy is not None:
+                with _seeded(int(state[2])):
+                    images = torch.stack([self.policy(image) for image in images])
+        return images, labels
+
+
+def augmented_batches(split: Preprocessed, cfg: TrainConfig, seed: int) -> AugmentedBatches:
+    """The training split as `cfg` fetches it: shifted, mirrored and through the policy its preset names."""
+    mirror = bool(cfg.hflip) and cfg.augment != "none"
+    size = split.images.shape[2:]
+    return AugmentedBatches(split, shift_pixels(cfg, size), mirror, seed, _policy(cfg.augment, tuple(size)))
+
+
+def _policy(preset: str, image_size: tuple[int, ...]) -> Transform | None:
+    if preset not in ("trivialaugment", "randaugment", "resized_crop"):
+        return None
+    from torchvision.transforms import v2  # here: a run without a policy never loads it
+
+    if preset == "trivialaugment":
+        return v2.TrivialAugmentWide()
+    if preset == "randaugment":
+        return v2.RandAugment()
+    return v2.RandomResizedCrop(list(image_size), scale=CROP_SCALE, antialias=True)
+
+
+def _random_hflip(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Mirror each image left-right with probability 1/2."""
+    flip = torch.rand(len(images), generator=generator) < 0.5
+    return torch.where(flip[:, None, None, None], images.flip(-1), images)
+
+
+def _random_shift(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Translate each image by up to `max_shift` pixels in x and y, filling with zeros."""
+    n, c, h, w = images.shape
+    padded = nn.functional.pad(images, (max_shift,) * 4)
+    dy, dx = torch.randint(0, 2 * max_shift + 1, (2, n, 1), generator=generator)
+    rows = (dy + torch.arange(h))[:, None, :, None]
+    cols = (dx + torch.arange(w))[:, None, None, :]
+    return padded[torch.arange(n)[:, None, None, None], torch.arange(c)[None, :, None, None], rows, cols]
+
+
+class BatchMixing:
+    """MixUp or CutMix (`train.mixup_alpha`, `train.cutmix_alpha`) of whole batches on the training device."""
+
+    def __init__(self, cfg: TrainConfig, num_classes: int, seed: int, rank: int) -> None:
+        mixers = []
+        if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
+            from torchvision.transforms import v2
+
+            if cfg.mixup_alpha > 0:
+                mixers.append(v2.MixUp(alpha=cfg.mixup_alpha, num_classes=num_classes))
+            if cfg.cutmix_alpha > 0:
+                mixers.append(v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=num_classes))
+        # both: one of the two per batch, at even odds (torchvision's reference recipe)
+        self.mixer = v2.RandomChoice(mixers) if len(mixers) > 1 else (mixers[0] if mixers else None)
+        self.seed, self.rank = seed, rank
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float batch and its labels, mixed: the images and the targets (class probabilities) the loss
+        is taken against; unmixed, the labels themselves."""
+        if self.mixer is None:
+            return x, y
+        seed = np.random.SeedSequence([self.seed, epoch, step, self.rank]).generate_state(1)[0]
+        with _seeded(int(seed)):
+            return self.mixer(x, y)
+
+
+class _seeded:
+    """torch's CPU generator seeded for a block, and put back as it was after it (v2 draws from it)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_rng_state()
+        torch.default_generator.manual_seed(self.seed)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state(self.saved)
