@@ -30,6 +30,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         compression,
         contention,
         cpu_mode,
+        large_split,
         pipeline_overhead,
         scaling,
         stats_loop,
@@ -49,6 +50,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
             "B9": lambda work: cpu_mode.b9(work, rounds=1, epochs=1, steps=1, batch=4, one_process=True),
             "B10": lambda work: sweeps.b10(work, smoke=True),
             "B11": lambda work: contention.b11(rounds=1, steps=1),
+            "B12": lambda work: large_split.b12(work, smoke=True),
         }
     return {
         "B1": lambda work: train_epoch.b1_b8(work, rounds=5),  # B8 too: the same set-up
@@ -61,6 +63,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B9": lambda work: cpu_mode.b9(work, rounds=3, epochs=4, steps=6),
         "B10": lambda work: sweeps.b10(work),
         "B11": lambda work: contention.b11(rounds=3, steps=4),
+        "B12": lambda work: large_split.b12(work),
     }
 
 

@@ -15,10 +15,9 @@ peak RSS is its own and not what an earlier step left behind. The child reports:
   forkserver and persistent workers starting);
 - `output_bytes`: what the step writes (stats.json; the preprocessed folder; nothing for an epoch);
 - `held_bytes`: what the step keeps in memory by design: nothing for stats and preprocess (they
-  stream one chunk at a time and write with plain file writes), the training split as uint8
-  tensors for an epoch (the stage keeps it in memory so that batches are slices, not decodes);
-- `shmem_mib`: shared memory in its RSS after the first run (torch hands the dataset to the
-  DataLoader's worker processes through shared memory: a copy of the split, in this process).
+  stream one chunk at a time and write with plain file writes), the training split's labels for an
+  epoch (its images are read from their file batch by batch, as the train stage reads them);
+- `shmem_mib`: shared memory in its RSS after the first run.
 
 Steps, each the stage's own code: stats = `tasks.data.stats.compute_stats`; preprocess =
 `tasks.data.preprocess.preprocess`; epoch = one epoch of `tasks.train.loop`'s loop (`build_training` with the
@@ -174,11 +173,11 @@ def _epoch(pre: Path, p: Params, cfg: TrainConfig) -> tuple[Callable[[], None], 
     """One epoch of the train stage's loop as a callable; set-up happens on its first call.
 
     As `tasks.train.stage.train` runs it for one process: pin_everything (as the stage runner does), then
-    `tasks.train.loop.build_training` (the split as uint8 tensors, the model, optimiser, loss, the
-    seeded loader with whole-batch fetches and persistent workers) and `train_epoch` per epoch.
+    `tasks.train.loop.build_training` (the split's images read from their file per batch, the model,
+    optimiser, loss, the seeded loader with whole-batch fetches and persistent workers) and
+    `train_epoch` per epoch.
     Validation, checkpoints and tracking are per-epoch costs of the stage but not of "an epoch" of
-    training. The loader's workers are processes of their own: their RSS is not in this one's (a
-    copy of the split that torch moves to shared memory for them is, where this process writes it).
+    training. The loader's workers are processes of their own: their RSS is not in this one's.
     """
     from tasks.data.preprocess import load_split
     from tasks.determinism.pinning import pin_everything
@@ -190,13 +189,13 @@ def _epoch(pre: Path, p: Params, cfg: TrainConfig) -> tuple[Callable[[], None], 
 
     def run() -> None:
         if not state["epoch"]:  # set-up is part of the step (loading the split is its memory)
-            state["split"] = load_split(pre, "train")
+            state["split"] = load_split(pre, "train", stream=True)  # as the train stage reads it
             state["training"] = build_training(cfg, p.seed, state["split"], resolve_device(cfg.device))
         state["epoch"] += 1
         state["training"].train_epoch(state["epoch"])
 
-    def held() -> int:
-        return int(state["split"].images.nbytes + state["split"].labels.nbytes)
+    def held() -> int:  # the labels: the images stay in their file
+        return int(state["split"].labels.nbytes)
 
     return run, held
 

@@ -16,6 +16,7 @@ batches on the device with the mean/std recorded here, which come from the stats
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -97,18 +98,24 @@ def _write_channels_first(rows: NpyRows, indices: np.ndarray, path: Path) -> Non
 class Preprocessed:
     """One split as loaded for training or evaluation."""
 
-    images: np.ndarray  # (N, C, H, W) uint8
+    images: np.ndarray | NpyRows  # (N, C, H, W) uint8; NpyRows: read from the file as they are needed
     labels: np.ndarray  # (N,) int64
     classes: list[str]
     mean: list[float]
     std: list[float]
 
 
-def load_split(pre_dir: Path, name: str) -> Preprocessed:
-    """Read one split written by `preprocess`; errors name the file that is missing or wrong."""
+def load_split(pre_dir: Path, name: str, stream: bool = False) -> Preprocessed:
+    """Read one split written by `preprocess`; errors name the file that is missing or wrong.
+
+    `stream`: the images stay in their file and are read as batches need them (`NpyRows`), so a split
+    larger than memory trains, and this process's memory does not grow with the data (the kernel's
+    page cache keeps what it can). Otherwise they are loaded whole.
+    """
     pre_dir = Path(pre_dir)
     meta = read_meta(pre_dir, FORMAT, "the preprocess stage")
-    images, labels = (_load_verified(pre_dir / f"{name}_{kind}.npy", meta) for kind in ("images", "labels"))
+    images = _load_verified(pre_dir / f"{name}_images.npy", meta, stream)
+    labels = _load_verified(pre_dir / f"{name}_labels.npy", meta)
     expected = (meta["split_sizes"][name], *meta["image_shape"])
     if images.shape != expected or labels.shape != expected[:1]:
         raise ExpectedFailure(
@@ -117,7 +124,28 @@ def load_split(pre_dir: Path, name: str) -> Preprocessed:
     return Preprocessed(images, labels, list(meta["classes"]), list(meta["mean"]), list(meta["std"]))
 
 
-def _load_verified(path: Path, meta: dict) -> np.ndarray:
+def take_rows(images: np.ndarray | NpyRows, indices: np.ndarray | list[int]) -> np.ndarray:
+    """`images[indices]`, in the order given (repeats too), from memory or from the file."""
+    if not isinstance(images, NpyRows):
+        return images[np.asarray(indices)]
+    order = np.argsort(indices, kind="stable")  # the file is read in ascending order, a run at a time
+    rows = images.read(np.asarray(indices)[order])
+    taken = np.empty_like(rows)
+    taken[order] = rows
+    return taken
+
+
+def read_rows(images: np.ndarray | NpyRows, indices: np.ndarray, block: int) -> Iterator[np.ndarray]:
+    """`images[indices]` (ascending) in blocks of `block` rows, from memory or from the file; a block
+    read from the file is overwritten by the next, so use it before asking for the next one."""
+    if isinstance(images, NpyRows):
+        yield from images.chunks(indices, block)
+        return
+    for start in range(0, len(indices), block):
+        yield images[indices[start : start + block]]
+
+
+def _load_verified(path: Path, meta: dict, stream: bool = False) -> np.ndarray | NpyRows:
     """An array file of the preprocessed set, refused unless its bytes are the ones preprocess wrote.
 
     Shape checks catch a truncated file; only the digest catches a changed byte (a disk error, a
@@ -132,6 +160,6 @@ def _load_verified(path: Path, meta: dict) -> np.ndarray:
             "it); run the preprocess stage again (`dvc repro` does so by itself)"
         )
     try:
-        return np.load(path, allow_pickle=False)
+        return NpyRows(path) if stream else np.load(path, allow_pickle=False)
     except (ValueError, OSError) as exc:
         raise ExpectedFailure(f"{path}: not a readable array: {exc}") from None

@@ -37,7 +37,7 @@ from torch import nn
 from tasks.core.atomic import atomic_dir
 from tasks.core.config.ship import VARIANTS, CompressConfig
 from tasks.core.config.train import TrainConfig
-from tasks.data.preprocess import load_split
+from tasks.data.preprocess import load_split, take_rows
 from tasks.ship import prune, quantize
 from tasks.ship.onnx_model import as_pixels, export_onnx, label, median_latency_ms, predict, session, weight_counts
 from tasks.train.checkpoints import load_checkpoint
@@ -77,10 +77,10 @@ def compress(
     """
     if isinstance(cfg.variants, str):  # "auto" is resolved against export.candidates by Params
         raise ValueError("compress.variants: auto needs export.candidates: pass params.compress, or for_candidates()")
-    train, test = load_split(pre_dir, "train"), load_split(pre_dir, "test")
+    train, test = load_split(pre_dir, "train", stream=True), load_split(pre_dir, "test")
     model, _ = load_checkpoint(checkpoint, test)
     model.eval()
-    example = torch.from_numpy(as_pixels(train.images[:64]))
+    example = torch.from_numpy(as_pixels(take_rows(train.images, np.arange(min(64, len(train.labels))))))
     history: dict[str, list[dict]] = {}
 
     def tune(epochs: int, lr: float, name: str) -> Callable[[nn.Module], object]:
@@ -100,7 +100,9 @@ def compress(
             if name == "dynamic_int8":
                 quantize.dynamic_int8(fp32, path)
             elif name == "static_int8":
-                quantize.static_int8(fp32, path, train.images[_calibration_indices(len(train.labels), cfg, seed)])
+                quantize.static_int8(
+                    fp32, path, take_rows(train.images, _calibration_indices(len(train.labels), cfg, seed))
+                )
             elif name == "qat_int8":
                 quantize.qat_int8(copy.deepcopy(model), example, tune(cfg.qat_epochs, cfg.qat_lr, name), path)
             else:

@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from tasks.core.config.train import TrainConfig
-from tasks.data.preprocess import Preprocessed
+from tasks.data.formats import NpyRows
+from tasks.data.preprocess import Preprocessed, take_rows
 
 # The presets that shift and mirror while fetching (random_shift, hflip); resized_crop crops instead
 # of shifting (and still mirrors), none does nothing.
@@ -46,7 +47,7 @@ def shift_pixels(cfg: TrainConfig, image_size: tuple[int, ...]) -> int:
 
 
 class AugmentedBatches(Dataset):
-    """A split as uint8 tensors, fetched a batch at a time, randomly shifted and mirrored if asked.
+    """A split of uint8 images, fetched a batch at a time, randomly shifted and mirrored if asked.
 
     A batch's shifts and flips are drawn from a generator seeded by (seed, the batch's sample
     indices), so augmentation does not depend on which worker fetches the batch or on how many
@@ -56,7 +57,9 @@ class AugmentedBatches(Dataset):
     def __init__(
         self, split: Preprocessed, max_shift: int, hflip: bool, seed: int, policy: Transform | None = None
     ) -> None:
-        self.images = torch.from_numpy(np.ascontiguousarray(split.images))
+        # in memory, or rows of the file read per batch (a split larger than memory: tasks/data/preprocess.py)
+        self.rows = split.images if isinstance(split.images, NpyRows) else None
+        self.images = None if self.rows is not None else torch.from_numpy(np.ascontiguousarray(split.images))
         self.labels = torch.from_numpy(np.ascontiguousarray(split.labels))
         self.max_shift = max_shift
         self.hflip = hflip
@@ -68,7 +71,7 @@ class AugmentedBatches(Dataset):
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.as_tensor(indices)
-        images, labels = self.images[index], self.labels[index]
+        images, labels = self._images(indices), self.labels[index]
         if self.max_shift or self.hflip or self.policy is not None:
             state = np.random.SeedSequence([self.seed, *indices]).generate_state(3, dtype=np.uint32)
             if self.max_shift:
@@ -79,6 +82,11 @@ class AugmentedBatches(Dataset):
                 with _seeded(int(state[2])):
                     images = torch.stack([self.policy(image) for image in images])
         return images, labels
+
+    def _images(self, indices: list[int]) -> torch.Tensor:
+        if self.rows is None:
+            return self.images[torch.as_tensor(indices)]
+        return torch.from_numpy(take_rows(self.rows, indices))
 
 
 def augmented_batches(split: Preprocessed, cfg: TrainConfig, seed: int) -> AugmentedBatches:

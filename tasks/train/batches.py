@@ -1,8 +1,9 @@
 """The training batches: which samples each step sees, on every rank, and how classes are weighed
 (`train.class_balance`).
 
-The split sits in memory as uint8 tensors; the DataLoader fetches whole batches (`__getitems__`,
-tasks/train/augment.py), and the model normalises on the device. No per-sample Python work, no PIL.
+The train stage reads the split's uint8 rows from their file as each batch needs them (a split larger
+than memory trains; tasks/data/preprocess.py), others hold it in memory; the DataLoader fetches whole
+batches (`__getitems__`, tasks/train/augment.py), and the model normalises on the device. No PIL.
 The order is a function of (seed, epoch) alone, set through the sampler's `set_epoch`, and one
 sampler shards it across DDP ranks.
 """

@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -25,7 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
-from tasks.data.preprocess import Preprocessed, load_split
+from tasks.data.preprocess import Preprocessed, load_split, read_rows
 from tasks.determinism.dispatch import installed as portable_installed
 from tasks.determinism.pinning import follow_load
 from tasks.train.augment import BatchMixing
@@ -40,6 +41,7 @@ from tasks.train.recipe import better, should_stop, warmup_factor, warmup_steps,
 # there is nothing to wait for: every step is checked, before its update.
 FINITE_CHECK_EVERY_CUDA = 50
 ALONE = Distributed()  # a lone process: rank 0 of 1
+VALIDATION_BLOCK = 8 * 1024  # images read at once to validate: a multiple of predict's batch of 1024
 
 
 class TrainingDiverged(ExpectedFailure):
@@ -200,8 +202,10 @@ class Training:
             return float("nan"), float("nan")
         ranks, model = self.ranks, self.evaluated
         ranks.share_buffers(model)
-        mine = slice(ranks.rank, None, ranks.world_size)
-        logits = predict(model, split.images[mine], self.device, batch_size=1024)
+        mine = np.arange(ranks.rank, len(split.labels), ranks.world_size)
+        # a block at a time (a split may be larger than memory), in batches of 1024 as always
+        blocks = read_rows(split.images, mine, VALIDATION_BLOCK)
+        logits = torch.cat([predict(model, block, self.device, batch_size=1024) for block in blocks])
         labels = torch.from_numpy(split.labels[mine])
         loss = nn.functional.cross_entropy(
             logits, labels, label_smoothing=self.cfg.label_smoothing, reduction="sum"
@@ -347,7 +351,7 @@ def fine_tune(model: nn.Module, cfg: TrainConfig, seed: int, pre_dir: Path, epoc
     what ran before in the process. Returns the per-epoch history (train and validation).
     """
     torch.manual_seed(seed)
-    train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
+    train_split, val_split = load_split(pre_dir, "train", stream=True), load_split(pre_dir, "val", stream=True)
     # no backbone held, one learning rate: fine-tuning a compressed model is not fine-tuning a pretrained one
     update = {"lr": lr, "epochs": epochs, "scheduler": "cosine", "amp": "none", "freeze_backbone_epochs": 0}
     # nor the run-long parts of the recipe: a warm-up, an average that would hold a few epochs' weights

@@ -74,7 +74,7 @@ def train(
     """
     on_epoch = on_epoch or (lambda row: None)
     ranks, device = join_process_group(cfg.device)
-    train_split, val_split = load_split(pre_dir, "train"), load_split(pre_dir, "val")
+    train_split, val_split = load_split(pre_dir, "train", stream=True), load_split(pre_dir, "val", stream=True)
     training = build_training(cfg, seed, train_split, device, ranks)
     # After the model drew its init from the seeded RNG (what the pretrained file lacks stays as a
     # from-scratch run would have it), before a resume overwrites the weights with later ones.

@@ -40,7 +40,7 @@ def smoke_run(tmp_path: Path, suites: list[str]) -> tuple[dict[str, dict], str]:
     for figure in figures.values():
         assert figure["lockstep"] > 0 and figure["baseline"] > 0 and math.isfinite(figure["ratio"]), figure
         assert figure["met"] is None, figure  # toy sizes: no verdicts (and no failed run over one)
-    untimed = {"B6-size", "B6-acc", "B6-pruned"} | {n for n in figures if n.startswith("B7")}
+    untimed = {"B6-size", "B6-acc", "B6-pruned", "B12"} | {n for n in figures if n.startswith("B7")}
     timed = {name: f["details"]["runs"] for name, f in figures.items() if name not in untimed}
     assert all(times and all(times.values()) for times in timed.values()), timed  # every case timed
     table = (tmp_path / "bench.md").read_text()
@@ -51,11 +51,13 @@ def smoke_run(tmp_path: Path, suites: list[str]) -> tuple[dict[str, dict], str]:
 @pytest.mark.slow
 def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     """Every suite but the whole-pipeline ones (tests/benchmarks/test_benchmarks_pipeline.py)."""
-    figures, table = smoke_run(tmp_path, ["B1", "B4", "B5", "B6", "B7", "B9"])
-    expected = {"B1", "B1-data", "B4", "B4-dvc", "B5", "B6-size", "B6-speed", "B6-acc", "B6-pruned", "B8", "B9"}
+    figures, table = smoke_run(tmp_path, ["B1", "B4", "B5", "B6", "B7", "B9", "B12"])
+    expected = {"B1", "B1-data", "B4", "B4-dvc", "B5", "B6-size", "B6-speed", "B6-acc", "B6-pruned", "B8", "B9", "B12"}
     assert expected | {f"B9-{model}" for model in STEP_MODELS} <= set(figures)
     for name in (n for n in figures if n.startswith("B7")):
         assert figures[name]["details"]["rows"], name
     assert {row["variant"] for row in figures["B6-size"]["details"]["rows"]} >= {"fp32", "static_int8", "pruned_l1"}
     assert "| B1 |" in table
+    streamed = figures["B12"]["details"]  # one epoch over a split streamed from its file
+    assert streamed["images"] == 8192 and streamed["epoch_s"] > 0 and streamed["peak_mib"] >= streamed["before_mib"]
     assert "B6: the compress stage's table" in table and "| static_int8 |" in table

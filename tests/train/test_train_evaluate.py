@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.config.params import Params
 from tasks.core.config.train import SOURCE_RECIPES, EvaluateConfig, TrainConfig
 from tasks.data.download import download
+from tasks.data.formats import NpyRows
 from tasks.data.preprocess import Preprocessed, load_split, preprocess
 from tasks.data.stats import compute_stats
 from tasks.determinism.pinning import pin_everything
@@ -272,3 +274,22 @@ def test_mirroring_is_seeded_by_the_batch_and_flips_about_half() -> None:
     assert not torch.equal(out, other)
     plain, _ = AugmentedBatches(split, max_shift=0, hflip=False, seed=7).__getitems__(indices)
     assert torch.equal(plain, original)
+
+
+def test_a_streamed_split_gives_the_batches_and_validation_of_one_in_memory(workdir: Path) -> None:
+    """The train stage reads its splits from their files (a split larger than memory trains): the
+    batches and the validation are the in-memory ones, and loader workers are sent no copy of it."""
+    pre = workdir / "artifacts" / "preprocessed"
+    memory, streamed = load_split(pre, "train"), load_split(pre, "train", stream=True)
+    assert isinstance(streamed.images, NpyRows) and streamed.images.shape == memory.images.shape
+    indices = [5, 3, 3, 900, 0, 1, 2, len(memory.labels) - 1]  # unordered, repeated, runs, the last row
+    for batches in (AugmentedBatches(memory, 2, True, 7), AugmentedBatches(streamed, 2, True, 7)):
+        images, labels = batches.__getitems__(indices)
+        expected, _ = AugmentedBatches(memory, 2, True, 7).__getitems__(indices)
+        assert torch.equal(images, expected) and labels.tolist() == memory.labels[indices].tolist()
+    sent = pickle.dumps(AugmentedBatches(streamed, 2, True, 7))  # what a loader worker receives:
+    assert len(sent) < memory.labels.nbytes + 4096  # the labels and where the images are, not the images
+    pin_everything(42, 1)
+    training = build_training(TrainConfig(model="small_cnn", epochs=1, hflip=False), 42, memory, torch.device("cpu"))
+    in_memory = training.validate(load_split(pre, "val"))
+    assert training.validate(load_split(pre, "val", stream=True)) == in_memory
