@@ -288,23 +288,35 @@ def content_digests(rows: NpyRows, chunk_size: int = 4096) -> np.ndarray:
     (`split.assign: hash`) and which images are copies of each other (tasks/data/checks.py).
     """
     digests = np.empty((rows.shape[0], 16), dtype=np.uint8)
-    shape = repr(tuple(rows.shape[1:])).encode()  # a 28x28 image and a 14x56 one with the same bytes differ
-    size = int(np.prod(rows.shape[1:], dtype=np.int64))
-    # Copying one primed hasher, over memoryview slices of the block, rather than a new hasher over
-    # each row's `tobytes()`: the per-image Python overhead dominates for small images (3-5x faster
-    # on 8x8 digits; the same digests).
-    empty = hashlib.blake2b(digest_size=16, person=b"lockstep-image")
     for start, block in zip(
         range(0, rows.shape[0], chunk_size), rows.chunks(np.arange(rows.shape[0]), chunk_size), strict=True
     ):
-        pixels, out = memoryview(block.reshape(-1)), []
-        for row in range(len(block)):
-            digest = empty.copy()
-            digest.update(pixels[row * size : (row + 1) * size])
-            digest.update(shape)
-            out.append(digest.digest())
-        digests[start : start + len(block)] = np.frombuffer(b"".join(out), dtype=np.uint8).reshape(-1, 16)
+        digests[start : start + len(block)] = _block_digests(block)
     return digests
+
+
+def _block_digests(block: np.ndarray) -> np.ndarray:
+    """`content_digests` of a block of rows. Copying one primed hasher, over memoryview slices of the
+    block, rather than a new hasher over each row's `tobytes()`: the per-image Python overhead dominates
+    for small images (3-5x faster on 8x8 digits; the same digests)."""
+    shape = repr(tuple(block.shape[1:])).encode()  # a 28x28 image and a 14x56 one with the same bytes differ
+    size = int(np.prod(block.shape[1:], dtype=np.int64))
+    empty = hashlib.blake2b(digest_size=16, person=b"lockstep-image")
+    pixels, out = memoryview(np.ascontiguousarray(block).reshape(-1)), []
+    for row in range(len(block)):
+        digest = empty.copy()
+        digest.update(pixels[row * size : (row + 1) * size])
+        digest.update(shape)
+        out.append(digest.digest())
+    return np.frombuffer(b"".join(out), dtype=np.uint8).reshape(-1, 16)
+
+
+def content_positions(rows: NpyRows, indices: np.ndarray, seed: int, chunk_size: int = 4096) -> np.ndarray:
+    """`hash_positions` of rows `indices` (ascending), a block at a time: no digest outlives its block."""
+    positions = np.empty(len(indices), dtype=np.float64)
+    for start, block in zip(range(0, len(indices), chunk_size), rows.chunks(indices, chunk_size), strict=True):
+        positions[start : start + len(block)] = hash_positions(_block_digests(block), seed)
+    return positions
 
 
 def split_indices(
@@ -339,9 +351,11 @@ def split_indices(
         # the generator is made here, as before `assign` existed, so the same seed gives the same indices
         cuts = _stratified(candidates, labels, fractions, np.random.default_rng(seed))
     else:
-        if digests is None:
-            digests = content_digests(snapshot.rows, chunk_size)
-        cuts = _by_position(candidates, hash_positions(digests[candidates], seed), fractions)
+        if digests is None:  # memory: 8 bytes an image, not the digests' 16 and their copies
+            positions = content_positions(snapshot.rows, candidates, seed, chunk_size)
+        else:
+            positions = hash_positions(digests if published is None else digests[candidates], seed)
+        cuts = _by_position(candidates, positions, fractions)
     if published is None:
         test, val, train = cuts
     else:
@@ -357,14 +371,16 @@ def hash_positions(digests: np.ndarray, seed: int) -> np.ndarray:
     The top 53 bits of the first 8 bytes make an exact float64 (the same on every machine).
     """
     keyed = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"), person=b"lockstep-split")
-    data, width = memoryview(np.ascontiguousarray(digests).reshape(-1)), digests.shape[1]
-    words = []
-    for start in range(0, len(data), width):
-        position = keyed.copy()  # a copy of the keyed hasher: cheaper than keying a new one per image
-        position.update(data[start : start + width])
-        words.append(position.digest())
-    as_integers = np.frombuffer(b"".join(words), dtype="<u8")
-    return (as_integers >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    positions, width = np.empty(len(digests), dtype=np.float64), digests.shape[1]
+    for first in range(0, len(digests), 65536):  # a block at a time: a bytes object per image is ~50 bytes
+        data, words = memoryview(np.ascontiguousarray(digests[first : first + 65536]).reshape(-1)), []
+        for start in range(0, len(data), width):
+            position = keyed.copy()  # a copy of the keyed hasher: cheaper than keying a new one per image
+            position.update(data[start : start + width])
+            words.append(position.digest())
+        as_integers = np.frombuffer(b"".join(words), dtype="<u8")
+        positions[first : first + len(words)] = (as_integers >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return positions
 
 
 def _by_position(indices: np.ndarray, positions: np.ndarray, fractions: tuple[float, ...]) -> list[np.ndarray]:
