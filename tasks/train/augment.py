@@ -18,7 +18,8 @@ does (tasks/determinism/pinning.py), so the bytes are the same on every x86-64.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -150,15 +151,10 @@ class BatchMixing:
             return self.mixer(x, y)
 
 
-class _seeded:
-    """torch's CPU generator seeded for a block, and put back as it was after it (v2 draws from it)."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def __enter__(self) -> None:
-        self.saved = torch.get_rng_state()
-        torch.default_generator.manual_seed(self.seed)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_rng_state(self.saved)
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """torch's CPU generator seeded for a block, and put back as it was after it (v2 draws from it).
+    CUDA generators are left alone: v2 draws its choices on the CPU."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that seeds CUDA's too
+        yield
