@@ -33,6 +33,13 @@ VENV_BIN = Path(sys.executable).parent
 # xdist worker would share it). Subprocesses get the variable stripped (`subprocess_env`).
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="lockstep-tests-prefect-")
 
+# The MLflow servers tests start (`make ui`, `make mlflow-server`, the team stack's) run one uvicorn
+# worker, not MLflow's default four: each worker is a process that imports MLflow and opens the store,
+# CPU that two cores running three test workers have none to spare for, and one serves a test's
+# requests. (The stack's servers inherit it from this process's environment.)
+MLFLOW_WORKERS = "1"
+os.environ["MLFLOW_WORKERS"] = MLFLOW_WORKERS
+
 # Tests shrink the config, not the code.
 TINY: dict[str, Any] = {
     # Enough epochs for a model that has learnt digits (val accuracy ~0.98 in ~4 s): after 2, one
@@ -79,6 +86,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     }
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
+    env["MLFLOW_WORKERS"] = MLFLOW_WORKERS
     env.update(extra)
     return env
 

@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -373,33 +373,60 @@ def stage_run(
         check_store(cfg)
     mlflow = mlflow_module()
     experiment_id = _experiment_id(mlflow, cfg.experiment)
+    entry_point = "dvc" if os.environ.get("DVC_STAGE") else "cli"
     if owns_parent:
-        entry_point = "dvc" if os.environ.get("DVC_STAGE") else "cli"
         parent_id = _find_or_create_session_parent(mlflow, experiment_id, entry_point, pipeline)
     status = "FAILED"
     try:
-        with mlflow.start_run(
+        active = mlflow.start_run(
             run_name=stage,
             experiment_id=experiment_id,
             parent_run_id=parent_id,
             tags={**_redacted_context_tags(), **redact_mapping(owner_tags())},
             log_system_metrics=stage == "train",
-        ) as active:
+        )
+        try:
             run = StageRun(mlflow, active.info.run_id)
             run.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})
             run.log_params(params)
             try:
                 yield run
-            except Exception as exc:
-                if _store_failed(exc):
-                    raise TrackingUnavailable(_records_lost(stage, exc)) from exc
-                raise
             finally:  # a failed stage's curve up to the failure is what its user needs to see
                 run.flush()
-        status = "FINISHED"
-    finally:
-        if owns_parent:
-            client = mlflow.MlflowClient()
-            if pipeline is not None:
-                _record_pipeline(client, parent_id, entry_point, pipeline, status)
-            client.set_terminated(parent_id, status)
+            status = "FINISHED"
+        finally:
+            _end_runs(mlflow, status, parent_id if owns_parent else None, entry_point, pipeline)
+    except TrackingUnavailable:
+        raise
+    except Exception as exc:
+        if _store_failed(exc):
+            raise TrackingUnavailable(_records_lost(stage, exc)) from exc
+        raise
+
+
+def _end_runs(mlflow: Any, status: str, parent_id: str | None, entry_point: str, pipeline: Params | None) -> None:
+    """End the stage's run, and the parent run it owns, as `status`.
+
+    After a failure (status FAILED, its exception on its way up) a store that fails here too is
+    logged, not raised: the first failure is the one that says what went wrong (an artifact store
+    down, say), and MLflow's own cleanup request would otherwise replace it with a traceback.
+    """
+    steps: list[Callable[[], Any]] = [lambda: mlflow.end_run(status)]
+    if parent_id is not None:
+        client = mlflow.MlflowClient()
+        if pipeline is not None:
+            steps.append(lambda: _record_pipeline(client, parent_id, entry_point, pipeline, status))
+        steps.append(lambda: client.set_terminated(parent_id, status))
+    failed: list[Exception] = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:
+            if not _store_failed(exc):
+                raise
+            failed.append(exc)
+    if failed and status == "FINISHED":
+        raise failed[0]
+    if failed:
+        reason = redact(" ".join(str(failed[0]).split()))[:300]
+        log.warning("MLflow could not record the runs as %s either: %s", status, reason)

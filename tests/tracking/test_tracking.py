@@ -62,3 +62,35 @@ def test_redaction_masks_secret_env_values_url_credentials_and_secret_names(monk
     text = "a tok-123456789 b https://u:p@h.example/x?sig=abc&page=2 plain-value-123"
     assert redact(text) == "a *** b https://***@h.example/x?sig=***&page=2 plain-value-123"
     assert redact_mapping({"db_password": "x", "train.lr": 0.1}) == {"db_password": "***", "train.lr": "0.1"}
+
+
+def test_a_store_failing_again_while_the_run_closes_keeps_the_first_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tracking server whose artifact store is down answers the upload with HTTP 500 and may drop the
+    connection for MLflow's closing requests too: the one line still names the 500, not the reset."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from tasks.tracking.store import TrackingUnavailable
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv(PARENT_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    upload = MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow-artifacts failed with error code 500")
+    reset = MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/get failed: Connection reset")
+
+    def closing_fails(*args: object, **kwargs: object) -> None:
+        raise reset
+
+    with stage_run("evaluate", TrackingConfig(), {}) as run:  # a healthy store first: the runs exist
+        run_id = run.run_id
+    monkeypatch.setattr(MlflowClient, "set_terminated", closing_fails)  # the fault: the server goes away
+    with pytest.raises(TrackingUnavailable) as failed, stage_run("evaluate", TrackingConfig(), {}):
+        raise upload
+    assert "HTTP 500" in str(failed.value) and "evaluate stage's records" in str(failed.value)
+    assert failed.value.__cause__ is upload
+    with pytest.raises(TrackingUnavailable, match="Connection reset"), stage_run("evaluate", TrackingConfig(), {}):
+        pass  # a stage that succeeded but whose run could not be closed is not reported as recorded
+    monkeypatch.undo()
+    assert MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id).info.status == "FINISHED"
