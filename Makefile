@@ -111,9 +111,11 @@ schedule: $(STAMP)  ## scheduled retraining: Prefect server on http://127.0.0.1:
 	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT) $(ARGS)
 
 # `mlflow ui` itself, its first page leading to the training runs table (tasks/tracking/ui.py says why)
+# One uvicorn worker (MLflow's default is four processes, each with its own MLflow): the UI is one
+# person's; ARGS="--workers 4" after it wins.
 ui: $(STAMP)  ## MLflow UI on the results, opening on the training runs: http://127.0.0.1:5000
 	MLFLOW_DISABLE_TELEMETRY=true $(VENV)/bin/python -m tasks.tracking.ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
-		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT) $(ARGS)
+		--host $(MLFLOW_HOST) --port $(MLFLOW_PORT) --workers 1 $(ARGS)
 
 # A tracking server for several users or machines: runs and the registry in a database, artifacts
 # served by the server itself (point MLFLOW_TRACKING_URI=http://<host>:5000 at it). Swap the
