@@ -32,10 +32,12 @@ from tasks.data.preprocess import Preprocessed, take_rows
 
 # The presets that shift and mirror while fetching (random_shift, hflip); resized_crop crops instead
 # of shifting (and still mirrors), none does nothing.
-SHIFTING = ("shift_flip", "trivialaugment", "randaugment")
+SHIFTING = ("shift_flip", "affine", "trivialaugment", "randaugment")
 # RandomResizedCrop's area range for photos: torchvision's reference recipe uses (0.08, 1) on 224 px
 # ImageNet crops; on 32 px images a crop of 8% (9x9 px) upscaled leaves little of the object.
 CROP_SCALE = (0.25, 1.0)
+# affine: a small rotation, scaling and shear of each image (its shift is random_shift's)
+AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR = 10.0, (0.9, 1.1), 10.0
 Transform = Callable[[torch.Tensor], torch.Tensor]  # a torchvision v2 transform of one uint8 image
 
 
@@ -98,10 +100,12 @@ def augmented_batches(split: Preprocessed, cfg: TrainConfig, seed: int) -> Augme
 
 
 def _policy(preset: str, image_size: tuple[int, ...]) -> Transform | None:
-    if preset not in ("trivialaugment", "randaugment", "resized_crop"):
+    if preset not in ("affine", "trivialaugment", "randaugment", "resized_crop"):
         return None
     from torchvision.transforms import v2  # here: a run without a policy never loads it
 
+    if preset == "affine":
+        return v2.RandomAffine(degrees=AFFINE_DEGREES, scale=AFFINE_SCALE, shear=AFFINE_SHEAR)
     if preset == "trivialaugment":
         return v2.TrivialAugmentWide()
     if preset == "randaugment":

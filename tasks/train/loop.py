@@ -223,8 +223,10 @@ def build_training(
     model: nn.Module | None = None,
 ) -> Training:
     """The loop's parts for `split`: a new `cfg.model` (from torch's seeded RNG) unless `model` is given."""
-    if "auto" in (cfg.model, cfg.epochs, cfg.hflip):
-        raise ValueError("train.model/epochs/hflip 'auto' depend on data.source: resolve with TrainConfig.for_source")
+    if "auto" in (cfg.model, cfg.epochs, cfg.hflip, cfg.augment):
+        raise ValueError(
+            "train.model/epochs/hflip/augment 'auto' depend on data.source: resolve with TrainConfig.for_source"
+        )
     if cfg.sync_batchnorm and device.type != "cuda":
         raise ValueError("train.sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; set it false on CPU")
     if cfg.batch_size % ranks.world_size:

@@ -232,8 +232,10 @@ def test_pinning_is_cheap_and_still_reaches_inductor() -> None:
 @pytest.mark.parametrize("source", sorted(SOURCE_RECIPES))
 def test_auto_epochs_and_mirroring_follow_the_source(source: str) -> None:
     extra = {"url": "https://example.org/a.tar.gz", "sha256": "0" * 64} if source == "imagefolder" else {}
-    auto = Params.model_validate({"data": {"source": source, **extra}, "train": {"epochs": "auto", "hflip": "auto"}})
-    assert (auto.train.epochs, auto.train.hflip) == (SOURCE_RECIPES[source].epochs, SOURCE_RECIPES[source].hflip)
+    train = {"epochs": "auto", "hflip": "auto", "augment": "auto"}
+    auto = Params.model_validate({"data": {"source": source, **extra}, "train": train})
+    recipe = SOURCE_RECIPES[source]
+    assert (auto.train.epochs, auto.train.hflip, auto.train.augment) == (recipe.epochs, recipe.hflip, recipe.augment)
     assert auto.sections("train")["train.epochs"] == SOURCE_RECIPES[source].epochs  # MLflow sees the number
     assert auto.sections("train")["data.source"] == source  # and what it was resolved from
     given = Params.model_validate({"data": {"source": source, **extra}, "train": {"epochs": 3, "hflip": True}})
@@ -242,6 +244,7 @@ def test_auto_epochs_and_mirroring_follow_the_source(source: str) -> None:
 
 def test_mirroring_is_for_garments_and_photos_not_digits() -> None:
     assert [s for s, recipe in SOURCE_RECIPES.items() if recipe.hflip] == ["fashion_mnist", "cifar10", "cifar100"]
+    assert {s: r.augment for s, r in SOURCE_RECIPES.items() if r.augment != "shift_flip"} == {"imagefolder": "affine"}
 
 
 def test_an_unresolved_auto_is_refused_before_training() -> None:

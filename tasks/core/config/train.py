@@ -61,28 +61,35 @@ class SourceRecipe:
     model: str
     epochs: int
     hflip: bool
+    augment: str = "shift_flip"
 
 
-# `train.model`, `train.epochs` and `train.hflip: auto`, per data.source. resnet9 for real images;
-# on 8x8 digits its stages end at 1x1 pixel and small_cnn is as accurate, and int8 speeds it up more.
+# `train.model`, `train.epochs`, `train.hflip` and `train.augment: auto`, per data.source. resnet9 for
+# real images; on 8x8 digits its stages end at 1x1 pixel and small_cnn is as accurate, and int8 speeds it up more.
 # Epochs: what fits minutes to tens of minutes of a 2-core CPU at the source's published size
 # (README, "Accuracy and time per source"). Mirroring keeps the class of a garment or a CIFAR photo,
 # not of a digit (a mirrored 2 is no 2); of an ImageFolder nothing is known: set it for photos.
+# An ImageFolder's images are also rotated, scaled and sheared a little (augment: affine: up to 10
+# degrees and 10%), too little to turn a digit, a letter or a photo into another class; on real
+# handwritten digits and on generated glyphs it did as well as shift alone or better (docs/training.md).
 SOURCE_RECIPES: dict[str, SourceRecipe] = {
     "digits": SourceRecipe(model="small_cnn", epochs=30, hflip=False),
     "mnist": SourceRecipe(model="resnet9", epochs=5, hflip=False),
     "fashion_mnist": SourceRecipe(model="resnet9", epochs=8, hflip=True),
     "cifar10": SourceRecipe(model="resnet9", epochs=12, hflip=True),
     "cifar100": SourceRecipe(model="resnet9", epochs=12, hflip=True),
-    "imagefolder": SourceRecipe(model="resnet9", epochs=15, hflip=False),
+    "imagefolder": SourceRecipe(model="resnet9", epochs=15, hflip=False, augment="affine"),
 }
+
+
+Augment = Literal["shift_flip", "affine", "none", "trivialaugment", "randaugment", "resized_crop"]
 
 
 class TrainConfig(Section):
     # resnet9 or small_cnn (ours), or any of TORCHVISION_MODELS: adapted to the data's channels and
     # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py).
-    # auto (model, epochs, hflip): SOURCE_RECIPES[data.source], resolved by Params (params.yaml says
-    # auto); a TrainConfig made alone gets the defaults below, or resolves with `for_source`.
+    # auto (model, epochs, hflip, augment): SOURCE_RECIPES[data.source], resolved by Params (params.yaml
+    # says auto); a TrainConfig made alone gets the defaults below, or resolves with `for_source`.
     model: str = Field("resnet9", max_length=64)
     epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | Auto = 30
     batch_size: int = Field(64, ge=1, le=MAX_BATCH)
@@ -137,7 +144,7 @@ class TrainConfig(Section):
     accumulate_steps: int = Field(1, ge=1, le=MAX_BATCH)  # batches per optimiser step (ddp: synced once per step)
     ema_decay: float | None = Field(None, gt=0, lt=1)  # an exponential moving average of the weights ships
     class_balance: Literal["none", "loss", "sampler"] = "none"  # inverse-frequency loss weights, or sampling
-    augment: Literal["shift_flip", "none", "trivialaugment", "randaugment", "resized_crop"] = "shift_flip"
+    augment: Augment | Auto = "shift_flip"
     mixup_alpha: float = Field(0.0, ge=0, le=100)  # > 0: mix image pairs (Beta(alpha, alpha) weights)
     cutmix_alpha: float = Field(0.0, ge=0, le=100)  # > 0: paste a patch of another image (both: one per batch)
 
@@ -157,9 +164,10 @@ class TrainConfig(Section):
         )
 
     def for_source(self, source: str) -> TrainConfig:
-        """This config with `auto` model, epochs and hflip replaced by `source`'s recipe (SOURCE_RECIPES)."""
+        """This config with `auto` model, epochs, hflip and augment replaced by `source`'s recipe."""
         recipe = SOURCE_RECIPES[source]
-        update = {key: getattr(recipe, key) for key in ("model", "epochs", "hflip") if getattr(self, key) == "auto"}
+        keys = ("model", "epochs", "hflip", "augment")
+        update = {key: getattr(recipe, key) for key in keys if getattr(self, key) == "auto"}
         return self.model_copy(update=update) if update else self
 
     @model_validator(mode="after")
