@@ -140,6 +140,13 @@ class NpyRows:
             part = indices[start : start + chunk_size]
             yield self.read(part, buffer[: len(part)])
 
+    def batches(self, size: int, per_read: int = 8) -> Iterator[np.ndarray]:
+        """Every row, in order, `size` at a time, read `per_read` batches at once (a few reads of some
+        MiB, not one per small batch). A batch is overwritten by a later read: use it first."""
+        for block in self.chunks(np.arange(self.shape[0]), size * per_read):
+            for start in range(0, len(block), size):
+                yield block[start : start + size]
+
 
 @dataclass(frozen=True)
 class RawDataset:

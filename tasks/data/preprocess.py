@@ -145,6 +145,16 @@ def read_rows(images: np.ndarray | NpyRows, indices: np.ndarray, block: int) -> 
         yield images[indices[start : start + block]]
 
 
+def in_batches(images: np.ndarray | NpyRows, size: int) -> Iterator[np.ndarray]:
+    """All of `images`, in order, `size` rows at a time: slices of an array in memory, or batches read
+    from the file (`NpyRows.batches`: use each before asking for the next)."""
+    if isinstance(images, NpyRows):
+        yield from images.batches(size)
+        return
+    for start in range(0, len(images), size):
+        yield images[start : start + size]
+
+
 def _load_verified(path: Path, meta: dict, stream: bool = False) -> np.ndarray | NpyRows:
     """An array file of the preprocessed set, refused unless its bytes are the ones preprocess wrote.
 

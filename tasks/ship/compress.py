@@ -37,6 +37,7 @@ from torch import nn
 from tasks.core.atomic import atomic_dir
 from tasks.core.config.ship import VARIANTS, CompressConfig
 from tasks.core.config.train import TrainConfig
+from tasks.data.formats import NpyRows
 from tasks.data.preprocess import load_split, take_rows
 from tasks.ship import prune, quantize
 from tasks.ship.onnx_model import as_pixels, export_onnx, label, median_latency_ms, predict, session, weight_counts
@@ -77,7 +78,7 @@ def compress(
     """
     if isinstance(cfg.variants, str):  # "auto" is resolved against export.candidates by Params
         raise ValueError("compress.variants: auto needs export.candidates: pass params.compress, or for_candidates()")
-    train, test = load_split(pre_dir, "train", stream=True), load_split(pre_dir, "test")
+    train, test = load_split(pre_dir, "train", stream=True), load_split(pre_dir, "test", stream=True)
     model, _ = load_checkpoint(checkpoint, test)
     model.eval()
     example = torch.from_numpy(as_pixels(take_rows(train.images, np.arange(min(64, len(train.labels))))))
@@ -131,13 +132,14 @@ def _calibration_indices(n: int, cfg: CompressConfig, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
 
 
-def latency_batch(images: np.ndarray, size: int) -> np.ndarray:
+def latency_batch(images: np.ndarray | NpyRows, size: int) -> np.ndarray:
     """`size` test images as model input, repeating them when there are fewer (tiny test configs)."""
-    return as_pixels(np.resize(images, (size, *images.shape[1:])))
+    first = take_rows(images, np.arange(min(size, images.shape[0])))
+    return as_pixels(np.resize(first, (size, *images.shape[1:])))
 
 
 def _measure(
-    paths: dict[str, Path], images: np.ndarray, labels: np.ndarray, cfg: CompressConfig, threads: int
+    paths: dict[str, Path], images: np.ndarray | NpyRows, labels: np.ndarray, cfg: CompressConfig, threads: int
 ) -> list[VariantReport]:
     sessions = {name: session(path, threads) for name, path in paths.items()}
     predicted = {name: predict(sess, images).argmax(1) for name, sess in sessions.items()}

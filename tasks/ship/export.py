@@ -44,7 +44,7 @@ from tasks.core.config.train import RECIPE_KEYS, TrainConfig
 from tasks.core.errors import Refused
 from tasks.core.hashing import file_digest
 from tasks.core.redact import redact, redact_tree
-from tasks.data.preprocess import Preprocessed, load_split
+from tasks.data.preprocess import Preprocessed, load_split, take_rows
 from tasks.ship.onnx_model import as_pixels, predict, session
 from tasks.train.checkpoints import load_checkpoint
 
@@ -122,17 +122,18 @@ def export(
     card: CardContext,
 ) -> ExportResult:
     """Write the shipped files to `out_dir` if fp32 parity holds and a candidate passes; raise GateError otherwise."""
-    test = load_split(pre_dir, "test")
+    test = load_split(pre_dir, "test", stream=True)  # read a block at a time: the split may outgrow memory
     model, meta = load_checkpoint(checkpoint, test)
     model.eval()
-    parity = torch.from_numpy(as_pixels(test.images[: cfg.parity_batch]))
+    parity_images = take_rows(test.images, np.arange(min(cfg.parity_batch, len(test.labels))))
+    parity = torch.from_numpy(as_pixels(parity_images))
     with torch.no_grad():
         eager = model(parity).numpy()
 
     with atomic_dir(out_dir) as staging:
         shutil.copyfile(compress_dir / "models" / "fp32.onnx", staging / FP32)
         _save_torch_programs(model, parity, staging, cfg.formats)
-        gates = _parity_gates(cfg, threads, staging, test, parity, eager)
+        gates = _parity_gates(cfg, threads, staging, parity_images, parity, eager)
         if failed := [gate for gate in gates if not gate.passed]:
             raise GateError(f"{len(failed)} export parity gate(s) failed: " + "; ".join(g.describe() for g in failed))
         fp32_logits = predict(session(staging / FP32, threads), test.images)
@@ -263,10 +264,11 @@ def _save_torch_programs(model: torch.nn.Module, parity: torch.Tensor, staging: 
 
 
 def _parity_gates(
-    cfg: ExportConfig, threads: int, staging: Path, test: Preprocessed, parity: torch.Tensor, eager: np.ndarray
+    cfg: ExportConfig, threads: int, staging: Path, images: np.ndarray, parity: torch.Tensor, eager: np.ndarray
 ) -> list[Gate]:
-    """fp32 ONNX and each torch format, reloaded from the files as written, against the eager model."""
-    reloaded = {"fp32 ONNX": predict(session(staging / FP32, threads), test.images[: cfg.parity_batch])}
+    """fp32 ONNX and each torch format, reloaded from the files as written, against the eager model on
+    the parity batch (`images`, uint8; `parity`, the same as model input)."""
+    reloaded = {"fp32 ONNX": predict(session(staging / FP32, threads), images)}
     if "pt2" in cfg.formats:
         reloaded[".pt2"] = _run_torch(torch.export.load(staging / PT2).module(), parity)
     if "torchscript" in cfg.formats:

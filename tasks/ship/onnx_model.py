@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import onnx
@@ -123,11 +124,22 @@ def as_pixels(images: np.ndarray) -> np.ndarray:
     return images.astype(np.float32) / np.float32(255.0)
 
 
-def predict(sess: ort.InferenceSession, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
-    """Logits for uint8 (N, C, H, W) `images`, in order."""
-    outputs = [
-        sess.run([OUTPUT], {INPUT: as_pixels(images[i : i + batch_size])})[0] for i in range(0, len(images), batch_size)
-    ]
+class Rows(Protocol):
+    """Images read from their file as they are needed: tasks/data/formats.py's NpyRows (not imported:
+    the served model ships this module without the data package)."""
+
+    shape: tuple[int, ...]
+
+    def batches(self, size: int) -> Iterator[np.ndarray]: ...
+
+
+def predict(sess: ort.InferenceSession, images: np.ndarray | Rows, batch_size: int = 256) -> np.ndarray:
+    """Logits for uint8 (N, C, H, W) `images` (in memory, or streamed from their file), in order."""
+    if isinstance(images, np.ndarray):
+        batches: Iterable[np.ndarray] = (images[i : i + batch_size] for i in range(0, len(images), batch_size))
+    else:
+        batches = images.batches(batch_size)
+    outputs = [sess.run([OUTPUT], {INPUT: as_pixels(batch)})[0] for batch in batches]
     return np.concatenate(outputs) if outputs else np.empty((0, 0), np.float32)
 
 

@@ -61,7 +61,7 @@ def register_shipped(params: Params, run: StageRun, exported: ExportResult) -> s
         name,
         version,
         layout.EXPORT_DIR / SHIPPED,
-        load_split(layout.PREPROCESSED_DIR, "test"),
+        load_split(layout.PREPROCESSED_DIR, "test", stream=True),
         exported.accuracy,
         params.promotion,
         lock=store_lock(tracking_uri(), "promotion"),  # two exports at once take turns (dvc queue -j 2)

@@ -36,7 +36,7 @@ class EvaluateResult:
 def evaluate(cfg: EvaluateConfig, checkpoint: Path, pre_dir: Path, out_dir: Path) -> EvaluateResult:
     """Score `checkpoint` on the test split of `pre_dir`; write metrics and plots to `out_dir`."""
     dev = resolve_device(cfg.device)
-    test = load_split(pre_dir, "test")
+    test = load_split(pre_dir, "test", stream=True)  # read a block at a time: the split may outgrow memory
     model, _ = load_checkpoint(checkpoint, test)
     logits = predict(model.to(dev), test.images, dev, cfg.batch_size)
     labels = torch.from_numpy(test.labels)

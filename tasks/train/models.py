@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from tasks.core.errors import ExpectedFailure
+from tasks.data.formats import NpyRows
+from tasks.data.preprocess import in_batches
 from tasks.determinism import escapes
 
 # Shorter image side (px) below which the ImageNet stem (a stride-2, often 7x7, conv and a max-pool:
@@ -288,11 +290,8 @@ def to_float(images: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def predict(model: nn.Module, images: np.ndarray, device: torch.device, batch_size: int) -> torch.Tensor:
-    """Logits for uint8 (N, C, H, W) `images`, in order, on the CPU."""
+def predict(model: nn.Module, images: np.ndarray | NpyRows, device: torch.device, batch_size: int) -> torch.Tensor:
+    """Logits for uint8 (N, C, H, W) `images` (in memory, or streamed from their file), in order, on the CPU."""
     model.eval()
-    outputs = [
-        model(to_float(torch.from_numpy(images[i : i + batch_size]), device)).cpu()
-        for i in range(0, len(images), batch_size)
-    ]
+    outputs = [model(to_float(torch.from_numpy(batch), device)).cpu() for batch in in_batches(images, batch_size)]
     return torch.cat(outputs) if outputs else torch.empty(0)

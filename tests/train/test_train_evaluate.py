@@ -19,13 +19,14 @@ from tasks.core.config.params import Params
 from tasks.core.config.train import SOURCE_RECIPES, EvaluateConfig, TrainConfig
 from tasks.data.download import download
 from tasks.data.formats import NpyRows
-from tasks.data.preprocess import Preprocessed, load_split, preprocess
+from tasks.data.preprocess import Preprocessed, in_batches, load_split, preprocess
 from tasks.data.stats import compute_stats
 from tasks.determinism.pinning import pin_everything
 from tasks.train.augment import AugmentedBatches, shift_pixels
 from tasks.train.checkpoints import CheckpointError, load_checkpoint, result_config
 from tasks.train.evaluate import evaluate
 from tasks.train.loop import build_training
+from tasks.train.models import predict
 from tasks.train.stage import train
 from tests.conftest import ROOT, run, subprocess_env, write_params
 
@@ -296,3 +297,26 @@ def test_a_streamed_split_gives_the_batches_and_validation_of_one_in_memory(work
     training = build_training(TrainConfig(model="small_cnn", epochs=1, hflip=False), 42, memory, torch.device("cpu"))
     in_memory = training.validate(load_split(pre, "val"))
     assert training.validate(load_split(pre, "val", stream=True)) == in_memory
+
+
+def test_the_test_split_streamed_scores_as_it_does_in_memory(workdir: Path, tmp_path: Path) -> None:
+    """evaluate, compress, export and promotion read the test split from its file, a few batches at a
+    time: the same logits (torch and ONNX Runtime) and the same split digest as the split in memory."""
+    from tasks.ship.onnx_model import export_onnx, session
+    from tasks.ship.onnx_model import predict as onnx_predict
+    from tasks.ship.promotion import split_sha256
+
+    pre = workdir / "artifacts" / "preprocessed"
+    memory, streamed = load_split(pre, "test"), load_split(pre, "test", stream=True)
+    assert isinstance(streamed.images, NpyRows)
+    batches = list(in_batches(streamed.images, 7))  # a batch size that does not divide the split
+    assert [len(b) for b in batches[:-1]] == [7] * (len(batches) - 1) and len(batches[-1]) <= 7
+    pin_everything(42, 1)
+    model = build_training(TrainConfig(model="small_cnn", epochs=1, hflip=False), 42, memory, torch.device("cpu")).model
+    expected = predict(model, memory.images, torch.device("cpu"), batch_size=7)
+    assert torch.equal(predict(model, streamed.images, torch.device("cpu"), batch_size=7), expected)
+    onnx_file = tmp_path / "model.onnx"
+    export_onnx(model.eval(), torch.from_numpy(memory.images[:2]).float() / 255, onnx_file)
+    sess = session(onnx_file, 1)
+    assert np.array_equal(onnx_predict(sess, streamed.images, 7), onnx_predict(sess, memory.images, 7))
+    assert split_sha256(streamed) == split_sha256(memory)
