@@ -229,5 +229,11 @@ def _mlflow_auth_ini(stack: Stack, admin_password: str) -> str:
             f"admin_username = {MLFLOW_ADMIN}",
             f"admin_password = {admin_password}",
             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth",
+            # A password check is a scrypt hash, ~0.1 s of CPU, and MLflow's clients send the password
+            # with every request (a training logs hundreds): each server process remembers a login that
+            # passed for 60 s (keyed by an HMAC of the password under a per-process random key, not the
+            # password). The cost: a password changed or a user removed is seen by the server's other
+            # processes up to 60 s late.
+            "auth_cache_ttl_seconds = 60",
         ]
     )
