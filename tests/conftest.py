@@ -104,7 +104,9 @@ def _git_files() -> list[str]:
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
-    return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+    # dvc.lock is the checkout's own pipeline state (a developer's `make run` writes it, untracked):
+    # a copy is a project whose pipeline has not run yet
+    return [name for name in listed.split("\0") if name and name != "dvc.lock" and (ROOT / name).is_file()]
 
 
 def copy_project(dest: Path, override: dict[str, Any] | None = None) -> Path:
