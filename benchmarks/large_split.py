@@ -1,4 +1,4 @@
-"""B12: one training epoch over a split several times larger than the memory it may use.
+"""B12: one training epoch, and a scoring pass, over a split several times larger than the memory it may use.
 
     python -m benchmarks.large_split [--gib 4] [--budget-mib 1536] [--work DIR] [--json FILE]
 
@@ -6,8 +6,9 @@ A preprocessed folder is written as the preprocess stage lays it out (uint8 `tra
 labels, `meta.json` with every file's sha256), holding `gib` GiB of 64x64 greyscale training images
 (seeded noise on class templates), then a fresh process does what the train stage does with it:
 `load_split(..., stream=True)` for train and val (each file's sha256 checked first), `build_training`,
-one epoch and its validation. Its peak RSS (VmHWM, reset after the imports: benchmarks/scaling.py)
-must stay under `budget_mib`.
+one epoch and its validation; then the whole split scored as the evaluate stage scores the test
+split. Its peak RSS (VmHWM, reset after the imports: benchmarks/scaling.py) must stay under
+`budget_mib`.
 
 The model is a linear probe on 16x16-pooled pixels, not a network: the claim is about memory, and a
 network's memory does not depend on the size of the data, while its compute over 4 GiB of pixels
@@ -82,6 +83,7 @@ def child(pre: Path) -> dict[str, Any]:
     from tasks.data.preprocess import load_split
     from tasks.determinism.pinning import pin_everything
     from tasks.train.loop import build_training
+    from tasks.train.models import predict
 
     p = params()
     pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
@@ -94,6 +96,11 @@ def child(pre: Path) -> dict[str, Any]:
     training = build_training(cfg, p.seed, train, torch.device("cpu"), model=probe)
     row = training.epoch(1, val)
     done = time.perf_counter()
+    # then the whole split scored as evaluate scores the test split (read from its file a few batches at
+    # a time, tasks/train/models.py's predict): only the logits stay
+    with torch.no_grad():
+        logits = predict(probe, load_split(pre, "train", stream=True).images, torch.device("cpu"), 1024)
+    scored = time.perf_counter()
     (peak,) = _status_mib("VmHWM")
     return {
         "before_mib": before,
@@ -101,6 +108,8 @@ def child(pre: Path) -> dict[str, Any]:
         "peak_reset": reset,
         "load_s": loaded - start,  # both splits' sha256 checked
         "epoch_s": done - loaded,
+        "predict_s": scored - done,  # with the file's sha256 check
+        "logits": list(logits.shape),
         "images": len(train.labels),
         "val_accuracy": row["val_accuracy"],
     }
@@ -127,7 +136,8 @@ def b12(work: Path, gib: float = 4.0, budget_mib: float = BUDGET_MIB, smoke: boo
     return [
         Figure(
             "B12",
-            f"one epoch over a {data_mib / 1024:.2f} GiB split (64x64 grey, streamed from its file): peak RSS",
+            f"one epoch, then a scoring pass, over a {data_mib / 1024:.2f} GiB split "
+            "(64x64 grey, streamed from its file): peak RSS",
             result["peak_mib"],
             budget_mib,
             f"<= {budget_mib:.0f} MiB with {data_mib / 1024:.2f} GiB of data",

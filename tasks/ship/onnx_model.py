@@ -139,8 +139,15 @@ def predict(sess: ort.InferenceSession, images: np.ndarray | Rows, batch_size: i
         batches: Iterable[np.ndarray] = (images[i : i + batch_size] for i in range(0, len(images), batch_size))
     else:
         batches = images.batches(batch_size)
-    outputs = [sess.run([OUTPUT], {INPUT: as_pixels(batch)})[0] for batch in batches]
-    return np.concatenate(outputs) if outputs else np.empty((0, 0), np.float32)
+    # one array filled batch by batch, not a list joined at the end (tasks/train/models.py's gather says why)
+    logits, done = np.empty((0, 0), np.float32), 0
+    for batch in batches:
+        out = sess.run([OUTPUT], {INPUT: as_pixels(batch)})[0]
+        if done == 0:
+            logits = np.empty((images.shape[0], *out.shape[1:]), dtype=out.dtype)
+        logits[done : done + len(out)] = out
+        done += len(out)
+    return logits
 
 
 def median_latency_ms(

@@ -33,7 +33,7 @@ from tasks.train.augment import BatchMixing
 from tasks.train.batches import BalancedSampler, build_loader, class_weights
 from tasks.train.checkpoints import cpu_state
 from tasks.train.devices import Distributed, resolve_device
-from tasks.train.models import build_model, head_name, predict, refuse_unportable, to_float
+from tasks.train.models import build_model, gather, head_name, predict, refuse_unportable, to_float
 from tasks.train.recipe import better, should_stop, warmup_factor, warmup_steps, weight_average
 
 # How often a GPU run reads back whether a loss was non-finite: each read makes the host wait for the
@@ -205,7 +205,7 @@ class Training:
         mine = np.arange(ranks.rank, len(split.labels), ranks.world_size)
         # a block at a time (a split may be larger than memory), in batches of 1024 as always
         blocks = read_rows(split.images, mine, VALIDATION_BLOCK)
-        logits = torch.cat([predict(model, block, self.device, batch_size=1024) for block in blocks])
+        logits = gather((predict(model, block, self.device, batch_size=1024) for block in blocks), len(mine))
         labels = torch.from_numpy(split.labels[mine])
         loss = nn.functional.cross_entropy(
             logits, labels, label_smoothing=self.cfg.label_smoothing, reduction="sum"

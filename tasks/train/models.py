@@ -11,7 +11,7 @@ over them (tasks/train/pretrained.py). `head_name` and `stem_name` say which mod
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -293,5 +293,23 @@ def to_float(images: torch.Tensor, device: torch.device) -> torch.Tensor:
 def predict(model: nn.Module, images: np.ndarray | NpyRows, device: torch.device, batch_size: int) -> torch.Tensor:
     """Logits for uint8 (N, C, H, W) `images` (in memory, or streamed from their file), in order, on the CPU."""
     model.eval()
-    outputs = [model(to_float(torch.from_numpy(batch), device)).cpu() for batch in in_batches(images, batch_size)]
-    return torch.cat(outputs) if outputs else torch.empty(0)
+    return gather(
+        (model(to_float(torch.from_numpy(batch), device)).cpu() for batch in in_batches(images, batch_size)),
+        images.shape[0],
+    )
+
+
+def gather(parts: Iterable[torch.Tensor], total: int) -> torch.Tensor:
+    """`parts` (rows, in order; `total` in all) in one tensor, made at the first part and filled as they come.
+
+    Not a list joined at the end: its small blocks, outliving each batch's large float copy, fragment the C
+    heap, which then keeps the freed copies: scoring a split streamed from its file took memory in
+    proportion to the split, several times its size (B12 holds the bound).
+    """
+    joined, done = torch.empty(0), 0
+    for part in parts:
+        if done == 0:
+            joined = torch.empty((total, *part.shape[1:]), dtype=part.dtype)
+        joined[done : done + len(part)] = part
+        done += len(part)
+    return joined

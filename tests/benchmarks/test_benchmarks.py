@@ -58,6 +58,7 @@ def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
         assert figures[name]["details"]["rows"], name
     assert {row["variant"] for row in figures["B6-size"]["details"]["rows"]} >= {"fp32", "static_int8", "pruned_l1"}
     assert "| B1 |" in table
-    streamed = figures["B12"]["details"]  # one epoch over a split streamed from its file
+    streamed = figures["B12"]["details"]  # one epoch, then a scoring pass, over a split streamed from its file
     assert streamed["images"] == 8192 and streamed["epoch_s"] > 0 and streamed["peak_mib"] >= streamed["before_mib"]
+    assert streamed["predict_s"] > 0 and streamed["logits"] == [8192, 10]
     assert "B6: the compress stage's table" in table and "| static_int8 |" in table
