@@ -3,10 +3,11 @@
 
 Two places, each with its own seed:
 - While a batch is fetched (`AugmentedBatches`, in the DataLoader's workers when `num_workers` > 0):
-  the random shift, the mirror, then torchvision.transforms.v2's policy (TrivialAugment, RandAugment,
-  RandomResizedCrop) per image, drawn from (seed, the batch's sample indices), so the number of loader
-  workers changes nothing. A policy is Python per image (a few hundred microseconds each, on any
-  device): in workers it overlaps the training step, where on the GPU it would hold the step up.
+  the random shift, the mirror, then torchvision.transforms.v2's policy (RandomAffine, ElasticTransform,
+  TrivialAugment, RandAugment, RandomResizedCrop) per image, drawn from (seed, the batch's sample
+  indices), so the number of loader workers changes nothing. A policy is Python per image (a few
+  hundred microseconds each, on any device): in workers it overlaps the training step, where on the
+  GPU it would hold the step up.
 - On the device, in the training loop (`BatchMixing`): MixUp or CutMix, one draw per batch, cheap,
   seeded from (seed, epoch, step, rank).
 v2 draws its choices from torch's global CPU generator, so each draw runs with that generator seeded
@@ -32,12 +33,16 @@ from tasks.data.preprocess import Preprocessed, take_rows
 
 # The presets that shift and mirror while fetching (random_shift, hflip); resized_crop crops instead
 # of shifting (and still mirrors), none does nothing.
-SHIFTING = ("shift_flip", "affine", "trivialaugment", "randaugment")
+SHIFTING = ("shift_flip", "affine", "elastic", "trivialaugment", "randaugment")
 # RandomResizedCrop's area range for photos: torchvision's reference recipe uses (0.08, 1) on 224 px
 # ImageNet crops; on 32 px images a crop of 8% (9x9 px) upscaled leaves little of the object.
 CROP_SCALE = (0.25, 1.0)
 # affine: a small rotation, scaling and shear of each image (its shift is random_shift's)
 AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR = 10.0, (0.9, 1.1), 10.0
+# elastic: then a smooth random displacement of every pixel, Simard et al.'s distortion for handwriting
+# (ICDAR 2003: alpha 34, sigma 4 on 29 px digits), as torchvision's ElasticTransform draws it; both in
+# pixels at 28 px and in proportion on other sizes (an 8 px image could not hold a sigma-4 blur)
+ELASTIC_ALPHA, ELASTIC_SIGMA, ELASTIC_AT_PX = 34.0, 4.0, 28
 Transform = Callable[[torch.Tensor], torch.Tensor]  # a torchvision v2 transform of one uint8 image
 
 
@@ -100,12 +105,16 @@ def augmented_batches(split: Preprocessed, cfg: TrainConfig, seed: int) -> Augme
 
 
 def _policy(preset: str, image_size: tuple[int, ...]) -> Transform | None:
-    if preset not in ("affine", "trivialaugment", "randaugment", "resized_crop"):
+    if preset not in ("affine", "elastic", "trivialaugment", "randaugment", "resized_crop"):
         return None
     from torchvision.transforms import v2  # here: a run without a policy never loads it
 
-    if preset == "affine":
-        return v2.RandomAffine(degrees=AFFINE_DEGREES, scale=AFFINE_SCALE, shear=AFFINE_SHEAR)
+    if preset in ("affine", "elastic"):
+        affine = v2.RandomAffine(degrees=AFFINE_DEGREES, scale=AFFINE_SCALE, shear=AFFINE_SHEAR)
+        if preset == "affine":
+            return affine
+        scale = min(image_size) / ELASTIC_AT_PX
+        return v2.Compose([affine, v2.ElasticTransform(alpha=ELASTIC_ALPHA * scale, sigma=ELASTIC_SIGMA * scale)])
     if preset == "trivialaugment":
         return v2.TrivialAugmentWide()
     if preset == "randaugment":

@@ -284,7 +284,7 @@ def test_balanced_loss_weights_are_inverse_frequencies(pre: Path) -> None:
     assert build_training(TrainConfig(**PLAIN, epochs=1), 42, split, torch.device("cpu")).criterion.weight is None
 
 
-@pytest.mark.parametrize("preset", ["affine", "trivialaugment", "randaugment", "resized_crop"])
+@pytest.mark.parametrize("preset", ["affine", "elastic", "trivialaugment", "randaugment", "resized_crop"])
 def test_a_preset_changes_each_image_seeded_by_the_batch(preset: str, pre: Path) -> None:
     split = load_split(pre, "train")
     batches = augmented_batches(split, TrainConfig(augment=preset, hflip=False), seed=1)
