@@ -40,8 +40,9 @@ CROP_SCALE = (0.25, 1.0)
 # affine: a small rotation, scaling and shear of each image (its shift is random_shift's)
 AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR = 10.0, (0.9, 1.1), 10.0
 # elastic: then a smooth random displacement of every pixel, Simard et al.'s distortion for handwriting
-# (ICDAR 2003: alpha 34, sigma 4 on 29 px digits), as torchvision's ElasticTransform draws it; both in
-# pixels at 28 px and in proportion on other sizes (an 8 px image could not hold a sigma-4 blur)
+# (ICDAR 2003: alpha 34, sigma 4 on 29 px digits), as torchvision's ElasticTransform draws it: in pixels
+# from 28 px up, smaller in proportion below (an 8 px image cannot hold a sigma-4 blur). Not larger in
+# proportion above: the field's blur costs the square of sigma per pixel (seconds per image at 224 px).
 ELASTIC_ALPHA, ELASTIC_SIGMA, ELASTIC_AT_PX = 34.0, 4.0, 28
 Transform = Callable[[torch.Tensor], torch.Tensor]  # a torchvision v2 transform of one uint8 image
 
@@ -113,7 +114,7 @@ def _policy(preset: str, image_size: tuple[int, ...]) -> Transform | None:
         affine = v2.RandomAffine(degrees=AFFINE_DEGREES, scale=AFFINE_SCALE, shear=AFFINE_SHEAR)
         if preset == "affine":
             return affine
-        scale = min(image_size) / ELASTIC_AT_PX
+        scale = min(*image_size, ELASTIC_AT_PX) / ELASTIC_AT_PX
         return v2.Compose([affine, v2.ElasticTransform(alpha=ELASTIC_ALPHA * scale, sigma=ELASTIC_SIGMA * scale)])
     if preset == "trivialaugment":
         return v2.TrivialAugmentWide()
