@@ -98,8 +98,7 @@ def child(pre: Path) -> dict[str, Any]:
     done = time.perf_counter()
     # then the whole split scored as evaluate scores the test split (read from its file a few batches at
     # a time, tasks/train/models.py's predict): only the logits stay
-    with torch.no_grad():
-        logits = predict(probe, load_split(pre, "train", stream=True).images, torch.device("cpu"), 1024)
+    logits = predict(probe, load_split(pre, "train", stream=True).images, torch.device("cpu"), 1024)
     scored = time.perf_counter()
     (peak,) = _status_mib("VmHWM")
     return {

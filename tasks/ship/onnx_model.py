@@ -147,6 +147,8 @@ def predict(sess: ort.InferenceSession, images: np.ndarray | Rows, batch_size: i
             logits = np.empty((images.shape[0], *out.shape[1:]), dtype=out.dtype)
         logits[done : done + len(out)] = out
         done += len(out)
+    if done != images.shape[0]:  # never hand back rows that were not filled
+        raise ValueError(f"expected {images.shape[0]} rows, got {done}")
     return logits
 
 

@@ -312,4 +312,6 @@ def gather(parts: Iterable[torch.Tensor], total: int) -> torch.Tensor:
             joined = torch.empty((total, *part.shape[1:]), dtype=part.dtype)
         joined[done : done + len(part)] = part
         done += len(part)
+    if done != total:  # never hand back rows that were not filled
+        raise ValueError(f"expected {total} rows, got {done}")
     return joined
