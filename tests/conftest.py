@@ -33,6 +33,13 @@ VENV_BIN = Path(sys.executable).parent
 # xdist worker would share it). Subprocesses get the variable stripped (`subprocess_env`).
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="lockstep-tests-prefect-")
 
+# The suite runs three xdist workers on two cores, each starting processes that compute on two threads:
+# OpenMP's threads (torch's pool, portable mode's products too) by default spin while they wait for a
+# peer, and a peer that lost its core to another worker's process keeps them spinning for its whole
+# time slice. Waiting passively hands those cycles to the other tests (a tenth of the CPU of the
+# training tests); how threads wait changes no result. Set before torch loads, inherited by subprocesses.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # The MLflow servers tests start (`make ui`, `make mlflow-server`, the team stack's) run one uvicorn
 # worker, not MLflow's default four: each worker is a process that imports MLflow and opens the store,
 # CPU that two cores running three test workers have none to spare for, and one serves a test's

@@ -124,6 +124,9 @@ def main(argv: list[str]) -> None:
         return build(opts, host, port, workers, FACTORY, env_file, is_factory=True)
 
     mlflow.server._build_uvicorn_command = build_ours
+    # MLflow's background job runner (GenAI evaluation jobs) would start a consumer process per worker:
+    # this UI browses training runs, as `make mlflow-server` does with it off too
+    os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     # uvicorn's workers import this module from the project, wherever the command starts
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     cli.main(["ui", *argv], prog_name="mlflow ui")

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
 
 from tasks.core.atomic import atomic_file, write_text
 from tasks.core.config.train import EvaluateConfig
@@ -41,10 +40,8 @@ def evaluate(cfg: EvaluateConfig, checkpoint: Path, pre_dir: Path, out_dir: Path
     logits = predict(model.to(dev), test.images, dev, cfg.batch_size)
     labels = torch.from_numpy(test.labels)
     predicted = logits.argmax(1).numpy()
-    classes = list(range(len(test.classes)))
-    precision, recall, f1, support = precision_recall_fscore_support(
-        test.labels, predicted, labels=classes, zero_division=0
-    )
+    confusion = confusion_matrix(test.labels, predicted, len(test.classes))
+    precision, recall, f1, support = class_scores(confusion)
     metrics = {
         "accuracy": float((predicted == test.labels).mean()),
         "loss": float(torch.nn.functional.cross_entropy(logits, labels)),
@@ -57,13 +54,33 @@ def evaluate(cfg: EvaluateConfig, checkpoint: Path, pre_dir: Path, out_dir: Path
         name: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(s)}
         for name, p, r, f, s in zip(test.classes, precision, recall, f1, support, strict=True)
     }
-    confusion = confusion_matrix(test.labels, predicted, labels=classes)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text(out_dir / "per_class.json", json.dumps(per_class, indent=2) + "\n")
     write_text(out_dir / "predictions.csv", _predictions_csv(test.labels, predicted, test.classes))
     _plot_confusion(confusion, test.classes, out_dir / "confusion_matrix.png")
     return EvaluateResult(metrics=metrics, per_class=per_class, confusion=confusion.tolist())
+
+
+# These two are sklearn.metrics' confusion_matrix and precision_recall_fscore_support(zero_division=0),
+# written out: importing sklearn.metrics (scipy with it) costs most of a second in every process that
+# evaluates, for a bincount. tests/train/test_train_evaluate.py holds them equal to sklearn's.
+def confusion_matrix(actual: np.ndarray, predicted: np.ndarray, num_classes: int) -> np.ndarray:
+    """Counts of (actual class, predicted class) pairs: row = actual, column = predicted."""
+    pairs = actual.astype(np.int64) * num_classes + predicted.astype(np.int64)
+    return np.bincount(pairs, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def class_scores(confusion: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per class: precision, recall, F1 (0 where undefined: no image predicted or none of the class)
+    and support, from a confusion matrix."""
+    hits = np.diag(confusion).astype(np.float64)
+    support, predicted = confusion.sum(axis=1), confusion.sum(axis=0)
+
+    def ratio(top: np.ndarray, bottom: np.ndarray) -> np.ndarray:
+        return np.divide(top, bottom, out=np.zeros_like(top), where=bottom > 0)
+
+    return ratio(hits, predicted), ratio(hits, support), ratio(2 * hits, support + predicted), support
 
 
 def _predictions_csv(actual: np.ndarray, predicted: np.ndarray, classes: list[str]) -> str:

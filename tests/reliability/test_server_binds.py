@@ -69,6 +69,9 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
         wait_for_deployment(api, repo / ".prefect" / "api-auth", "lockstep-pipeline/nightly", procs["prefect"], 180)
         bound = {name: listening(proc) for name, proc in procs.items()}
         serve_tree = psutil.Process(procs["prefect"].pid).children(recursive=True)
+        # browsing runs needs no MLflow job runner (GenAI jobs): neither MLflow command starts one
+        for name in ("mlflow", "ui"):
+            assert not [cmd for cmd in _command_lines(procs[name]) if "mlflow.server.jobs" in cmd], name
         assert [p for p in serve_tree if "server" in p.cmdline() and "start" in p.cmdline()], serve_tree
         _team_recipe_refuses_strangers(f"127.0.0.1:{ports['mlflow']}", password)
     finally:
@@ -86,6 +89,16 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
     # every process of serve's tree goes, its Prefect server too (it is not in the group that got the signal)
     _, alive = psutil.wait_procs(serve_tree, timeout=30)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in alive]
+
+
+def _command_lines(proc: subprocess.Popen[bytes]) -> list[str]:
+    lines = []
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            lines.append(" ".join(child.cmdline()))
+        except psutil.NoSuchProcess:  # gone since it was listed
+            continue
+    return lines
 
 
 def _closes(address: str, within_s: float = 30) -> bool:

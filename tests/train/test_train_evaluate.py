@@ -24,7 +24,7 @@ from tasks.data.stats import compute_stats
 from tasks.determinism.pinning import pin_everything
 from tasks.train.augment import AugmentedBatches, shift_pixels
 from tasks.train.checkpoints import CheckpointError, load_checkpoint, result_config
-from tasks.train.evaluate import evaluate
+from tasks.train.evaluate import class_scores, confusion_matrix, evaluate
 from tasks.train.loop import build_training
 from tasks.train.models import predict
 from tasks.train.stage import train
@@ -320,3 +320,22 @@ def test_the_test_split_streamed_scores_as_it_does_in_memory(workdir: Path, tmp_
     sess = session(onnx_file, 1)
     assert np.array_equal(onnx_predict(sess, streamed.images, 7), onnx_predict(sess, memory.images, 7))
     assert split_sha256(streamed) == split_sha256(memory)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_confusion_matrix_and_class_scores_are_sklearns(seed: int) -> None:
+    """evaluate's own metrics (written out to keep sklearn's import out of the stage) equal sklearn's,
+    with a class that never occurs and one that is never predicted (sklearn's zero_division=0)."""
+    from sklearn import metrics
+
+    rng = np.random.default_rng(seed)
+    actual = rng.choice([0, 1, 2, 4, 5], size=200)  # class 3 never occurs
+    predicted = np.where(rng.random(200) < 0.7, actual, rng.choice([0, 1, 3, 4], size=200))  # 2 and 5 rarely
+    predicted[predicted == 5] = 4  # class 5 never predicted
+    confusion = confusion_matrix(actual, predicted, 6)
+    np.testing.assert_array_equal(confusion, metrics.confusion_matrix(actual, predicted, labels=range(6)))
+    ours = class_scores(confusion)
+    theirs = metrics.precision_recall_fscore_support(actual, predicted, labels=range(6), zero_division=0)
+    for mine, reference in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(mine, reference)
+    assert ours[0][5] == 0 and ours[1][3] == 0 and ours[2][3] == 0  # the undefined ones are 0, not NaN
