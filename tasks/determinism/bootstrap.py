@@ -1,10 +1,11 @@
 """Every entry point's first call: params.yaml validated, then the process set up for it before torch
 and numpy load.
 
-torch and numpy read the CPU mode's variables (tasks/determinism/cpu_mode.py) once, when they are
-imported, so the mode must be in force before anything imports them: `bootstrap` is called by each
-entry point (`python -m tasks`, the flows, a DDP rank, the benchmarks) before its heavy imports, and
-the processes they start inherit it. Prefect's settings, which Prefect likewise reads when it is
+torch and numpy read the CPU mode's variables (tasks/determinism/cpu_mode.py), and torch's OpenMP how
+long its threads spin (tasks/determinism/threads.py), once, when they are imported, so these must be
+in force before anything imports them: `bootstrap` is called by each entry point (`python -m tasks`,
+the flows, a DDP rank, the benchmarks) before its heavy imports, and the processes they start
+inherit them. Prefect's settings, which Prefect likewise reads when it is
 imported, are applied by importing the flows package (flows/__init__.py).
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import PARAMS_FILE, load_params, with_overrides
 from tasks.determinism.cpu_mode import pin_env
+from tasks.determinism.threads import pin_waiting
 
 
 def bootstrap(params_file: str | Path = PARAMS_FILE, overrides: dict[str, Any] | None = None) -> Params:
@@ -26,4 +28,5 @@ def bootstrap(params_file: str | Path = PARAMS_FILE, overrides: dict[str, Any] |
     """
     params = with_overrides(params_file, overrides)[1] if overrides else load_params(params_file)
     pin_env(params.determinism.cpu)
+    pin_waiting()
     return params

@@ -20,17 +20,31 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Literal
 
 from tasks.core.config.base import ConfigError
 
 SHARE_ENV = "LOCKSTEP_CPU_SHARE"  # how many processes of one job share this process's cores
+# How long OpenMP's threads (torch's pool, which portable mode's products run on too) spin before they
+# sleep while waiting for a peer, in libgomp's loop iterations. Its default spins for milliseconds,
+# as if each thread had a core of its own; on a shared machine a peer that lost its core keeps the
+# others spinning through its whole time slice, every parallel region, and native mode (whose thread
+# count may not follow the load) collapsed. A spin of about a tenth of a millisecond kept the quiet
+# speed (docs/benchmarks.md, B11). How threads wait changes no result.
+SPIN_COUNT = "10000"
 MAX_SHARE = 4096
 
 NumThreads = int | Literal["auto"]
 log = logging.getLogger(__name__)
+
+
+def pin_waiting(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Before torch loads (libgomp reads it then): OpenMP's threads spin briefly before they sleep, unless
+    the user chose how they wait (GOMP_SPINCOUNT, or OMP_WAIT_POLICY, which that would override)."""
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+        environ["GOMP_SPINCOUNT"] = SPIN_COUNT
 
 
 def cores_given() -> int:

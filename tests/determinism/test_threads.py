@@ -17,7 +17,7 @@ from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import load_params
 from tasks.determinism import threads
 from tasks.train.launcher import launch_env
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 
 
 @pytest.fixture
@@ -186,3 +186,30 @@ def torch_threads() -> Iterator[None]:
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("chosen", "expected"),
+    [
+        ({}, threads.SPIN_COUNT),
+        ({"GOMP_SPINCOUNT": "300000"}, "300000"),  # the user's choice stands
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, None),  # a spin count would override the policy they chose
+    ],
+)
+def test_openmp_threads_spin_briefly_unless_the_user_chose(chosen: dict[str, str], expected: str | None) -> None:
+    environ = dict(chosen)
+    threads.pin_waiting(environ)
+    assert environ.get("GOMP_SPINCOUNT") == expected and environ.get("OMP_WAIT_POLICY") == chosen.get("OMP_WAIT_POLICY")
+
+
+def test_every_entry_point_sets_the_spin_before_torch_loads() -> None:
+    """bootstrap, which each entry point calls first, sets it in the process (before libgomp reads it) and
+    for the processes it starts (DDP ranks, Dask workers, stages)."""
+    env = {k: v for k, v in subprocess_env().items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = (
+        "import os, sys\nfrom tasks.determinism.bootstrap import bootstrap\nbootstrap()\n"
+        "assert 'torch' not in sys.modules\nimport torch\nprint(os.environ['GOMP_SPINCOUNT'])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == threads.SPIN_COUNT
