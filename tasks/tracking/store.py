@@ -56,7 +56,7 @@ def _open_sqlite_store(mlflow: Any, uri: str) -> None:
     MLflow creates an empty store's tables and runs its ~70 schema migrations from whichever process
     opens it first, with no lock between processes. Two stages that start together (`dvc queue start
     -j 2` on a fresh clone) both did, and one failed with "table latest_metrics already exists"
-    (tests/flows/test_dvc_queue.py). Under the lock the second waits, then finds the tables made. The lock file
+    (tests/flows/test_dvc_experiments.py). Under the lock the second waits, then finds the tables made. The lock file
     lives in the temporary directory, keyed by the database's path, like the lock MLflow takes for this
     in its job and workspace stores (not in the tracking store): no file appears in the project.
     """

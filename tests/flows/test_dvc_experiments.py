@@ -1,9 +1,10 @@
-"""DVC's experiment queue, as its users run it: `dvc exp run --queue` twice, then
-`dvc queue start -j 2`. Both experiments run at once and finish (the weak one too: its int8 copy fails
-the export gates and fp32 ships instead), show their metrics in `dvc exp show`, and land in the
-project's MLflow store, which the two create and write at the same time without "database is locked".
-(A third experiment waiting for a free queue worker would test DVC's scheduling, not ours: left out
-to keep the slow tier short.)
+"""DVC's experiments, as their users run them: `dvc exp run --queue` twice, then `dvc queue start -j 2`.
+Both experiments run at once and finish (the weak one too: its int8 copy fails the export gates and fp32
+ships instead), show their metrics in `dvc exp show`, and land in the project's MLflow store, which the
+two create and write at the same time without "database is locked". `dvc plots diff` then draws the
+baseline and an experiment side by side, offline, in headless Chromium. (One queue run serves every
+test here: each experiment is four stage processes. A third experiment waiting for a free queue worker
+would test DVC's scheduling, not ours: left out.)
 
 The store's part alone, without DVC, is the fast test: two processes opening a new store at once."""
 
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +25,16 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, client_for, clone_project, commit_all, run, subprocess_env, write_params
+from tests.support.plots_page import SCREENSHOTS, classes, every_plot_drawn, open_page
 
-WEAK = "weak"
+WEAK, LEARNT = "weak", "normal"
 # name -> train.lr; the weak one barely moves from its initialisation (test accuracy ~0.1). None is
 # the baseline's 0.05: DVC would skip that one's train and evaluate as unchanged.
-EXPERIMENTS = {WEAK: 1e-5, "normal": 0.1}
+EXPERIMENTS = {WEAK: 1e-5, LEARNT: 0.1}
 QUEUE_TIMEOUT_S = 600  # three took ~2.5 min on 2 cores (another job running beside them)
-POLL_S = 5
+# Each `dvc queue status` is a process that imports DVC (about a second of CPU, taken from the
+# experiments it waits for): the queue takes minutes, so a few seconds' lateness costs less.
+POLL_S = 10
 # The queued runs' own config on top of TINY:
 # - confidence 0: the agreement gate counts every test image. With the default 0.5 a model that never
 #   trained has no confident image at all, so its int8 copy passes vacuously and nothing falls back;
@@ -42,20 +47,38 @@ QUEUED_CONFIG = {
 UNFINISHED = ("Queued", "Running")
 
 
-@pytest.fixture
-def project(dvc_repo: dict[str, Any], tmp_path: Path) -> Iterator[Path]:
-    """The session's reproduced project, committed as the experiments' baseline, without an MLflow store.
+@dataclass(frozen=True)
+class Queued:
+    """What the queue left: the project, the states `dvc queue status` showed before the start and at
+    the end, and each experiment's `dvc queue logs`."""
+
+    repo: Path
+    before_start: dict[str, str]
+    states: dict[str, str]
+    logs: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def queued(dvc_repo: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Queued]:
+    """The session's reproduced project, committed as the experiments' baseline without an MLflow store,
+    and the two experiments queued, run two at a time, and waited for.
 
     No store: like a fresh clone that pulled its outputs from a DVC remote, so the first two experiments
     create it at the same time. Queue workers are killed at the end, whatever happened.
     """
-    repo = clone_project(dvc_repo["repo"], tmp_path / "repo")
+    repo = clone_project(dvc_repo["repo"], tmp_path_factory.mktemp("experiments") / "repo")
     write_params(repo / "params.yaml", QUEUED_CONFIG, base=repo / "params.yaml")
     (repo / "mlflow.db").unlink()
     shutil.rmtree(repo / "mlartifacts")
     commit_all(repo, "baseline: dvc.lock of the reproduced pipeline")
     try:
-        yield repo
+        for name, lr in EXPERIMENTS.items():
+            run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"train.lr={lr}"], repo)
+        before_start = queue_states(repo)
+        run(["dvc", "queue", "start", "-j", "2"], repo)
+        states = wait_for_queue(repo)
+        logs = {name: run(["dvc", "queue", "logs", name], repo).stdout for name in EXPERIMENTS}
+        yield Queued(repo, before_start, states, logs)
     finally:
         run(["dvc", "queue", "stop", "--kill"], repo, check=False)
 
@@ -149,25 +172,54 @@ def check_mlflow(repo: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_queued_experiments_run_at_once_and_both_land(project: Path) -> None:
-    repo = project
-    for name, lr in EXPERIMENTS.items():
-        run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"train.lr={lr}"], repo)
-    assert queue_states(repo) == dict.fromkeys(EXPERIMENTS, "Queued")
-    run(["dvc", "queue", "start", "-j", "2"], repo)
-
-    states = wait_for_queue(repo)
-    logs = {name: run(["dvc", "queue", "logs", name], repo).stdout for name in EXPERIMENTS}
-    assert states == dict.fromkeys(EXPERIMENTS, "Success"), {n: logs[n][-3000:] for n in states}
+def test_two_queued_experiments_run_at_once_and_both_land(queued: Queued) -> None:
+    assert queued.before_start == dict.fromkeys(EXPERIMENTS, "Queued")
+    logs = queued.logs
+    assert queued.states == dict.fromkeys(EXPERIMENTS, "Success"), {n: logs[n][-3000:] for n in queued.states}
     for name, log in logs.items():
         ran = re.findall(r"Running stage '(\w+)'", log)
         assert ran == ["train", "evaluate", "compress", "export"], (name, ran)
         for bad in ("database is locked", "Traceback"):
             assert bad not in log, f"{name}: {bad!r} in its log:\n{log[-3000:]}"
 
-    revs = check_exp_show(repo)
-    check_weak_fell_back(repo, revs[WEAK])
-    check_mlflow(repo)
+    revs = check_exp_show(queued.repo)
+    check_weak_fell_back(queued.repo, revs[WEAK])
+    check_mlflow(queued.repo)
+
+
+@pytest.mark.slow
+def test_plots_diff_draws_the_baseline_and_an_experiment(queued: Queued, tmp_path: Path) -> None:
+    """`dvc plots diff <baseline> <experiment>`: every plot drawn offline for both, each naming both."""
+    run(["dvc", "plots", "diff", "HEAD", LEARNT, "-o", str(tmp_path / "diff")], queued.repo)
+    html = tmp_path / "diff" / "index.html"
+    page = open_page(html, tmp_path / "profile", every_plot_drawn(), SCREENSHOTS / "dvc-plots-diff.png")
+    assert page.offline_problems(revisions=2, classes=classes(queued.repo)) == []
+    for plot, drawn in page.plots.items():  # each names both: a legend entry, or a confusion matrix's header
+        assert "HEAD" in drawn["text"] and LEARNT in drawn["text"], (plot, drawn["text"])
+
+
+@pytest.mark.slow
+def test_exp_show_lists_the_headline_metrics_of_each_experiment(queued: Queued) -> None:
+    """`dvc exp show --json`: the baseline and each experiment with its test accuracy (evaluate) and the
+    shipped model's accuracy, size and latency (gates.json's flat `shipped`): the numbers its own
+    commit holds."""
+    import dvc.api
+
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], queued.repo).stdout)
+    baseline = next(entry for entry in shown if entry["rev"] != "workspace")
+    rows = {"baseline": baseline, **{exp["name"]: exp["revs"][0] for exp in baseline["experiments"] or []}}
+    assert set(rows) == {"baseline", *EXPERIMENTS}, list(rows)
+    for name, row in rows.items():
+        metrics = row["data"]["metrics"]
+        evaluated = metrics["artifacts/evaluate/metrics.json"]["data"]
+        shipped = metrics["artifacts/export/gates.json"]["data"]["shipped"]
+        assert set(shipped) == {"accuracy", "size_bytes", "latency_b1_ms", "latency_b64_ms"}, (name, shipped)
+        committed = {
+            path: json.loads(dvc.api.read(path, repo=str(queued.repo), rev=row["rev"]))
+            for path in ("artifacts/evaluate/metrics.json", "artifacts/export/gates.json")
+        }
+        assert evaluated["accuracy"] == committed["artifacts/evaluate/metrics.json"]["accuracy"], name
+        assert shipped == committed["artifacts/export/gates.json"]["shipped"], name
 
 
 # A stage process up to its first MLflow call, held at a barrier so that two of them make the
