@@ -50,12 +50,13 @@ UNFINISHED = ("Queued", "Running")
 @dataclass(frozen=True)
 class Queued:
     """What the queue left: the project, the states `dvc queue status` showed before the start and at
-    the end, and each experiment's `dvc queue logs`."""
+    the end, each experiment's `dvc queue logs`, and what `dvc exp show --json` then listed."""
 
     repo: Path
     before_start: dict[str, str]
     states: dict[str, str]
     logs: dict[str, str]
+    shown: list[dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,8 @@ def queued(dvc_repo: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
         run(["dvc", "queue", "start", "-j", "2"], repo)
         states = wait_for_queue(repo)
         logs = {name: run(["dvc", "queue", "logs", name], repo).stdout for name in EXPERIMENTS}
-        yield Queued(repo, before_start, states, logs)
+        shown = json.loads(run(["dvc", "exp", "show", "--json"], repo).stdout)
+        yield Queued(repo, before_start, states, logs, shown)
     finally:
         run(["dvc", "queue", "stop", "--kill"], repo, check=False)
 
@@ -109,9 +111,8 @@ def declared_metrics(repo: Path) -> set[str]:
     return {path for stage in stages.values() for path in stage.get("metrics", [])}
 
 
-def shown_experiments(repo: Path) -> dict[str, dict[str, Any]]:
-    """Experiment name -> its `dvc exp show --json` entry (rev, params, metrics)."""
-    shown = json.loads(run(["dvc", "exp", "show", "--json"], repo).stdout)
+def shown_experiments(shown: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Experiment name -> its entry in `dvc exp show --json` (rev, params, metrics)."""
     found = {}
     for baseline in shown:
         for experiment in baseline.get("experiments") or []:
@@ -121,11 +122,11 @@ def shown_experiments(repo: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def check_exp_show(repo: Path) -> dict[str, str]:
+def check_exp_show(queued: Queued) -> dict[str, str]:
     """Each experiment with its lr and every metrics file dvc.yaml declares; returns name -> commit."""
-    shown = shown_experiments(repo)
+    shown = shown_experiments(queued.shown)
     assert set(shown) == set(EXPERIMENTS), sorted(shown)
-    metrics_files = declared_metrics(repo)
+    metrics_files = declared_metrics(queued.repo)
     assert {"artifacts/evaluate/metrics.json", "artifacts/export/gates.json"} <= metrics_files
     for name, entry in shown.items():
         data = entry["data"]
@@ -182,7 +183,7 @@ def test_two_queued_experiments_run_at_once_and_both_land(queued: Queued) -> Non
         for bad in ("database is locked", "Traceback"):
             assert bad not in log, f"{name}: {bad!r} in its log:\n{log[-3000:]}"
 
-    revs = check_exp_show(queued.repo)
+    revs = check_exp_show(queued)
     check_weak_fell_back(queued.repo, revs[WEAK])
     check_mlflow(queued.repo)
 
@@ -205,8 +206,7 @@ def test_exp_show_lists_the_headline_metrics_of_each_experiment(queued: Queued) 
     commit holds."""
     import dvc.api
 
-    shown = json.loads(run(["dvc", "exp", "show", "--json"], queued.repo).stdout)
-    baseline = next(entry for entry in shown if entry["rev"] != "workspace")
+    baseline = next(entry for entry in queued.shown if entry["rev"] != "workspace")
     rows = {"baseline": baseline, **{exp["name"]: exp["revs"][0] for exp in baseline["experiments"] or []}}
     assert set(rows) == {"baseline", *EXPERIMENTS}, list(rows)
     for name, row in rows.items():
