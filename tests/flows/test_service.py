@@ -38,7 +38,7 @@ from tasks.core.lock import pipeline_lock
 from tasks.tracking.dashboard import CURVES, run_page, runs_page
 from tests.conftest import ROOT, TINY, copy_project, free_port, run, service, stop_group, subprocess_env, until_healthy
 from tests.support.chromium import devtools
-from tests.support.prefect_client import PrefectAPI, basic_auth, status_of, wait_for_deployment
+from tests.support.prefect_client import PrefectAPI, basic_auth, cron_far_from_now, status_of, wait_for_deployment
 from tests.support.webhook import WebhookReceiver
 
 pytestmark = pytest.mark.slow
@@ -46,6 +46,7 @@ pytestmark = pytest.mark.slow
 DEPLOYMENT = "lockstep-pipeline/nightly"
 FIRST_IMAGES = 1634  # of digits' 1797; the other 163 (10%) arrive later as "new data"
 SCREENSHOTS = ROOT / "test-artifacts"  # kept for a person to look at
+CRON = cron_far_from_now()  # the nightly default would start a run of its own when a session spans 03:00 UTC
 SCHEDULER_WAIT_S = 90  # Prefect's scheduler service loops every 60 s (its recent-deployments loop, 5 s)
 
 
@@ -82,7 +83,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         {
             "data": {"source": "imagefolder", "path": str(images), "channels": 1},
             "compress": {"variants": ["static_int8"]},
-            "orchestration": {"notify": {"format": "generic"}},
+            "orchestration": {"notify": {"format": "generic"}, "cron": CRON},
         },
     )
     mlflow_port, prefect_port = free_port(), free_port()
@@ -491,7 +492,7 @@ def _files(folder: Path, *names: str) -> dict[str, str | None]:
 
 def test_the_schedule_created_upcoming_runs(stack: Stack) -> None:
     deployment = api(stack, f"/deployments/name/{DEPLOYMENT}")
-    assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
+    assert [s["schedule"]["cron"] for s in deployment["schedules"]] == [CRON]
     assert deployment["parameters"] == {"reingest": True}
     upcoming = {"deployment_id": {"any_": [deployment["id"]]}, "state": {"type": {"any_": ["SCHEDULED"]}}}
     # The server's scheduler service creates the runs on its own loop, some seconds after the
@@ -503,7 +504,7 @@ def test_the_schedule_created_upcoming_runs(stack: Stack) -> None:
         time.sleep(1)
     starts = sorted(datetime.fromisoformat(r["expected_start_time"].replace("Z", "+00:00")) for r in scheduled)
     assert len(starts) >= 3, scheduled
-    assert all((t.hour, t.minute, t.utcoffset().total_seconds()) == (3, 0, 0) for t in starts)
+    assert all((t.hour, t.minute, t.utcoffset().total_seconds()) == (int(CRON.split()[1]), 0, 0) for t in starts)
     assert starts[0] > datetime.now(starts[0].tzinfo)
 
 

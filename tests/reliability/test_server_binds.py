@@ -18,14 +18,14 @@ import pytest
 from flows.prefect_env import LocalServer, wait_until_healthy
 from tests.conftest import copy_project, free_port, listening, stop_group, subprocess_env
 from tests.reliability.conftest import with_environment
-from tests.support.prefect_client import basic_auth, status_of, wait_for_deployment
+from tests.support.prefect_client import basic_auth, cron_far_from_now, status_of, wait_for_deployment
 
 pytestmark = pytest.mark.slow
 
 
 def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
     """Also: `make mlflow-server` runs with the README's recipe for a team (basic-auth, --allowed-hosts)."""
-    repo = with_environment(copy_project(tmp_path / "repo"))
+    repo = with_environment(copy_project(tmp_path / "repo", {"orchestration": {"cron": cron_far_from_now()}}))
     ports = {name: free_port() for name in ("mlflow", "ui", "prefect")}
     password = f"Adm1n-{token_hex(8)}"
     team = [f"MLFLOW_AUTH_CONFIG={_auth_ini(tmp_path, password)}", f"MLFLOW_ALLOWED_HOSTS=127.0.0.1:{ports['mlflow']}"]

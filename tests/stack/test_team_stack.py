@@ -48,7 +48,7 @@ from tasks.tracking.dashboard import run_page
 from tests.conftest import ROOT, commit_all, copy_project, listening, run, service, sha256, subprocess_env
 from tests.flows.test_service import write_digits
 from tests.support.chromium import basic_auth_proxy, dom_and_screenshot
-from tests.support.prefect_client import PrefectAPI, wait_for_deployment
+from tests.support.prefect_client import PrefectAPI, cron_far_from_now, wait_for_deployment
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +79,7 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         {
             "data": {"source": "imagefolder", "path": str(images), "channels": 1},
             "compress": {"variants": ["static_int8"]},
+            "orchestration": {"cron": cron_far_from_now()},  # no nightly run beside the tests' own
         },
     )
     # As root, PostgreSQL runs as the `postgres` user, who must be able to enter the stack's folder:

@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,10 @@ def wait_for_deployment(api_url: str, auth_file: Path, name: str, proc: subproce
                 pass
         time.sleep(0.5)
     raise AssertionError(f"deployment {name} not served at {api_url} within {timeout_s:g} s")
+
+
+def cron_far_from_now() -> str:
+    """A daily cron twelve hours (UTC) away, for a deployment a test serves: with the default nightly
+    `0 3 * * *`, a session that spans 03:00 UTC would see the scheduled run start beside the tests'
+    own runs and take the pipeline lock they expect to be free."""
+    return f"0 {(datetime.now(UTC).hour + 12) % 24} * * *"
