@@ -1,8 +1,8 @@
 """Real sweeps on a real Dask cluster: a scheduler and worker processes on 127.0.0.1, started and
 killed here by PID (`python -m flows.sweep scheduler|worker`, as a user starts them on each machine).
 
-The same sweep run with one worker and with two gives the same trial parameters, the same pruned set
-and byte-identical checkpoints; a worker SIGKILLed mid-trial changes nothing either; every trial is
+The same sweep run with one worker, and with two of which one is SIGKILLed mid-trial, gives the same
+trial parameters, the same pruned set and byte-identical checkpoints; every trial is
 an MLflow run that `tasks.tools.reproduce` rebuilds byte for byte; `--apply` hands the winner to the
 pipeline, whose train stage then rebuilds the winner's weights, with `sweep.applied` in dvc.lock.
 """
@@ -124,10 +124,30 @@ def one_worker(cluster: Cluster) -> list[dict[str, str]]:
     return _trials(cluster.project, "one")
 
 
-def test_one_and_two_workers_give_the_same_study(cluster: Cluster, one_worker: list[dict[str, str]]) -> None:
+def test_two_workers_one_killed_mid_trial_give_the_same_study(
+    cluster: Cluster, one_worker: list[dict[str, str]]
+) -> None:
+    """The sweep again on two workers, running trials side by side until one worker is SIGKILLed
+    mid-trial (one run, both claims: where a trial runs, and a worker lost, change nothing)."""
     while len(cluster.alive()) < 2:
         cluster.add_worker()
-    done = _sweep(cluster, "two")
+    client = client_for(cluster.project)
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "flows.sweep", "--address", cluster.address, "--set", "sweep.name=two"],
+        cwd=cluster.project,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        victim, killed_trial = _kill_a_worker_mid_trial(cluster, client, "two")
+        output, _ = sweep.communicate(timeout=600)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, output
+    assert victim.poll() is not None
     two = _trials(cluster.project, "two")
 
     assert _results(two) == _results(one_worker)
@@ -138,12 +158,13 @@ def test_one_and_two_workers_give_the_same_study(cluster: Cluster, one_worker: l
     assert best["trial"] == ref["trial"] and best["params"] == ref["params"]
     best_file = f"artifacts/sweep/{{}}/trial-{best['trial']:04d}/best.safetensors"
     assert sha256(cluster.project / best_file.format("two")) == sha256(cluster.project / best_file.format("one"))
-    assert f"best trial {best['trial']}" in done.stdout
-    _check_recorded(cluster.project, "two", two)
+    assert f"best trial {best['trial']}" in output
+    _check_recorded(cluster.project, "two", two, killed_trial)
 
 
-def _check_recorded(project: Path, name: str, rows: list[dict[str, str]]) -> None:
-    """One sweep run in MLflow with the study; one finished train run per trial, nested in it."""
+def _check_recorded(project: Path, name: str, rows: list[dict[str, str]], killed_trial: str) -> None:
+    """One sweep run in MLflow with the study; one finished train run per trial, nested in it, and
+    the killed attempt's run marked KILLED with the reason."""
     client = client_for(project)
     experiment = client.get_experiment_by_name("lockstep").experiment_id
     parents = client.search_runs(
@@ -161,9 +182,15 @@ def _check_recorded(project: Path, name: str, rows: list[dict[str, str]]) -> Non
     assert "sweep/param_importances.png" in listed
     children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     trials = [c for c in children if c.data.tags.get("sweep.trial") is not None]
-    assert sorted(int(c.data.tags["sweep.trial"]) for c in trials) == list(range(len(rows)))
-    for child, row in zip(sorted(trials, key=lambda c: int(c.data.tags["sweep.trial"])), rows, strict=True):
-        assert child.info.status == "FINISHED" and child.data.tags["sweep.state"] == row["state"]
+    finished = sorted((c for c in trials if c.info.status == "FINISHED"), key=lambda c: int(c.data.tags["sweep.trial"]))
+    assert [int(c.data.tags["sweep.trial"]) for c in finished] == list(range(len(rows)))  # every trial done once
+    stage_runs = client.search_runs([experiment], f"tags.`sweep.study` = '{name}' and tags.`lockstep.stage` = 'train'")
+    killed = [r for r in stage_runs if r.info.status == "KILLED"]
+    assert [r.data.tags["sweep.trial"] for r in killed] == [killed_trial]
+    assert "is gone" in killed[0].data.tags["lockstep.killed_reason"]
+    assert len(stage_runs) == len(finished) + 1, [(r.data.tags["sweep.trial"], r.info.status) for r in stage_runs]
+    for child, row in zip(finished, rows, strict=True):
+        assert child.data.tags["sweep.state"] == row["state"]
         assert child.data.tags["lockstep.stage"] == "train"
         assert float(child.data.params["train.lr"]) == float(row["train.lr"])
         assert child.data.params["train.seed"] == row["seed"]
@@ -173,46 +200,13 @@ def _check_recorded(project: Path, name: str, rows: list[dict[str, str]]) -> Non
             assert child.data.tags["weights.best_sha256"] == row["best_sha256"]
 
 
-def test_a_worker_killed_mid_trial_changes_nothing(cluster: Cluster, one_worker: list[dict[str, str]]) -> None:
-    while len(cluster.alive()) < 2:
-        cluster.add_worker()
-    client = client_for(cluster.project)
-    sweep = subprocess.Popen(
-        [sys.executable, "-m", "flows.sweep", "--address", cluster.address, "--set", "sweep.name=killed"],
-        cwd=cluster.project,
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        victim, trial = _kill_a_worker_mid_trial(cluster, client)
-        output, _ = sweep.communicate(timeout=600)
-    finally:
-        if sweep.poll() is None:
-            sweep.kill()
-    assert sweep.returncode == 0, output
-    assert victim.poll() is not None
-
-    assert _results(_trials(cluster.project, "killed")) == _results(one_worker)
-    runs = client.search_runs(
-        [client.get_experiment_by_name("lockstep").experiment_id],
-        "tags.`sweep.study` = 'killed' and tags.`lockstep.stage` = 'train'",
-    )
-    finished = sorted(int(r.data.tags["sweep.trial"]) for r in runs if r.info.status == "FINISHED")
-    assert finished == list(range(SWEEP["trials"]))  # every trial done once
-    killed = [r for r in runs if r.info.status == "KILLED"]
-    assert [r.data.tags["sweep.trial"] for r in killed] == [trial]
-    assert "is gone" in killed[0].data.tags["lockstep.killed_reason"]
-
-
-def _kill_a_worker_mid_trial(cluster: Cluster, client: Any) -> tuple[subprocess.Popen[Any], str]:
+def _kill_a_worker_mid_trial(cluster: Cluster, client: Any, study: str) -> tuple[subprocess.Popen[Any], str]:
     """SIGKILL the worker (its whole process group) running a trial that has trained an epoch."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         running = client.search_runs(
             [client.get_experiment_by_name("lockstep").experiment_id],
-            "tags.`sweep.study` = 'killed' and attributes.status = 'RUNNING' and tags.`lockstep.stage` = 'train'",
+            f"tags.`sweep.study` = '{study}' and attributes.status = 'RUNNING' and tags.`lockstep.stage` = 'train'",
         )
         for run_ in running:
             if "val_accuracy" in run_.data.metrics:
