@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -210,6 +210,13 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def with_environment(repo: Path) -> Path:
+    """The project's `make` targets work in `repo`: the environment they would create, already made."""
+    for env_dir in (".venv", ".uv"):
+        (repo / env_dir).symlink_to(ROOT / env_dir)
+    return repo
+
+
 def clone_project(source: Path, dest: Path) -> Path:
     """A copy of a test project, to change without touching `source` (shared by other tests).
 
@@ -233,26 +240,42 @@ def clone_project(source: Path, dest: Path) -> Path:
     return dest
 
 
+def _once_per_run(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, build: Callable[[Path], dict[str, Any]]
+) -> dict[str, Any]:
+    """`build(folder)`'s record (JSON), built once per test run: under xdist the first worker to need it
+    builds it (the others wait on a file lock) in the run's common temporary directory."""
+    if worker_id == "master":  # one process: nothing to share
+        return build(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, common to its workers
+    record = shared / f"{name}.json"
+    with FileLock(shared / f"{name}.lock"):
+        if not record.exists():
+            record.write_text(json.dumps(build(shared / name), default=str))
+    return json.loads(record.read_text())
+
+
 @pytest.fixture(scope="session")
 def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[str, Any]:
     """A copy reproduced by `dvc repro` (every stage, MLflow on), with what it looked like right after.
 
-    Built once per test run: under xdist the first worker to need it builds it (the other waits on a
-    file lock) in the run's common temporary directory. Tests only read it; a test that changes a
-    project clones it (`clone_project`).
+    Built once per test run. Tests only read it; a test that changes a project clones it (`clone_project`).
     """
-    if worker_id == "master":  # one process: nothing to share
-        return _build_dvc_repo(tmp_path_factory.mktemp("dvc"))
-    from filelock import FileLock
-
-    shared = tmp_path_factory.getbasetemp().parent  # this run's, common to its workers
-    record = shared / "dvc_repo.json"
-    with FileLock(shared / "dvc_repo.lock"):
-        if not record.exists():
-            built = _build_dvc_repo(shared / "dvc")
-            record.write_text(json.dumps({**built, "repo": str(built["repo"])}))
-    loaded = json.loads(record.read_text())
+    loaded = _once_per_run(tmp_path_factory, worker_id, "dvc", _build_dvc_repo)
     return {**loaded, "repo": Path(loaded["repo"])}
+
+
+@pytest.fixture(scope="session")
+def first_make_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Any:
+    """A fresh copy's first `make run`, started twice at once (tests/support/first_run.py); built once per
+    test run. Tests only read it; a test that changes the project clones it."""
+    from tests.support.first_run import TwoRuns, two_make_runs
+
+    return TwoRuns.from_record(
+        _once_per_run(tmp_path_factory, worker_id, "two", lambda base: two_make_runs(base).record())
+    )
 
 
 PREFECT_DATABASE = """
@@ -271,7 +294,7 @@ def _build_dvc_repo(base: Path) -> dict[str, Any]:
     second = run(["dvc", "repro"], repo)
     # The project's Prefect database made (migrated) by the server a flow run starts, as a project's first
     # `make run` leaves it: a flow run or `serve` in a clone then starts its server in seconds, not after
-    # ~13 s of migrations (the cold start is tests/flows/test_e2e.py's, in a fresh copy).
+    # ~13 s of migrations (the cold start is the first make runs', tests/support/first_run.py).
     run([sys.executable, "-c", PREFECT_DATABASE], repo)
     return {
         "repo": repo,

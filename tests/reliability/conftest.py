@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, clone_project, run, write_params
+from tests.conftest import clone_project, run, write_params
 
 FAULTS = Path(__file__).parent / "faults"
 
@@ -86,10 +86,3 @@ def checkpoint_epoch(path: Path) -> int:
         size = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(size))
     return json.loads(header["__metadata__"]["lockstep"])["epoch"]
-
-
-def with_environment(repo: Path) -> Path:
-    """The project's `make` targets work in `repo`: the environment they would create, already made."""
-    for env_dir in (".venv", ".uv"):
-        (repo / env_dir).symlink_to(ROOT / env_dir)
-    return repo

@@ -16,8 +16,7 @@ import psutil
 import pytest
 
 from flows.prefect_env import LocalServer, wait_until_healthy
-from tests.conftest import copy_project, free_port, listening, stop_group, subprocess_env
-from tests.reliability.conftest import with_environment
+from tests.conftest import copy_project, free_port, listening, stop_group, subprocess_env, with_environment
 from tests.support.prefect_client import basic_auth, cron_far_from_now, status_of, wait_for_deployment
 
 pytestmark = pytest.mark.slow

@@ -6,69 +6,29 @@ up to date. Refusal after `orchestration.lock_wait_s`, and `dvc repro` against a
 tests/core/test_lock.py; two overlapping deployment runs on a worker in tests/flows/test_service.py.
 Secrets: values of environment variables named like token/password/secret/key, credentials in a
 param's URL and in the git remote's URL; everything MLflow holds is searched for them: params, tags,
-every artifact file, the raw bytes of the store. (One module: the two runs are made once for both.)
+every artifact file, the raw bytes of the store. The two runs are made once per test run
+(tests/support/first_run.py), and serve tests/flows/test_e2e.py too.
 """
 
 from __future__ import annotations
 
-import subprocess
 import urllib.parse
-from dataclasses import dataclass
 from pathlib import Path
-from secrets import token_hex
 
 import pytest
 
-from tests.conftest import client_for, copy_project, run, subprocess_env
-from tests.reliability.conftest import with_environment
+from tests.conftest import client_for, run
+from tests.support.first_run import ALL_STAGES, TwoRuns
 
 pytestmark = pytest.mark.slow
 
 
-@dataclass(frozen=True)
-class TwoRuns:
-    """A project on which `make run` was started twice at the same moment (tracking on), by a user with
-    secrets in the environment, in a git remote URL and in a param."""
-
-    repo: Path
-    runs: list[subprocess.CompletedProcess[str]]
-    secrets: dict[str, str]  # where -> value
-
-
-@pytest.fixture(scope="module")
-def two_make_runs(tmp_path_factory: pytest.TempPathFactory) -> TwoRuns:
-    places = (
-        *("LOCKSTEP_API_TOKEN", "MY_DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "GRAFANA_AUTH"),
-        *("git remote", "data.mirror"),
-    )
-    secrets = {where: f"s3cr3t-{token_hex(12)}" for where in places}
-    # user:pw@ in a URL param is refused (tests/core/test_params_credentials.py); a token as a path segment
-    # passes validation and must be masked wherever the param goes. Digits never fetches the mirror.
-    mirror = f"https://mirror.invalid/token/{secrets['data.mirror']}/datasets"
-    repo = with_environment(copy_project(tmp_path_factory.mktemp("two") / "repo", {"data": {"mirror": mirror}}))
-    run(["git", "remote", "add", "origin", f"https://oauth2:{secrets['git remote']}@git.invalid/team/repo.git"], repo)
-    env = subprocess_env(**{name: value for name, value in secrets.items() if name.isupper()})
-    procs = [
-        subprocess.Popen(
-            ["make", "run"], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for _ in range(2)
-    ]
-    runs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=900)
-        runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
-    return TwoRuns(repo, runs, secrets)
-
-
-def test_one_run_waits_for_the_other_and_the_project_stays_consistent(two_make_runs: TwoRuns) -> None:
-    repo, runs = two_make_runs.repo, two_make_runs.runs
+def test_one_run_waits_for_the_other_and_the_project_stays_consistent(first_make_runs: TwoRuns) -> None:
+    repo, runs = first_make_runs.repo, first_make_runs.runs
     for done in runs:
         assert done.returncode == 0, done.stdout[-5000:]
     outputs = [done.stdout for done in runs]
-    ran_all = [
-        out for out in outputs if "stages run: download, stats, preprocess, train, evaluate, compress, export" in out
-    ]
+    ran_all = [out for out in outputs if ALL_STAGES in out]
     waited = [out for out in outputs if "stages run: none (everything up to date)" in out]
     assert len(ran_all) == 1 and len(waited) == 1, outputs
     assert "waiting up to 3600 s for the pipeline run in progress: Prefect flow run" in waited[0]
@@ -88,8 +48,8 @@ def test_one_run_waits_for_the_other_and_the_project_stays_consistent(two_make_r
     assert len(client.search_model_versions("name = 'lockstep-classifier'")) == 1
 
 
-def test_no_secret_reaches_mlflow(two_make_runs: TwoRuns) -> None:
-    repo, secrets = two_make_runs.repo, two_make_runs.secrets
+def test_no_secret_reaches_mlflow(first_make_runs: TwoRuns) -> None:
+    repo, secrets = first_make_runs.repo, first_make_runs.secrets
     client = client_for(repo)
     runs = client.search_runs([client.get_experiment_by_name("lockstep").experiment_id])
     assert len(runs) >= 9  # two pipeline runs, seven stage runs
@@ -122,5 +82,5 @@ def test_no_secret_reaches_mlflow(two_make_runs: TwoRuns) -> None:
             assert not [where for where, secret in secrets.items() if secret.encode() in data], path
     card = (repo / "artifacts" / "export" / "model_card.md").read_text()
     assert '"mirror": "https://mirror.invalid/token/***/datasets"' in card
-    for text in [card, *(done.stdout for done in two_make_runs.runs)]:
+    for text in [card, *(done.stdout for done in first_make_runs.runs)]:
         assert not [where for where, secret in secrets.items() if secret in text]
