@@ -18,13 +18,16 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
 import yaml
 
 from flows.prefect_env import wait_until_healthy
+
+if TYPE_CHECKING:  # (imported where used: tests/support/first_run.py imports this module)
+    from tests.support.first_run import TwoRuns
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -268,7 +271,7 @@ def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[s
 
 
 @pytest.fixture(scope="session")
-def first_make_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Any:
+def first_make_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> TwoRuns:
     """A fresh copy's first `make run`, started twice at once (tests/support/first_run.py); built once per
     test run. Tests only read it; a test that changes the project clones it."""
     from tests.support.first_run import TwoRuns, two_make_runs

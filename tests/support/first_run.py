@@ -27,8 +27,9 @@ class TwoRuns:
 
     def ran_all(self) -> str:
         """The output of the run that ran every stage (the other waited, then found nothing to do)."""
-        (output,) = [done.stdout for done in self.runs if ALL_STAGES in done.stdout]
-        return output
+        ran = [done.stdout for done in self.runs if ALL_STAGES in done.stdout]
+        assert len(ran) == 1, [f"exit {done.returncode}: {done.stdout[-3000:]}" for done in self.runs]
+        return ran[0]
 
     def record(self) -> dict[str, Any]:
         """As JSON, for the xdist workers that did not build it."""
