@@ -3,6 +3,7 @@ copies of the repository, checked through DVC's own commands and MLflow's client
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import sqlite3
@@ -215,7 +216,7 @@ def check_console(output: str) -> None:
 
 def _without_mirror(lock: dict[str, Any]) -> dict[str, Any]:
     """dvc.lock without `data.mirror` among the download stage's params (the first runs' project sets one)."""
-    lock = json.loads(json.dumps(lock))
+    lock = copy.deepcopy(lock)
     lock["stages"]["download"]["params"]["params.yaml"]["data"].pop("mirror", None)
     return lock
 

@@ -12,9 +12,10 @@ from pathlib import Path
 from secrets import token_hex
 from typing import Any
 
+from tasks.core.config.params import STAGES
 from tests.conftest import copy_project, run, subprocess_env, with_environment
 
-ALL_STAGES = "stages run: download, stats, preprocess, train, evaluate, compress, export"
+ALL_STAGES = f"stages run: {', '.join(STAGES)}"  # what the run that ran every stage prints
 
 
 @dataclass(frozen=True)
