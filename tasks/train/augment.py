@@ -43,6 +43,9 @@ AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR = 10.0, (0.9, 1.1), 10.0
 # (ICDAR 2003: alpha 34, sigma 4 on 29 px digits), as torchvision's ElasticTransform draws it: in pixels
 # from 28 px up, smaller in proportion below (an 8 px image cannot hold a sigma-4 blur). Not larger in
 # proportion above: the field's blur costs the square of sigma per pixel (seconds per image at 224 px).
+# Below, sigma scales with the side and alpha with its square: the blur averages the noise down by
+# sigma, so a displacement in pixels goes as alpha / sigma (alpha scaled alone left it as large in
+# pixels on an 8 px image as on a 28 px one).
 ELASTIC_ALPHA, ELASTIC_SIGMA, ELASTIC_AT_PX = 34.0, 4.0, 28
 Transform = Callable[[torch.Tensor], torch.Tensor]  # a torchvision v2 transform of one uint8 image
 
@@ -115,7 +118,8 @@ def _policy(preset: str, image_size: tuple[int, ...]) -> Transform | None:
         if preset == "affine":
             return affine
         scale = min(*image_size, ELASTIC_AT_PX) / ELASTIC_AT_PX
-        return v2.Compose([affine, v2.ElasticTransform(alpha=ELASTIC_ALPHA * scale, sigma=ELASTIC_SIGMA * scale)])
+        elastic = v2.ElasticTransform(alpha=ELASTIC_ALPHA * scale**2, sigma=ELASTIC_SIGMA * scale)
+        return v2.Compose([affine, elastic])
     if preset == "trivialaugment":
         return v2.TrivialAugmentWide()
     if preset == "randaugment":

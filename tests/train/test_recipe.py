@@ -20,12 +20,12 @@ from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.config.train import TrainConfig, recipe_changes
 from tasks.core.config.yaml_io import load_params
 from tasks.data.download import download
-from tasks.data.preprocess import load_split, preprocess
+from tasks.data.preprocess import Preprocessed, load_split, preprocess
 from tasks.data.stats import compute_stats
 from tasks.determinism import cpu_mode
 from tasks.determinism.pinning import pin_everything
 from tasks.train import stage
-from tasks.train.augment import AugmentedBatches, BatchMixing, augmented_batches
+from tasks.train.augment import ELASTIC_AT_PX, AugmentedBatches, BatchMixing, augmented_batches
 from tasks.train.batches import BalancedSampler, class_weights
 from tasks.train.checkpoints import cpu_state, read_safetensors, result_config
 from tasks.train.loop import build_training
@@ -297,6 +297,33 @@ def test_a_preset_changes_each_image_seeded_by_the_batch(preset: str, pre: Path)
     assert sum(not torch.equal(a, b) for a, b in zip(out, plain, strict=True)) >= 8  # a draw per image
     assert torch.equal(batches.__getitems__(indices)[0], out)  # a function of (seed, indices)
     assert not torch.equal(batches.__getitems__(indices[1:] + indices[:1])[0], out)
+
+
+def _elastic_shift_px(side: int) -> float:
+    """The mean displacement, in pixels, of `elastic`'s field on a side x side image (20 draws)."""
+    policy = augmented_batches(_blank_split(side), TrainConfig(augment="elastic"), seed=1).policy
+    elastic = policy.transforms[-1]
+    with torch.random.fork_rng():
+        shifts = []
+        for draw in range(20):
+            torch.manual_seed(draw)
+            field = elastic.make_params([torch.zeros(1, side, side)])["displacement"]  # in [-1, 1] grid units
+            shifts.append(float((field * side / 2).abs().mean()))
+    return sum(shifts) / len(shifts)
+
+
+def _blank_split(side: int) -> Preprocessed:
+    return Preprocessed(np.zeros((2, 1, side, side), np.uint8), np.arange(2), ["a", "b"], [0.5], [0.25])
+
+
+def test_the_elastic_field_is_smaller_in_proportion_on_small_images() -> None:
+    """Simard et al.'s field in pixels from 28 px up; below, the same share of the image's side (an
+    8 px digit moved by 0.7 px on average would be moved by a tenth of itself)."""
+    at = {side: _elastic_shift_px(side) for side in (8, 14, ELASTIC_AT_PX, 64)}
+    assert 0.5 < at[ELASTIC_AT_PX] < 0.9, at  # what torchvision's alpha 34, sigma 4 draws
+    for side in (8, 14):
+        assert at[side] / side == pytest.approx(at[ELASTIC_AT_PX] / ELASTIC_AT_PX, rel=0.25), at
+    assert at[64] == pytest.approx(at[ELASTIC_AT_PX], rel=0.25), at  # not larger above: the blur's cost
 
 
 def test_the_default_presets_draw_no_policy(pre: Path) -> None:

@@ -243,6 +243,17 @@ def test_auto_epochs_and_mirroring_follow_the_source(source: str) -> None:
     assert (given.train.epochs, given.train.hflip) == (3, True)
 
 
+@pytest.mark.parametrize(("channels", "augment"), [(None, "affine"), (3, "affine"), (1, "elastic")])
+def test_a_greyscale_folder_is_distorted_elastically(channels: int | None, augment: str) -> None:
+    data = {"source": "imagefolder", "path": "/data/digits", "channels": channels}
+    auto = Params.model_validate({"data": data, "train": {"augment": "auto"}})
+    assert auto.train.augment == augment
+    assert auto.sections("train")["data.channels"] == channels  # what it was resolved from, in MLflow and DVC
+    assert auto.sections("compress")["data.channels"] == channels  # compress fine-tunes with the same augment
+    given = Params.model_validate({"data": data, "train": {"augment": "shift_flip"}})
+    assert given.train.augment == "shift_flip"
+
+
 def test_mirroring_is_for_garments_and_photos_not_digits() -> None:
     assert [s for s, recipe in SOURCE_RECIPES.items() if recipe.hflip] == ["fashion_mnist", "cifar10", "cifar100"]
     assert {s: r.augment for s, r in SOURCE_RECIPES.items() if r.augment != "shift_flip"} == {"imagefolder": "affine"}

@@ -36,7 +36,7 @@ class Params(Section):
     @model_validator(mode="after")
     def _train_recipe_for_the_source(self) -> Params:
         # Resolved here, once: every stage and the MLflow params see numbers, never "auto".
-        return self.model_copy(update={"train": self.train.for_source(self.data.source)})
+        return self.model_copy(update={"train": self.train.for_source(self.data.source, self.data.channels)})
 
     @model_validator(mode="after")
     def _variants_for_the_candidates(self) -> Params:
@@ -95,12 +95,13 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "download": ("data",),
     "stats": ("seed", "split", "stats"),
     "preprocess": ("seed", "split"),
-    # data.source: what `auto` resolves to; sweep.applied: the sweep trial whose params these are (lineage)
-    "train": ("seed", "determinism", "train", "data.source", "sweep.applied"),
+    # data.source and data.channels: what `auto` resolves from; sweep.applied: the sweep trial whose
+    # params these are (lineage)
+    "train": ("seed", "determinism", "train", "data.source", "data.channels", "sweep.applied"),
     "evaluate": ("seed", "determinism", "evaluate"),
     # fine-tuning (pruning, QAT) continues with the train stage's optimiser and augmentation;
     # export.candidates: what `compress.variants: auto` builds
-    "compress": ("seed", "determinism", "train", "data.source", "compress", "export.candidates"),
+    "compress": ("seed", "determinism", "train", "data.source", "data.channels", "compress", "export.candidates"),
     "export": ("seed", "determinism", "export"),
 }
 STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)
