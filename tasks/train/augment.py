@@ -118,7 +118,9 @@ def _policy(preset: str, image_size: tuple[int, ...]) -> Transform | None:
         if preset == "affine":
             return affine
         scale = min(*image_size, ELASTIC_AT_PX) / ELASTIC_AT_PX
-        elastic = v2.ElasticTransform(alpha=ELASTIC_ALPHA * scale**2, sigma=ELASTIC_SIGMA * scale)
+        from tasks.train.elastic import SeparableElasticTransform
+
+        elastic = SeparableElasticTransform(alpha=ELASTIC_ALPHA * scale**2, sigma=ELASTIC_SIGMA * scale)
         return v2.Compose([affine, elastic])
     if preset == "trivialaugment":
         return v2.TrivialAugmentWide()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -324,6 +325,28 @@ def test_the_elastic_field_is_smaller_in_proportion_on_small_images() -> None:
     for side in (8, 14):
         assert at[side] / side == pytest.approx(at[ELASTIC_AT_PX] / ELASTIC_AT_PX, rel=0.25), at
     assert at[64] == pytest.approx(at[ELASTIC_AT_PX], rel=0.25), at  # not larger above: the blur's cost
+
+
+@pytest.mark.parametrize("side", [8, 20, ELASTIC_AT_PX, 64])
+def test_the_separable_elastic_field_is_torchvisions(side: int) -> None:
+    """The same noise, blurred in two 1-D passes instead of one 2-D one: torchvision's field to float rounding."""
+    from torchvision.transforms import v2
+
+    batches = augmented_batches(_blank_split(side), TrainConfig(augment="elastic"), seed=1)
+    ours = batches.policy.transforms[-1]
+    theirs = v2.ElasticTransform(alpha=ours.alpha, sigma=ours.sigma)
+    image = torch.zeros(1, side, side, dtype=torch.uint8)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        field = ours.make_params([image])["displacement"]
+        torch.manual_seed(3)
+        expected = theirs.make_params([image])["displacement"]
+    assert field.shape == expected.shape == (1, side, side, 2)
+    torch.testing.assert_close(field, expected, rtol=0, atol=1e-6)
+    assert field.abs().max() > 1e-3  # a field, not nothing
+    # what a forkserver loader worker gets: the dataset pickled, drawing the same images
+    sent = pickle.loads(pickle.dumps(batches))
+    assert torch.equal(sent.__getitems__([0, 1])[0], batches.__getitems__([0, 1])[0])
 
 
 def test_the_default_presets_draw_no_policy(pre: Path) -> None:
