@@ -76,9 +76,10 @@ class SourceRecipe:
 # An ImageFolder's images are also rotated, scaled and sheared a little (augment: affine: up to 10
 # degrees and 10%), too little to turn a digit, a letter or a photo into another class; on real
 # handwritten digits and on generated glyphs it did as well as shift alone or better (docs/training.md).
-# Greyscale folders (data.channels: 1: handwriting, glyphs, scans) add an elastic distortion: on both
-# kinds it tied `affine` on validation over three split seeds and did better on handwriting's test
-# splits. Not on colour folders: unmeasured on photos, and its blur costs more per pixel at photo sizes.
+# Greyscale folders (data.channels: 1: handwriting, glyphs, scans) add an elastic distortion: on real
+# handwritten digits it beat `affine` on validation over three split seeds, on generated glyphs it tied
+# on two and was two images worse on one; 12 or 10 epochs of it did worse than 15 (docs/training.md).
+# Not on colour folders: unmeasured on photos, and its blur costs more per pixel at photo sizes.
 SOURCE_RECIPES: dict[str, SourceRecipe] = {
     "digits": SourceRecipe(model="small_cnn", epochs=30, hflip=False),
     "mnist": SourceRecipe(model="resnet9", epochs=5, hflip=False),
