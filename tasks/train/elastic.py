@@ -1,9 +1,9 @@
 """`train.augment: elastic`'s distortion: torchvision's ElasticTransform, its field blurred in two 1-D passes.
 
 torchvision blurs the displacement field with the 2-D Gaussian, (8 sigma + 1)^2 multiply-adds per pixel:
-at sigma 4 that was most of the transform's time, and made `elastic` about five times as costly per
-image as `affine`. A Gaussian is separable: the same kernel as a row pass, then a column pass, gives the
-same field to float rounding at 2 (8 sigma + 1). The noise is drawn as torchvision draws it (dx, then dy,
+at sigma 4 most of the transform's time, the more so the larger the image (a tenth of a second per 224 px
+image). A Gaussian is separable: the same kernel as a row pass, then a column pass, gives the same field
+to float rounding at 2 (8 sigma + 1). The noise is drawn as torchvision draws it (dx, then dy,
 from torch's global generator, which tasks/train/augment.py seeds per batch). A module of its own, imported
 only when the preset is used (torchvision then loads), and picklable for the loader's forkserver workers.
 """
