@@ -3,18 +3,19 @@
 
 Two places, each with its own seed:
 - While a batch is fetched (`AugmentedBatches`, in the DataLoader's workers when `num_workers` > 0):
-  the random shift, the mirror, then torchvision.transforms.v2's policy (RandomAffine, ElasticTransform,
-  TrivialAugment, RandAugment, RandomResizedCrop) per image, drawn from (seed, the batch's sample
-  indices), so the number of loader workers changes nothing. A policy is Python per image (a few
-  hundred microseconds each, on any device): in workers it overlaps the training step, where on the
-  GPU it would hold the step up.
+  the random shift, the mirror, then the preset's policy, drawn from (seed, the batch's sample
+  indices), so the number of loader workers changes nothing. torchvision.transforms.v2's policies
+  (TrivialAugment, RandAugment, RandomResizedCrop) are Python per image (a few hundred microseconds
+  each, on any device): in workers they overlap the training step, where on the GPU they would hold the
+  step up. `affine` and `elastic` draw as v2 does, image by image, but resample the whole batch at once
+  (tasks/train/warps.py).
 - On the device, in the training loop (`BatchMixing`): MixUp or CutMix, one draw per batch, cheap,
   seeded from (seed, epoch, step, rank).
-v2 draws its choices from torch's global CPU generator, so each draw runs with that generator seeded
-and put back afterwards (`_seeded`): nothing else's random stream moves, and an interrupted and
-resumed run augments each batch as the unbroken one did. On the CPU in portable mode the v2 ops run on
-the pinned ATen kernels, and the loader's workers compute in portable mode as the training process
-does (tasks/determinism/pinning.py), so the bytes are the same on every x86-64.
+v2 draws its choices from torch's global CPU generator, so each draw runs with that generator seeded and
+put back afterwards (`_seeded`): nothing else's random stream moves, and an interrupted and resumed run
+augments each batch as the unbroken one did. On the CPU in portable mode the policies run on the pinned
+ATen kernels, and the loader's workers compute in portable mode as the training process does
+(tasks/determinism/pinning.py), so the bytes are the same on every x86-64.
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ SHIFTING = ("shift_flip", "affine", "elastic", "trivialaugment", "randaugment")
 CROP_SCALE = (0.25, 1.0)
 # affine: a small rotation, scaling and shear of each image (its shift is random_shift's)
 AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR = 10.0, (0.9, 1.1), 10.0
-# elastic: then a smooth random displacement of every pixel, Simard et al.'s distortion for handwriting
-# (ICDAR 2003: alpha 34, sigma 4 on 29 px digits), as torchvision's ElasticTransform draws it: in pixels
-# from 28 px up, smaller in proportion below (an 8 px image cannot hold a sigma-4 blur). Not larger in
-# proportion above: the field's blur costs the square of sigma per pixel (seconds per image at 224 px).
+# elastic: the same affine map and a smooth random displacement of every pixel, Simard et al.'s
+# distortion for handwriting (ICDAR 2003: alpha 34, sigma 4 on 29 px digits), as torchvision's
+# ElasticTransform draws it: in pixels from 28 px up, smaller in proportion below (an 8 px image cannot
+# hold a sigma-4 blur). Not larger in proportion above: the blur's band, and its cost, grow with sigma.
 # Below, sigma scales with the side and alpha with its square: the blur averages the noise down by
 # sigma, so a displacement in pixels goes as alpha / sigma (alpha scaled alone left it as large in
 # pixels on an 8 px image as on a 28 px one).
 ELASTIC_ALPHA, ELASTIC_SIGMA, ELASTIC_AT_PX = 34.0, 4.0, 28
 Transform = Callable[[torch.Tensor], torch.Tensor]  # a torchvision v2 transform of one uint8 image
+Policy = Callable[[torch.Tensor], torch.Tensor]  # a uint8 batch, moved by draws from torch's global generator
 
 
 def shift_pixels(cfg: TrainConfig, image_size: tuple[int, ...]) -> int:
@@ -67,7 +69,7 @@ class AugmentedBatches(Dataset):
     """
 
     def __init__(
-        self, split: Preprocessed, max_shift: int, hflip: bool, seed: int, policy: Transform | None = None
+        self, split: Preprocessed, max_shift: int, hflip: bool, seed: int, policy: Policy | None = None
     ) -> None:
         # in memory, or rows of the file read per batch (a split larger than memory: tasks/data/preprocess.py)
         self.rows = split.images if isinstance(split.images, NpyRows) else None
@@ -76,7 +78,7 @@ class AugmentedBatches(Dataset):
         self.max_shift = max_shift
         self.hflip = hflip
         self.seed = seed
-        self.policy = policy  # per image, after the shift and the mirror
+        self.policy = policy  # after the shift and the mirror
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -92,7 +94,7 @@ class AugmentedBatches(Dataset):
                 images = _random_hflip(images, torch.Generator().manual_seed(int(state[1])))
             if self.policy is not None:
                 with _seeded(int(state[2])):
-                    images = torch.stack([self.policy(image) for image in images])
+                    images = self.policy(images)
         return images, labels
 
     def _images(self, indices: list[int]) -> torch.Tensor:
@@ -108,25 +110,35 @@ def augmented_batches(split: Preprocessed, cfg: TrainConfig, seed: int) -> Augme
     return AugmentedBatches(split, shift_pixels(cfg, size), mirror, seed, _policy(cfg.augment, tuple(size)))
 
 
-def _policy(preset: str, image_size: tuple[int, ...]) -> Transform | None:
+def _policy(preset: str, image_size: tuple[int, ...]) -> Policy | None:
     if preset not in ("affine", "elastic", "trivialaugment", "randaugment", "resized_crop"):
         return None
+    if preset in ("affine", "elastic"):
+        from tasks.train.warps import AffineWarp, ElasticWarp  # here: a run without a policy never loads them
+
+        if preset == "affine":
+            return AffineWarp(AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR)
+        scale = min(*image_size, ELASTIC_AT_PX) / ELASTIC_AT_PX
+        return ElasticWarp(ELASTIC_ALPHA * scale**2, ELASTIC_SIGMA * scale, AFFINE_DEGREES, AFFINE_SCALE,
+                           AFFINE_SHEAR)  # fmt: skip
     from torchvision.transforms import v2  # here: a run without a policy never loads it
 
-    if preset in ("affine", "elastic"):
-        affine = v2.RandomAffine(degrees=AFFINE_DEGREES, scale=AFFINE_SCALE, shear=AFFINE_SHEAR)
-        if preset == "affine":
-            return affine
-        scale = min(*image_size, ELASTIC_AT_PX) / ELASTIC_AT_PX
-        from tasks.train.elastic import SeparableElasticTransform
-
-        elastic = SeparableElasticTransform(alpha=ELASTIC_ALPHA * scale**2, sigma=ELASTIC_SIGMA * scale)
-        return v2.Compose([affine, elastic])
     if preset == "trivialaugment":
-        return v2.TrivialAugmentWide()
+        return PerImage(v2.TrivialAugmentWide())
     if preset == "randaugment":
-        return v2.RandAugment()
-    return v2.RandomResizedCrop(list(image_size), scale=CROP_SCALE, antialias=True)
+        return PerImage(v2.RandAugment())
+    return PerImage(v2.RandomResizedCrop(list(image_size), scale=CROP_SCALE, antialias=True))
+
+
+class PerImage:
+    """A torchvision v2 transform as a batch policy: image by image. A class, not a closure: the
+    loader's forkserver workers get it pickled."""
+
+    def __init__(self, transform: Transform) -> None:
+        self.transform = transform
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.transform(image) for image in images])
 
 
 def _random_hflip(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

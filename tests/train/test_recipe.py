@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from tasks.train.checkpoints import cpu_state, read_safetensors, result_config
 from tasks.train.loop import build_training
 from tasks.train.recipe import epochs_without_improvement, should_stop, warmup_factor
 from tasks.train.stage import train
+from tasks.train.warps import AffineWarp, blurred_noise
 from tests.conftest import write_params
 
 # Every option on: what a run with all of them must still hold to.
@@ -302,15 +304,9 @@ def test_a_preset_changes_each_image_seeded_by_the_batch(preset: str, pre: Path)
 
 def _elastic_shift_px(side: int) -> float:
     """The mean displacement, in pixels, of `elastic`'s field on a side x side image (20 draws)."""
-    policy = augmented_batches(_blank_split(side), TrainConfig(augment="elastic"), seed=1).policy
-    elastic = policy.transforms[-1]
-    with torch.random.fork_rng():
-        shifts = []
-        for draw in range(20):
-            torch.manual_seed(draw)
-            field = elastic.make_params([torch.zeros(1, side, side)])["displacement"]  # in [-1, 1] grid units
-            shifts.append(float((field * side / 2).abs().mean()))
-    return sum(shifts) / len(shifts)
+    elastic = augmented_batches(_blank_split(side), TrainConfig(augment="elastic"), seed=1).policy
+    noise = torch.rand(20, 2, side, side, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    return float((elastic.displacement(noise) * side / 2).abs().mean())  # from [-1, 1] grid units
 
 
 def _blank_split(side: int) -> Preprocessed:
@@ -327,26 +323,60 @@ def test_the_elastic_field_is_smaller_in_proportion_on_small_images() -> None:
     assert at[64] == pytest.approx(at[ELASTIC_AT_PX], rel=0.25), at  # not larger above: the blur's cost
 
 
-@pytest.mark.parametrize("side", [8, 20, ELASTIC_AT_PX, 64])
-def test_the_separable_elastic_field_is_torchvisions(side: int) -> None:
-    """The same noise, blurred in two 1-D passes instead of one 2-D one: torchvision's field to float rounding."""
+def _torchvisions(preset: str, ours: AffineWarp) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What `ours` stands for: the v2 transforms of one image."""
     from torchvision.transforms import v2
 
-    batches = augmented_batches(_blank_split(side), TrainConfig(augment="elastic"), seed=1)
-    ours = batches.policy.transforms[-1]
-    theirs = v2.ElasticTransform(alpha=ours.alpha, sigma=ours.sigma)
-    image = torch.zeros(1, side, side, dtype=torch.uint8)
+    affine = v2.RandomAffine(degrees=ours.degrees, scale=ours.scale, shear=ours.shear)
+    return affine if preset == "affine" else v2.Compose([affine, v2.ElasticTransform(ours.alpha, ours.sigma)])
+
+
+@pytest.mark.parametrize(("preset", "side", "channels"), [("affine", 32, 3), ("elastic", 8, 1), ("elastic", 28, 3)])
+def test_a_warp_is_torchvisions_transform_applied_to_the_batch(preset: str, side: int, channels: int) -> None:
+    """The batch as v2's RandomAffine (then ElasticTransform) makes it image by image from the same
+    generator: the same draws (the generator ends where v2's does), the same resampling. Only the
+    elastic field's blur rounds differently (separable), which moves a rare pixel by one grey level."""
+    ours = augmented_batches(_blank_split(side), TrainConfig(augment=preset), seed=1).policy
+    theirs = _torchvisions(preset, ours)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (24, channels, side, side), dtype=torch.uint8, generator=generator)
+    images[:, :, : side // 4] = 0  # an edge of black, as around a digit
     with torch.random.fork_rng():
         torch.manual_seed(3)
-        field = ours.make_params([image])["displacement"]
+        warped = ours(images)
+        after_ours = torch.get_rng_state()
         torch.manual_seed(3)
-        expected = theirs.make_params([image])["displacement"]
-    assert field.shape == expected.shape == (1, side, side, 2)
-    torch.testing.assert_close(field, expected, rtol=0, atol=1e-6)
-    assert field.abs().max() > 1e-3  # a field, not nothing
-    # what a forkserver loader worker gets: the dataset pickled, drawing the same images
-    sent = pickle.loads(pickle.dumps(batches))
-    assert torch.equal(sent.__getitems__([0, 1])[0], batches.__getitems__([0, 1])[0])
+        expected = torch.stack([theirs(image) for image in images])
+        assert torch.equal(torch.get_rng_state(), after_ours)
+    assert warped.dtype == torch.uint8 and warped.shape == images.shape
+    if preset == "affine":
+        assert torch.equal(warped, expected)
+    else:
+        assert (warped.int() - expected.int()).abs().max() <= 1
+        assert (warped != expected).float().mean() < 1e-3
+    assert (warped != images).float().mean() > 0.5  # moved
+
+
+@pytest.mark.parametrize("side", [8, 20, ELASTIC_AT_PX, 64])
+def test_the_separable_blur_is_torchvisions_gaussian_blur(side: int) -> None:
+    """Two 1-D passes instead of one 2-D one: torchvision's blurred field to float rounding."""
+    from torchvision.transforms.v2 import functional as tvf
+
+    elastic = augmented_batches(_blank_split(side), TrainConfig(augment="elastic"), seed=1).policy
+    noise = torch.rand(3, 2, side, side, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    taps = int(8 * elastic.sigma + 1) | 1
+    expected = tvf.gaussian_blur(noise.reshape(6, 1, side, side), [taps, taps], [elastic.sigma] * 2)
+    blurred = blurred_noise(noise, elastic.sigma)
+    torch.testing.assert_close(blurred, expected.reshape(3, 2, side, side), rtol=0, atol=1e-6)
+    assert blurred.abs().max() > 1e-3  # a field, not nothing
+
+
+def test_a_forkserver_worker_gets_the_policy_pickled() -> None:
+    for preset in ("affine", "elastic"):
+        batches = augmented_batches(_blank_split(20), TrainConfig(augment=preset), seed=1)
+        batches.images[1] = 200  # something to move
+        sent = pickle.loads(pickle.dumps(batches))
+        assert torch.equal(sent.__getitems__([0, 1])[0], batches.__getitems__([0, 1])[0])
 
 
 def test_the_default_presets_draw_no_policy(pre: Path) -> None:
