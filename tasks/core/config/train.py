@@ -79,7 +79,7 @@ class SourceRecipe:
 # Greyscale folders (data.channels: 1: handwriting, glyphs, scans) add an elastic distortion: on real
 # handwritten digits it beat `affine` on validation over three split seeds, on generated glyphs it tied
 # on two and was two images worse on one; 12 or 10 epochs of it did worse than 15 (docs/training.md).
-# Not on colour folders: unmeasured on photos, and its blur costs more per pixel at photo sizes.
+# Not on colour folders: unmeasured on photos.
 SOURCE_RECIPES: dict[str, SourceRecipe] = {
     "digits": SourceRecipe(model="small_cnn", epochs=30, hflip=False),
     "mnist": SourceRecipe(model="resnet9", epochs=5, hflip=False),
@@ -175,8 +175,9 @@ class TrainConfig(Section):
         """This config with `auto` model, epochs, hflip and augment replaced by `source`'s recipe
         (augment's also by the images' `channels`, data.channels)."""
         recipe = SOURCE_RECIPES[source]
-        resolved = {"model": recipe.model, "epochs": recipe.epochs, "hflip": recipe.hflip}
-        resolved["augment"] = recipe.augment_for(channels)
+        resolved = dict(
+            model=recipe.model, epochs=recipe.epochs, hflip=recipe.hflip, augment=recipe.augment_for(channels)
+        )
         update = {key: value for key, value in resolved.items() if getattr(self, key) == "auto"}
         return self.model_copy(update=update) if update else self
 
