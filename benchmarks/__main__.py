@@ -47,7 +47,9 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
             "B5": lambda work: [stats_loop.b5(work, rounds=1, scale=1)],
             "B6": lambda work: compression.b6(work, rounds=1, runs=20, smoke=True),
             "B7": lambda work: scaling.b7(work, smoke=True),
-            "B9": lambda work: cpu_mode.b9(work, rounds=1, epochs=1, steps=1, batch=4, one_process=True),
+            "B9": lambda work: cpu_mode.b9(
+                work, rounds=1, epochs=1, steps=1, batch=4, one_process=True, models=cpu_mode.SMOKE_STEP_MODELS
+            ),
             "B10": lambda work: sweeps.b10(work, smoke=True),
             "B11": lambda work: contention.b11(rounds=1, steps=1),
             "B12": lambda work: large_split.b12(work, smoke=True),

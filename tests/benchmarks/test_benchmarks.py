@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import markdown, unargued_misses
-from benchmarks.cpu_mode import STEP_MODELS
+from benchmarks.cpu_mode import SMOKE_STEP_MODELS
 from benchmarks.harness import Figure
 from tests.conftest import ROOT, run
 
@@ -53,7 +53,7 @@ def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     """Every suite but the whole-pipeline ones (tests/benchmarks/test_benchmarks_pipeline.py)."""
     figures, table = smoke_run(tmp_path, ["B1", "B4", "B5", "B6", "B7", "B9", "B12"])
     expected = {"B1", "B1-data", "B4", "B4-dvc", "B5", "B6-size", "B6-speed", "B6-acc", "B6-pruned", "B8", "B9", "B12"}
-    assert expected | {f"B9-{model}" for model in STEP_MODELS} <= set(figures)
+    assert expected | {f"B9-{model}" for model in SMOKE_STEP_MODELS} <= set(figures)
     for name in (n for n in figures if n.startswith("B7")):
         assert figures[name]["details"]["rows"], name
     assert {row["variant"] for row in figures["B6-size"]["details"]["rows"]} >= {"fp32", "static_int8", "pruned_l1"}

@@ -12,7 +12,7 @@ import onnx
 import pytest
 import yaml
 
-from tests.conftest import TINY, client_for, clone_project, run, sha256
+from tests.conftest import SHARED_PROJECT, client_for, clone_project, run, sha256
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_compress_measures_every_variant_and_export_ships_what_was_measured(dvc_
     repo = dvc_repo["repo"]
     compress_dir, export_dir = repo / "artifacts/compress", repo / "artifacts/export"
     table = json.loads((compress_dir / "metrics.json").read_text())
-    assert list(table) == ["fp32", *TINY["compress"]["variants"]]
+    assert list(table) == ["fp32", *SHARED_PROJECT["compress"]["variants"]]
     for name, row in table.items():
         assert 0.5 < row["accuracy"] <= 1 and row["latency_b1_ms"] > 0 and row["latency_b64_ms"] > 0, name
         assert row["size_bytes"] == (compress_dir / "models" / f"{name}.onnx").stat().st_size
@@ -202,7 +202,7 @@ def test_a_candidate_failing_its_gates_passes_the_turn_to_the_next(dvc_repo: dic
     card, gates.json and the MLflow run; when none passes the stage fails and nothing changes."""
     repo = clone_project(dvc_repo["repo"], tmp_path / "repo")
     metrics = json.loads((repo / "artifacts/compress/metrics.json").read_text())
-    agreement = {v: metrics[v]["top1_agreement"] for v in TINY["compress"]["variants"]}
+    agreement = {v: metrics[v]["top1_agreement"] for v in SHARED_PROJECT["compress"]["variants"]}
     worse, better = sorted(agreement, key=agreement.get)
     assert agreement[worse] < agreement[better], f"the variants agree equally often ({agreement}): pick other gates"
     # confidence 0: every test image counts, so the gate measures what the compress table shows
