@@ -124,8 +124,8 @@ def b9(
         for mode in runs:
             runs[mode] += _timed(_EPOCHS, mode, pre, epochs)
             groups = [list(models)] if one_process else [[model] for model in models]
-            for models in groups:
-                for model, seconds in steps_seconds(mode, threads, steps, models, batch).items():
+            for group in groups:
+                for model, seconds in steps_seconds(mode, threads, steps, group, batch).items():
                     rgb[model][mode] += seconds
     epoch = _figure("B9", "train epoch: determinism.cpu portable (same bytes on any AVX2 CPU) vs native", runs)
     epoch.details.update(model=p.train.model)

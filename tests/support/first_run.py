@@ -53,7 +53,7 @@ def two_make_runs(base: Path) -> TwoRuns:
     # user:pw@ in a URL param is refused (tests/core/test_params_credentials.py); a token as a path segment
     # passes validation and must be masked wherever the param goes. Digits never fetches the mirror.
     mirror = f"https://mirror.invalid/token/{secrets['data.mirror']}/datasets"
-    # the shared project's settings: tests/flows/test_e2e.py compares this copy's dvc.lock with its
+    # the shared project's params: tests/flows/test_e2e.py compares this copy's dvc.lock with that project's
     repo = with_environment(copy_project(base / "repo", merge(SHARED_PROJECT, {"data": {"mirror": mirror}})))
     run(["git", "remote", "add", "origin", f"https://oauth2:{secrets['git remote']}@git.invalid/team/repo.git"], repo)
     env = subprocess_env(**{name: value for name, value in secrets.items() if name.isupper()})
