@@ -79,7 +79,7 @@ docs: $(STAMP)  ## build the docs site (mkdocs.yml, docs/) into site/, strictly:
 bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/bench.json (minutes); ARGS="--only B1 --smoke"
 	$(VENV)/bin/python -m benchmarks $(ARGS)
 
-# On a bare CUDA machine without the venv, run `python -m tasks.tools.gpu_check` itself (README "GPU check").
+# On a bare CUDA machine without the venv, run `python -m tasks.tools.gpu_check` itself (docs/reproducibility.md, "GPU check").
 gpu-check: $(STAMP)  ## determinism, strict mode, cost of pinning, compress/export on the GPU (no GPU: ARGS="--device cpu")
 	$(VENV)/bin/python -m tasks.tools.gpu_check $(ARGS)
 
@@ -88,7 +88,7 @@ gpu-check: $(STAMP)  ## determinism, strict mode, cost of pinning, compress/expo
 predict: $(STAMP)  ## score images with the registry's champion: ARGS="photos/ [--version N] [--out f.csv]"
 	$(VENV)/bin/python -m tasks.tools.predict $(ARGS)
 
-# MLflow's model server (README "Predict and serve the champion"): POST image bytes to /invocations.
+# MLflow's model server (docs/compress-export-serving.md, "Serving over HTTP"): POST image bytes to /invocations.
 # The registry is the project's sqlite store unless MLFLOW_TRACKING_URI is set (e.g. by .stack/env);
 # the model's name is params.yaml's tracking.registered_model.
 MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
@@ -119,7 +119,7 @@ ui: $(STAMP)  ## MLflow UI on the results, opening on the training runs: http://
 
 # A tracking server for several users or machines: runs and the registry in a database, artifacts
 # served by the server itself (point MLFLOW_TRACKING_URI=http://<host>:5000 at it). Swap the
-# sqlite URI for postgresql://... and the folder for s3://... in production (README).
+# sqlite URI for postgresql://... and the folder for s3://... in production (docs/team-stack.md).
 # The artifact folder is outside the checkout (0700), in $XDG_DATA_HOME (~/.local/share)/lockstep/
 # <this checkout's path hash>/: any client of the server writes files there, and a YAML file inside the
 # checkout could otherwise be handed to a run as its params_file (docs/trust-model.md).
@@ -127,7 +127,7 @@ MLFLOW_BACKEND ?= sqlite:///$(CURDIR)/mlflow-server.db
 LOCKSTEP_DATA_DIR ?= $(or $(XDG_DATA_HOME),$(HOME)/.local/share)/lockstep/$(shell printf '%s' '$(CURDIR)' | sha256sum | cut -c1-16)
 MLFLOW_ARTIFACTS ?= $(LOCKSTEP_DATA_DIR)/mlflow-server-artifacts
 # For a server others reach (MLFLOW_HOST=0.0.0.0): MLFLOW_AUTH_CONFIG=auth.ini turns on MLflow's
-# basic-auth app (users, passwords and permissions; README "MLflow tracking server"; it also needs
+# basic-auth app (users, passwords and permissions; docs/team-stack.md, "An MLflow tracking server"; it also needs
 # MLFLOW_FLASK_SERVER_SECRET_KEY in the environment), and MLFLOW_ALLOWED_HOSTS lists the Host headers
 # it answers (DNS rebinding), e.g. mlflow.internal:5000.
 MLFLOW_AUTH_CONFIG ?=
@@ -149,7 +149,7 @@ mark-orphans: $(STAMP)  ## mark KILLED (with the reason) the MLflow runs whose p
 ##@ Run it for a team
 
 # The team's servers on this machine (stack/): PostgreSQL, SeaweedFS's S3, an MLflow server on both and a
-# Prefect server on PostgreSQL, state in .stack/ (README "Running it for a team"). Then `source .stack/env`.
+# Prefect server on PostgreSQL, state in .stack/ (docs/team-stack.md). Then `source .stack/env`.
 # STACK_HOST=0.0.0.0 on first use lets other machines in (behind a firewall: the servers check credentials).
 STACK_HOST ?=
 stack: $(STAMP)  ## start the team stack (made on first use), print the environment to source; its DVC remote becomes the default

@@ -74,7 +74,7 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
     params = _trial_threads(loaded, logger)
     cfg = params.sweep
     if not cfg.space:
-        raise ConfigError(f"{params_file}: sweep.space is empty: name the train keys to search (README, Sweeps)")
+        raise ConfigError(f"{params_file}: sweep.space is empty: name the train keys to search (docs/sweeps.md)")
     # Held for the whole sweep: a pipeline run must not swap the data under the trials.
     client = _dask_client()
     with pipeline_lock(f"sweep {cfg.name}", params.orchestration.lock_wait_s, logger=logger):

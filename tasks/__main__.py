@@ -1,8 +1,9 @@
 """`python -m tasks <stage>`: run one stage (the command each dvc.yaml stage runs).
 
-Exit codes: 0 done, 1 the stage failed (bad data or a failed download: a one-line message naming
-the file or URL; or another pipeline run held the project lock too long), 2 params.yaml is invalid
-(nothing was written).
+Exit codes (tasks/core/errors.py): 0 done, 1 the stage failed (a failed download, a corrupt file: a
+one-line message naming the file or URL), 2 params.yaml is invalid, 3 refused (another pipeline run
+held the project lock too long, a snapshot failed its checks, no export candidate passed its gates);
+nothing was written on 2 or 3.
 """
 
 from __future__ import annotations

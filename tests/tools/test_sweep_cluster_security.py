@@ -235,7 +235,7 @@ def test_the_local_cluster_is_loopback_and_needs_its_temporary_credentials(tmp_p
     from flows.sweep import _task_runner
     from tasks.core.config.params import Params
 
-    kwargs = {**_task_runner(Params(), None, None).cluster_kwargs, "n_workers": 1, "preload": []}
+    kwargs = {**_task_runner(Params.model_validate({}), None, None).cluster_kwargs, "n_workers": 1, "preload": []}
     me = psutil.Process()
     children_before = {c.pid for c in me.children(recursive=True)}
     own_before = {c.laddr for c in me.net_connections("inet") if c.status == psutil.CONN_LISTEN}

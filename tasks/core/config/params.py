@@ -16,6 +16,21 @@ from tasks.core.config.ship import CompressConfig, ExportConfig, PromotionConfig
 from tasks.core.config.sweep import SweepConfig
 from tasks.core.config.train import DeterminismConfig, EvaluateConfig, TrainConfig
 
+# What a params file that leaves a key out gets, where params.yaml ships another value than a section
+# made alone in code has (a TrainConfig() has concrete values, for the tests and tools that build one
+# without a data source): a key left out means what params.yaml and docs/params.md say.
+# (tests/core/test_config.py holds an empty file equal to params.yaml.)
+FILE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "train": {"model": "auto", "epochs": "auto", "hflip": "auto", "augment": "auto", "label_smoothing": 0.1},
+    "sweep": {
+        "space": {
+            "train.lr": {"type": "float", "low": 0.005, "high": 0.5, "log": True},
+            "train.weight_decay": {"type": "float", "low": 1.0e-5, "high": 1.0e-2, "log": True},
+            "train.label_smoothing": {"type": "categorical", "choices": [0.0, 0.1]},
+        }
+    },
+}
+
 
 class Params(Section):
     seed: int = Field(42, ge=0, lt=2**32)
@@ -32,6 +47,18 @@ class Params(Section):
     promotion: PromotionConfig = PromotionConfig()
     tracking: TrackingConfig = TrackingConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _file_defaults(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw  # (pydantic names the wrong type)
+        filled = dict(raw)
+        for section, defaults in FILE_DEFAULTS.items():
+            given = filled.get(section, {})
+            if isinstance(given, dict):
+                filled[section] = {**defaults, **given}
+        return filled
 
     @model_validator(mode="after")
     def _train_recipe_for_the_source(self) -> Params:

@@ -81,7 +81,7 @@ class SweepConfig(Section):
     space: dict[str, SearchSpace] = Field(default_factory=dict, max_length=32)
     # Where trials run: a Dask scheduler (tls://host:8786, or tcp:// on loopback; or env LOCKSTEP_DASK_ADDRESS);
     # null: a local cluster of `workers` processes. Storage: an Optuna RDB URL (credentials: env LOCKSTEP_SWEEP_STORAGE,
-    # never here); null: a journal file, artifacts/sweep/<name>.journal.
+    # never here); null: a journal file, artifacts/sweep/<name>/journal.log.
     address: str | None = Field(None, max_length=255, pattern=r"^(tcp|tls)://[^\s/@]+:\d{1,5}$")
     workers: int = Field(2, ge=1, le=MAX_PROCESSES)
     storage: str | None = Field(None, max_length=1024, pattern=r"^(sqlite|postgresql|mysql)(\+\w+)?://\S+$")

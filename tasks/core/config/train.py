@@ -71,7 +71,7 @@ class SourceRecipe:
 # `train.model`, `train.epochs`, `train.hflip` and `train.augment: auto`, per data.source. resnet9 for
 # real images; on 8x8 digits its stages end at 1x1 pixel and small_cnn is as accurate, and int8 speeds it up more.
 # Epochs: what fits minutes to tens of minutes of a 2-core CPU at the source's published size
-# (README, "Accuracy and time per source"). Mirroring keeps the class of a garment or a CIFAR photo,
+# (docs/data.md, "Accuracy and time per source"). Mirroring keeps the class of a garment or a CIFAR photo,
 # not of a digit (a mirrored 2 is no 2); of an ImageFolder nothing is known: set it for photos.
 # An ImageFolder's images are also rotated, scaled and sheared a little (augment: affine: up to 10
 # degrees and 10%), too little to turn a digit, a letter or a photo into another class; on real
@@ -97,7 +97,8 @@ class TrainConfig(Section):
     # resnet9 or small_cnn (ours), or any of TORCHVISION_MODELS: adapted to the data's channels and
     # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py).
     # auto (model, epochs, hflip, augment): SOURCE_RECIPES[data.source], resolved by Params (params.yaml
-    # says auto); a TrainConfig made alone gets the defaults below, or resolves with `for_source`.
+    # says auto, and a params file that leaves them out gets auto: FILE_DEFAULTS in params.py); a
+    # TrainConfig made alone gets the defaults below, or resolves with `for_source`.
     model: str = Field("resnet9", max_length=64)
     epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | Auto = 30
     batch_size: int = Field(64, ge=1, le=MAX_BATCH)

@@ -103,18 +103,27 @@ def load_yaml(text: str) -> Any:
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
     """Read and validate params.yaml; raise ConfigError (one line, naming the file and key) on bad input."""
-    path = Path(path)
+    path, name = Path(path), _named(path)
     try:
         if path.stat().st_size > MAX_PARAMS_BYTES:
-            raise ConfigError(f"{path}: {path.stat().st_size} bytes; a params file is at most {MAX_PARAMS_BYTES}")
+            raise ConfigError(f"{name}: {path.stat().st_size} bytes; a params file is at most {MAX_PARAMS_BYTES}")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
+        raise ConfigError(f"{name}: file not found") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        raise ConfigError(f"{name}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot be read: {exc.strerror}") from None
-    return _validate(_parse(text, path), path)
+        raise ConfigError(f"{name}: cannot be read: {exc.strerror}") from None
+    return _validate(_parse(text, name), name)
+
+
+def _named(path: str | Path) -> Path:
+    """The file as its user names it in an error: relative to the working directory when inside it
+    (the flow reads `<project>/params.yaml`; the person who typed `make run` knows it as params.yaml)."""
+    try:
+        return Path(path).resolve().relative_to(Path.cwd().resolve())
+    except (ValueError, OSError):
+        return Path(path)
 
 
 def _parse(text: str, path: Path) -> Any:
@@ -152,7 +161,7 @@ def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Pa
 
     from ruamel.yaml import YAML  # round-trip YAML (DVC's own dependency): keeps comments and order
 
-    path = Path(path)
+    path, name = Path(path), _named(path)
     params = load_params(path)  # the file as it is must be valid too
     if not overrides:
         return path.read_text(), params
@@ -166,11 +175,11 @@ def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Pa
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node:
-            raise ConfigError(f"{path}: {key}: no such key (in overrides)")
+            raise ConfigError(f"{name}: {key}: no such key (in overrides)")
         node[leaf] = value
     out = io.StringIO()
     rt.dump(doc, out)
-    return out.getvalue(), _validate(_parse(out.getvalue(), path), path)
+    return out.getvalue(), _validate(_parse(out.getvalue(), name), name)
 
 
 def set_params(path: str | Path, overrides: dict[str, Any]) -> Params:

@@ -21,7 +21,7 @@ Checks, on `--device cuda` (default) or `--device cpu` (smaller sizes; what CI r
 
 The data is synthetic and seeded: CIFAR-shaped uint8 images (3x32x32, 10 classes), each a class
 template plus noise, so that training learns something. Exit codes: 0 every check that ran passed,
-1 a check failed, 2 bad arguments (`--device cuda` without a CUDA device).
+1 a check failed, 2 bad arguments, 4 missing hardware (`--device cuda` without a CUDA device).
 
 - workload.py: the sizes per device, the synthetic data, the project's training loop pinned
 - checks_training.py (1, 2), checks_throughput.py (3), checks_ship.py (4): the checks, one row each
