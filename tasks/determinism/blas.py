@@ -15,7 +15,8 @@ elsewhere: whoever could write there may have planted it, and rebuilding in a pr
 every run would hide that (and cost a compile per process). Where it cannot be built, the same
 calls run from Python, one chunk after another: the same bytes, slower, and a warning says so.
 The op also takes a grouped convolution's products in one call (Python's call per group cost more
-than a depthwise group's product) and does the convolutions' col2im (`columns_op`).
+than a small group's product), does the convolutions' col2im (`columns_op`) and computes depthwise
+convolutions (`depthwise_op`, tasks/determinism/depthwise.py).
 (torch.utils.cpp_extension.load would build it too, but it wants ninja on PATH and builds a Python
 module; g++ alone makes a torch op library.)
 """
@@ -43,6 +44,9 @@ _MAX_CHUNKS = 8  # enough for 8 threads; a multiple of 2 and 4, so those counts 
 _MIN_CHUNK = 64  # narrower chunks spend more on packing the shared operand than they gain
 _ALIGN = 4  # OpenBLAS's Haswell tiles are multiples of 4 wide: no chunk ends in a narrow edge tile
 _BUILD_TIMEOUT_S = 300
+# -ffp-contract=off: no fused multiply-add, which rounds a product and a sum once where the same loops
+# written with torch ops (depthwise.py) round twice; without it the op's bytes would follow the compiler
+_FLAGS = ("-O3", "-ffp-contract=off", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
 
@@ -156,6 +160,12 @@ def _pool_op() -> Any:
     return torch.ops.lockstep_blas.gemm_chunks if _library_loaded() else None
 
 
+def depthwise_op() -> Any:
+    """torch.ops.lockstep_blas.depthwise (tasks/determinism/depthwise.py's loops in C++); None if the op cannot be
+    built here."""
+    return torch.ops.lockstep_blas.depthwise if _library_loaded() else None
+
+
 def columns_op() -> Any:
     """torch.ops.lockstep_blas.add_columns (a convolution's col2im, kernels.py's loop in C++); None if the
     op cannot be built here."""
@@ -183,7 +193,8 @@ def library_path(cache: Path | None = None, compiler: str | None = None) -> Path
     compiler = compiler or os.environ.get("CXX") or "g++"
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    key = hashlib.sha256(f"{SOURCE.read_bytes()!r} {torch.__version__} {torch_dir} {abi} {compiler}".encode())
+    key = f"{SOURCE.read_bytes()!r} {torch.__version__} {torch_dir} {abi} {compiler} {_FLAGS}"
+    key = hashlib.sha256(key.encode())
     cache = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lockstep"
     return cache / f"blas_pool-{key.hexdigest()[:16]}.so"
 
@@ -226,7 +237,7 @@ def build(cache: Path | None = None, compiler: str | None = None) -> Path:
     _check_private(cache, folder=True)  # (made by someone else between the check above and here)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         partial = Path(scratch) / target.name
-        command = [compiler, "-O2", "-std=c++20", "-fPIC", "-shared", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        command = [compiler, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
         command += [f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}"]
         # torch's own libgomp (rpath): the op's parallel region must be torch's OpenMP pool, not a second one
         command += [str(SOURCE), "-o", str(partial), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]

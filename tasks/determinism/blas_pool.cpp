@@ -1,6 +1,7 @@
-// Matrix products on torch's own thread pool: the chunks of one product, each a call into numpy's
-// OpenBLAS (which runs on one thread). tasks/blas.py says why, builds this, and makes the same
-// calls from Python where it cannot be built.
+// The portable kernels' C++ ops: matrix products on torch's own thread pool (the chunks of one
+// product, each a call into numpy's OpenBLAS, which runs on one thread), a convolution's col2im, and
+// depthwise convolutions. tasks/determinism/blas.py says why, builds this, and makes the same calls from
+// Python where it cannot be built (col2im and depthwise: kernels.py's and depthwise.py's torch loops).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -152,10 +154,147 @@ void add_columns(const at::Tensor& fields, const at::Tensor& grad, int64_t sh, i
   }
 }
 
+// Depthwise convolution (one channel per group), computed directly: an im2col of kh * kw columns per
+// channel and a product whose inner dimension is kh * kw cost several times the arithmetic. Every
+// element's sum has one fixed order, written out below and in tasks/determinism/depthwise.py's torch
+// loops (the same bytes; tested): each term a rounded product, then a rounded sum (built with
+// -ffp-contract=off: no fused multiply-add), so no byte depends on the CPU, the vector width or the
+// threads. Terms that fall on the padding are left out (they add zeros). All tensors contiguous.
+
+// The positions o in [0, extent) of an output row (or column) whose input position o * stride + offset
+// lies in [0, size): [first, last), empty when first >= last.
+struct Span {
+  Index first, last;
+};
+
+Span span(Index size, Index extent, Index stride, Index offset) {
+  const Index first = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
+  const Index last = size - 1 - offset < 0 ? 0 : std::min<Index>(extent, (size - 1 - offset) / stride + 1);
+  return {first, last};
+}
+
+struct Geometry {
+  Index sh, sw, ph, pw, dh, dw;
+};
+
+// Offset (i, then j) after offset, for each position (y, x) of `small` whose input position
+// (y*sh + i*dh - ph, x*sw + j*dw - pw) is inside `image`: `kToImage` false, the output,
+//   small[n, c, y, x] += w[c, i, j] * image[n, c, input position]   (small = out, image = x);
+// `kToImage` true, the input gradient (as col2im adds),
+//   image[n, c, input position] += w[c, i, j] * small[n, c, y, x]   (small = g, image = gx).
+// The side added to starts at zeros; each of its elements takes its terms in the order of the offsets.
+template <typename T, bool kToImage>
+void depthwise_offsets(const at::Tensor& small, const at::Tensor& w, const at::Tensor& image, Geometry k) {
+  const Index planes = small.size(0) * small.size(1), c = small.size(1), oh = small.size(2), ow = small.size(3);
+  const Index h = image.size(2), wd = image.size(3), kh = w.size(2), kw = w.size(3);
+  T* ps = small.data_ptr<T>();
+  T* pi = image.data_ptr<T>();
+  const T* pw = w.data_ptr<T>();
+  at::parallel_for(0, planes, 1, [&](int64_t first, int64_t last) {
+    for (int64_t plane = first; plane < last; ++plane) {
+      T* small_plane = ps + plane * oh * ow;
+      T* image_plane = pi + plane * h * wd;
+      if constexpr (kToImage) {
+        std::fill(image_plane, image_plane + h * wd, T(0));
+      } else {
+        std::fill(small_plane, small_plane + oh * ow, T(0));
+      }
+      const T* weights = pw + (plane % c) * kh * kw;
+      for (Index i = 0; i < kh; ++i) {
+        const Span ys = span(h, oh, k.sh, i * k.dh - k.ph);
+        for (Index j = 0; j < kw; ++j) {
+          const Span xs = span(wd, ow, k.sw, j * k.dw - k.pw);
+          const T weight = weights[i * kw + j];
+          for (Index y = ys.first; y < ys.last; ++y) {
+            T* row = small_plane + y * ow;
+            T* in = image_plane + (y * k.sh + i * k.dh - k.ph) * wd + j * k.dw - k.pw;
+            if constexpr (kToImage) {
+              for (Index o = xs.first; o < xs.last; ++o) in[o * k.sw] += weight * row[o];
+            } else {
+              for (Index o = xs.first; o < xs.last; ++o) row[o] += weight * in[o * k.sw];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// gw[c, i, j] = the sum over (n, y, x) of g[n, c, y, x] * x[n, c, y*sh + i*dh - ph, x*sw + j*dw - pw]: the
+// products in that order, then added in halves (element k plus element k + ceil(L/2), until one is left),
+// which torch's elementwise adds repeat exactly, and which loses less to rounding than a running sum.
+template <typename T>
+void depthwise_weight_gradient(const at::Tensor& g, const at::Tensor& x, const at::Tensor& gw, Geometry k) {
+  const Index n = g.size(0), c = g.size(1), oh = g.size(2), ow = g.size(3);
+  const Index h = x.size(2), wd = x.size(3), kh = gw.size(2), kw = gw.size(3);
+  const T* pg = g.data_ptr<T>();
+  const T* px = x.data_ptr<T>();
+  T* pw = gw.data_ptr<T>();
+  at::parallel_for(0, c, 1, [&](int64_t first, int64_t last) {
+    std::vector<T> terms(std::max<Index>(1, n * oh * ow));
+    for (int64_t channel = first; channel < last; ++channel) {
+      for (Index i = 0; i < kh; ++i) {
+        const Span ys = span(h, oh, k.sh, i * k.dh - k.ph);
+        for (Index j = 0; j < kw; ++j) {
+          const Span xs = span(wd, ow, k.sw, j * k.dw - k.pw);
+          Index length = 0;
+          for (Index b = 0; b < n; ++b) {
+            for (Index y = ys.first; y < ys.last; ++y) {
+              const T* grad = pg + ((b * c + channel) * oh + y) * ow;
+              const T* in = px + ((b * c + channel) * h + y * k.sh + i * k.dh - k.ph) * wd + j * k.dw - k.pw;
+              for (Index o = xs.first; o < xs.last; ++o) terms[length++] = grad[o] * in[o * k.sw];
+            }
+          }
+          if (length == 0) terms[0] = T(0);
+          while (length > 1) {
+            const Index half = (length + 1) / 2;
+            for (Index t = 0; t < length - half; ++t) terms[t] += terms[t + half];
+            length = half;
+          }
+          pw[(channel * kh + i) * kw + j] = terms[0];
+        }
+      }
+    }
+  });
+}
+
+// Which of the three a call computes (`part`): 0 the output (a = x, b = w), 1 the input gradient (a = g,
+// b = w), 2 the weight gradient (a = g, b = x); written into `out`.
+void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t part, int64_t sh, int64_t sw,
+               int64_t ph, int64_t pw, int64_t dh, int64_t dw) {
+  TORCH_CHECK(a.dim() == 4 && b.dim() == 4 && out.dim() == 4, "lockstep_blas: depthwise: 4-D tensors");
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && out.is_contiguous(), "lockstep_blas: depthwise: contiguous");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == out.scalar_type(), "lockstep_blas: dtypes");
+  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
+  TORCH_CHECK(part >= 0 && part <= 2 && sh > 0 && sw > 0 && ph >= 0 && pw >= 0 && dh > 0 && dw > 0,
+              "lockstep_blas: depthwise arguments");
+  const at::Tensor& image = part == 0 ? a : (part == 1 ? out : b);  // x, or the input gradient
+  const at::Tensor& small = part == 0 ? out : a;                    // the output, or its gradient
+  const at::Tensor& kernel = part == 2 ? out : b;                   // w, or the weight gradient
+  TORCH_CHECK(image.size(0) == small.size(0) && image.size(1) == small.size(1) && kernel.size(0) == small.size(1) &&
+                  kernel.size(1) == 1,
+              "lockstep_blas: depthwise: shapes do not match");
+  TORCH_CHECK(small.size(2) == (image.size(2) + 2 * ph - dh * (kernel.size(2) - 1) - 1) / sh + 1 &&
+                  small.size(3) == (image.size(3) + 2 * pw - dw * (kernel.size(3) - 1) - 1) / sw + 1,
+              "lockstep_blas: depthwise: the output's size does not follow from the geometry");
+  const Geometry k{sh, sw, ph, pw, dh, dw};
+  const bool single = a.scalar_type() == at::kFloat;
+  if (part == 0) {
+    single ? depthwise_offsets<float, false>(out, b, a, k) : depthwise_offsets<double, false>(out, b, a, k);
+  } else if (part == 1) {
+    single ? depthwise_offsets<float, true>(a, b, out, k) : depthwise_offsets<double, true>(a, b, out, k);
+  } else {
+    single ? depthwise_weight_gradient<float>(a, b, out, k) : depthwise_weight_gradient<double>(a, b, out, k);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lockstep_blas, m) {
   m.def("bind(str path) -> ()", [](const std::string& path) { bind(path); });
   m.def("gemm_chunks(Tensor a, Tensor b, Tensor(a!) out, int dim, int chunk) -> ()", gemm_chunks);
   m.def("add_columns(Tensor fields, Tensor(a!) grad, int sh, int sw, int dh, int dw) -> ()", add_columns);
+  m.def(
+      "depthwise(Tensor a, Tensor b, Tensor(a!) out, int part, int sh, int sw, int ph, int pw, int dh, int dw) -> ()",
+      depthwise);
 }

@@ -7,10 +7,12 @@ kernels, in chunks on torch's threads (tasks/determinism/blas.py; only these ops
 and every other op stay torch's own). A convolution is one matrix product over its im2col columns
 (forward, and the weight gradient) and one into columns that are added back in a fixed order (the
 input gradient); the columns are strided copies and adds in ATen, pinned to AVX2 like every ATen
-kernel. The out= and in-place forms of the products are routed too (an op's CPU kernel may call them:
-the fused CPU attention of nn.MultiheadAttention's inference path writes through aten::bmm.out). The
-other ops that would compute with MKL, oneDNN, NNPACK or fbgemm are refused. Which op runs on which
-kernel, and which is refused, is tasks/determinism/dispatch.py's: it installs them.
+kernel. A depthwise convolution (one channel per group) is computed directly instead, without
+columns (tasks/determinism/depthwise.py). The out= and in-place forms of the products are routed too
+(an op's CPU kernel may call them: the fused CPU attention of nn.MultiheadAttention's inference path
+writes through aten::bmm.out). The other ops that would compute with MKL, oneDNN, NNPACK or fbgemm
+are refused. Which op runs on which kernel, and which is refused, is tasks/determinism/dispatch.py's:
+it installs them.
 
 Which matrix is which operand of a BLAS call decides the order of its additions; whether an operand
 is stored row- or column-major does not (OpenBLAS packs both the same way), so the kernels pass
@@ -20,20 +22,17 @@ fills every new tensor first, a pass over memory for nothing.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from tasks.core.errors import Refused
-from tasks.determinism import blas
+from tasks.determinism import blas, depthwise, memory
 
 _NO_NUMPY = (torch.float16, torch.bfloat16)
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
-FLOATS = (*_NO_NUMPY, *_NUMPY_DTYPES)  # what the products multiply (dispatch.py refuses other dtypes)
+FLOATS = (*_NO_NUMPY, *memory.NUMPY_DTYPES)  # what the products multiply (dispatch.py refuses other dtypes)
 
 
 class PortableOpError(Refused):
@@ -51,7 +50,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     compute = torch.float32 if a.dtype in _NO_NUMPY else a.dtype
     a3, b3 = a.detach().to(compute), b.detach().to(compute)
     a3, b3 = (a3, b3) if a.dim() == 3 else (a3.unsqueeze(0), b3.unsqueeze(0))
-    out = _product(a3, b3, _buffer((a3.shape[0], a3.shape[1], b3.shape[2]), a3))
+    out = _product(a3, b3, memory.empty((a3.shape[0], a3.shape[1], b3.shape[2]), a3))
     out = out if a.dim() == 3 else out[0]
     return out if compute == a.dtype else out.to(a.dtype)
 
@@ -69,76 +68,12 @@ def _shapes(x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> tuple[int
     return kh, kw, oh, ow
 
 
-def _buffer(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """New memory for a result that is written in full before it is read: from numpy, unfilled.
-
-    In deterministic mode torch fills every new tensor (torch.utils.deterministic.
-    fill_uninitialized_memory), a pass over memory that buys nothing here. Returned tensors stay
-    torch's own (resizable, aligned as ATen allocates).
-    """
-    dtype = _NUMPY_DTYPES.get(like.dtype)
-    return like.new_empty(shape) if dtype is None else torch.from_numpy(np.empty(shape, dtype))
-
-
-class _Pool(threading.local):
-    """Temporaries by (shape, dtype), reused from one step to the next.
-
-    A convolution's columns and products are megabytes that live for one call (or from a forward to
-    its backward). Fresh memory of that size comes from the kernel page by page, faulted in on first
-    touch every step again; the same shapes come back every step, so their memory is kept (like a
-    caching allocator: the process keeps about one step's worth). Per thread (no locks); bounded in
-    count per shape. Only temporaries that never escape the kernels come from here: every tensor
-    handed back to autograd is new memory (`_buffer`).
-    """
-
-    def __init__(self) -> None:
-        self.free: dict[tuple, list[np.ndarray]] = {}
-
-    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
-        dtype = _NUMPY_DTYPES.get(like.dtype)
-        if dtype is None:
-            return like.new_empty(shape), None
-        free = self.free.get((shape, dtype))
-        array = free.pop() if free else np.empty(shape, dtype)
-        return torch.from_numpy(array), array
-
-    def give(self, array: np.ndarray | None) -> None:
-        if array is not None:
-            free = self.free.setdefault((array.shape, array.dtype.type), [])
-            if len(free) < _POOLED_PER_SHAPE:
-                free.append(array)
-
-    def clear(self) -> None:
-        self.free.clear()
-
-
-_POOLED_PER_SHAPE = 4
-_pool = _Pool()
-
-
-@contextmanager
-def _temporaries() -> Iterator:
-    """`take(shape, like)` for the duration of a block; what it gave out returns to the pool after."""
-    taken: list[np.ndarray | None] = []
-
-    def take(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        tensor, array = _pool.take(shape, like)
-        taken.append(array)
-        return tensor
-
-    try:
-        yield take
-    finally:
-        for array in taken:
-            _pool.give(array)
-
-
 def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out` = a @ b per group (3-D), written in place: one `blas.gemm` call for every group (a
-    depthwise convolution has hundreds); half and bfloat16 as in `matmul`."""
+    grouped convolution may have dozens); half and bfloat16 as in `matmul`."""
     if out.dtype in _NO_NUMPY:
         a32, b32 = a.float(), b.float()
-        out.copy_(blas.gemm(a32, b32, _buffer(tuple(out.shape), a32)))
+        out.copy_(blas.gemm(a32, b32, memory.empty(tuple(out.shape), a32)))
     else:
         blas.gemm(a, b, out)
     return out
@@ -150,14 +85,13 @@ def _columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int
 
     The padded image is written in one pass and the rows in a second. Without groups it is
     channels-last, so each copied run is kw * C contiguous values rather than a few pixels; with groups
-    (a depthwise convolution's: one channel each) channel-first, so a group's rows are read from its own
-    plane. Either way the rows hold the same values.
+    channel-first, so a group's rows are read from its own planes. Either way the rows hold the same values.
     """
     stride, padding, dilation = geometry
     n, c, h, w = x.shape
     kh, kw, oh, ow = _shapes(x, weight, geometry)
     channels_last = groups == 1
-    with _temporaries() as temporary:
+    with memory.temporaries() as temporary:
         padded = _padded_image(x, padding, channels_last, temporary)
         padded[:, padding[0] : padding[0] + h, padding[1] : padding[1] + w].copy_(x.permute(0, 2, 3, 1))
         sn, sh, sw, sc = padded.stride()
@@ -209,7 +143,7 @@ def _forward_columns(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, ge
     arrays: list[np.ndarray | None] = []
 
     def take(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        tensor, array = _pool.take(shape, like)
+        tensor, array = memory.pool.take(shape, like)
         arrays.append(array)
         return tensor
 
@@ -218,10 +152,10 @@ def _forward_columns(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, ge
     def done() -> None:
         if torch.is_grad_enabled() and weight.requires_grad:
             if len(_kept) >= _KEPT:
-                _pool.give(_kept.pop(next(iter(_kept)))[2])
+                memory.pool.give(_kept.pop(next(iter(_kept)))[2])
             _kept[_key(x, weight, geometry, groups)] = (x, columns, arrays[0])
         else:
-            _pool.give(arrays[0])
+            memory.pool.give(arrays[0])
 
     return columns, done
 
@@ -244,10 +178,10 @@ def _add_columns(columns: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, g
     fields = fields.reshape(n, oh, ow, kh, kw, c)
     channels_last = groups == 1
     height, width = h + 2 * padding[0], w + 2 * padding[1]
-    with _temporaries() as temporary:
+    with memory.temporaries() as temporary:
         grad = temporary((n, height, width, c) if channels_last else (n, c, height, width), x).zero_()
         grad = grad if channels_last else grad.permute(0, 2, 3, 1)  # (N, H, W, C) either way
-        op = blas.columns_op() if x.dtype in _NUMPY_DTYPES else None
+        op = blas.columns_op() if x.dtype in memory.NUMPY_DTYPES else None
         if op is not None:  # the same additions in the same order, without a Python call per offset
             op(fields, grad, stride[0], stride[1], dilation[0], dilation[1])
         else:
@@ -258,7 +192,7 @@ def _add_columns(columns: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, g
                     cols = slice(left, left + stride[1] * (ow - 1) + 1, stride[1])
                     grad[:, rows, cols, :] += fields[:, :, :, i, j, :]
         grad = grad[:, padding[0] : padding[0] + h, padding[1] : padding[1] + w, :]
-        return _buffer((n, c, h, w), x).copy_(grad.permute(0, 3, 1, 2))
+        return memory.empty((n, c, h, w), x).copy_(grad.permute(0, 3, 1, 2))
 
 
 def _geometry_1d(stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]) -> tuple:
@@ -280,16 +214,20 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
     if transposed:
         raise PortableOpError("determinism.cpu: portable has no transposed convolution; use native")
     x2, w2, geometry = _to_2d(x, weight, stride, padding, dilation)
+    if depthwise.is_depthwise(x2, w2, groups):
+        out = depthwise.forward(x2, w2, geometry)
+        out = out if bias is None else out.add_(bias.view(1, -1, 1, 1))
+        return out if x.dim() == 4 else out.squeeze(2)
     n, out_channels = x.shape[0], weight.shape[0]
     _, _, oh, ow = _shapes(x2, w2, geometry)
     columns, done = _forward_columns(x, x2, w2, geometry, groups)
-    with _temporaries() as temporary:
+    with memory.temporaries() as temporary:
         product = temporary((groups, n * oh * ow, out_channels // groups), columns)
         _product(columns, _weight_matrix(w2, groups), product)
         done()
         # (g, N, oh, ow, O/g) -> the NCHW output, split by group, in one pass with the bias
         product = product.view(groups, n, oh, ow, -1).permute(1, 0, 4, 2, 3)
-        out = _buffer((n, out_channels, oh, ow), x2)
+        out = memory.empty((n, out_channels, oh, ow), x2)
         grouped = out.view(n, groups, -1, oh, ow)
         if bias is None:
             grouped.copy_(product)
@@ -304,22 +242,39 @@ def convolution_backward(
     """aten.convolution_backward: (input, weight, bias) gradients, those `mask` asks for."""
     x2, w2, geometry = _to_2d(x, weight, stride, padding, dilation)
     grad2 = grad if grad.dim() == 4 else grad.unsqueeze(2)
+    if depthwise.is_depthwise(x2, w2, groups):
+        grad_input, grad_weight = depthwise.backward(grad2, x2, w2, geometry, mask)
+    else:
+        grad_input, grad_weight = _gradients(grad2, x, x2, w2, geometry, groups, mask)
+    grad_input = grad_input if grad_input is None or x.dim() == 4 else grad_input.squeeze(2)
+    grad_weight = None if grad_weight is None else grad_weight.reshape(weight.shape)
+    grad_bias = grad.sum([d for d in range(grad.dim()) if d != 1]) if mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+def _gradients(
+    grad2: torch.Tensor,
+    x: torch.Tensor,
+    x2: torch.Tensor,
+    w2: torch.Tensor,
+    geometry: tuple,
+    groups: int,
+    mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(input, weight) gradients of a 2-D convolution through its columns, those `mask` asks for."""
     n, out_channels, oh, ow = grad2.shape
-    grad_input = grad_weight = grad_bias = None
-    with _temporaries() as temporary:
+    grad_input = grad_weight = None
+    with memory.temporaries() as temporary:
         # (g, N*oh*ow, O/g): the output gradient channels-last, split by group
         per_group = temporary((groups, n * oh * ow, out_channels // groups), grad2)
         per_group.view(groups, n, oh, ow, -1).copy_(grad2.view(n, groups, -1, oh, ow).permute(1, 0, 3, 4, 2))
         if mask[1]:
-            grad_weight = _weight_gradient(x, x2, w2, geometry, groups, per_group, temporary).reshape(weight.shape)
+            grad_weight = _weight_gradient(x, x2, w2, geometry, groups, per_group, temporary)
         if mask[0]:
             weights = _weight_matrix(w2, groups).transpose(1, 2)  # (g, O/g, kh*kw*C/g)
             columns = _product(per_group, weights, temporary((groups, n * oh * ow, weights.shape[2]), per_group))
             grad_input = _add_columns(columns, x2, w2, geometry)
-            grad_input = grad_input if x.dim() == 4 else grad_input.squeeze(2)
-    if mask[2]:
-        grad_bias = grad.sum([d for d in range(grad.dim()) if d != 1])
-    return grad_input, grad_weight, grad_bias
+    return grad_input, grad_weight
 
 
 def _weight_gradient(
@@ -337,9 +292,9 @@ def _weight_gradient(
     columns, array = (kept[1], kept[2]) if kept is not None else (_columns(x2, w2, geometry, groups, take), None)
     columns = columns.transpose(1, 2)  # (g, kh*kw*C/g, N*oh*ow)
     product = _product(columns, per_group, take((groups, columns.shape[1], per_group.shape[2]), columns))
-    _pool.give(array)
+    memory.pool.give(array)
     o, cg, kh, kw = w2.shape
-    grad_weight = _buffer((o, cg, kh, kw), w2)
+    grad_weight = memory.empty((o, cg, kh, kw), w2)
     grad_weight.view(groups, -1, cg, kh, kw).copy_(product.view(groups, kh, kw, cg, -1).permute(0, 4, 3, 1, 2))
     return grad_weight
 
@@ -347,4 +302,4 @@ def _weight_gradient(
 def clear() -> None:
     """Drop the columns kept for backward and the pooled temporaries (the kernels are being uninstalled)."""
     _kept.clear()
-    _pool.clear()
+    memory.pool.clear()

@@ -4,7 +4,6 @@ made one after another, whatever the thread count, and a machine without a compi
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from tasks.determinism import blas
+from tests.support.portable import needs_the_op
 
 # (a, b, whether each is stored row-major): the products a small CNN's convolutions make (forward,
 # weight and input gradients), a linear layer's, and shapes that leave a short last chunk
@@ -42,27 +42,11 @@ def one_blas_thread() -> Iterator[None]:
         yield
 
 
-@pytest.fixture()
-def torch_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
-def _needs_the_pool() -> None:
-    try:
-        blas.build()
-    except blas.BuildError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(exc))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_pool_gives_the_bytes_of_one_thread_for_any_thread_count(
     dtype: torch.dtype, one_blas_thread: None, torch_threads: None
 ) -> None:
-    _needs_the_pool()
+    needs_the_op()
     generator = torch.Generator().manual_seed(0)
     for a_shape, b_shape, a_rows, b_rows in SHAPES:
         a, b = _operand(a_shape, a_rows, dtype, generator), _operand(b_shape, b_rows, dtype, generator)
@@ -80,7 +64,7 @@ def test_a_grouped_product_in_one_call_gives_each_group_its_own_product_bytes(
 ) -> None:
     """A grouped convolution's products go to the op in one call: each group's bytes are those of its
     own product, made alone (kernels.py made one call per group before), for any thread count."""
-    _needs_the_pool()
+    needs_the_op()
     generator = torch.Generator().manual_seed(1)
     for groups, m, k, n in [(96, 2048, 9, 1), (4, 300, 72, 16), (32, 7, 25, 1)]:
         a = torch.randn(groups, m, k, generator=generator, dtype=dtype)
@@ -100,7 +84,7 @@ def test_col2im_in_the_op_adds_in_the_order_of_the_python_loop(
     """The op's col2im (kernels._add_columns) against the loop of strided adds it replaces: equal bytes,
     for strided fields (a grouped convolution's), a channels-last or channel-first gradient, and any
     thread count."""
-    _needs_the_pool()
+    needs_the_op()
     blas.gemm(torch.ones(4, 4), torch.ones(4, 4), torch.empty(4, 4))  # loads the ops
     generator = torch.Generator().manual_seed(2)
     n, oh, ow, kh, kw, c, groups = 3, 5, 6, 3, 3, 8, 4
@@ -136,7 +120,7 @@ def test_the_cut_follows_the_longer_side_and_no_chunk_is_a_narrow_edge() -> None
 
 
 def test_an_operand_in_another_layout_is_copied_and_the_op_refuses_one(one_blas_thread: None) -> None:
-    _needs_the_pool()
+    needs_the_op()
     a = torch.randn(64, 200)[:, ::2]  # every other column: neither row-major nor transposed
     b = torch.randn(100, 30)
     out = blas.gemm(a, b, torch.empty(64, 30))

@@ -6,8 +6,9 @@ all been seen). On one machine, the three variables that changed native weights 
 oneDNN's ISA, MKL's branch) are set in every combination: portable bytes must not move, native ones
 do; nor may they move with MKL and oneDNN left to pick their own kernels, since portable computes with
 neither. The same holds for a bf16 training (train.amp: bf16, the one other precision the CPU trains
-in: fp16 needs CUDA), whose hash is recorded beside. Record a new hash (after checking the change is
-meant) with:
+in: fp16 needs CUDA), whose hash is recorded beside, and for a small net of depthwise convolutions
+(tasks/determinism/depthwise.py's kernels; float32 steps, then bf16). Record new hashes (after checking
+the change is meant; it starts a new record, without `seen_on`) with:
 
     LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/determinism/test_cpu_mode.py
 """
@@ -19,20 +20,20 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.determinism import cpu_mode, dispatch, kernels
+from tasks.determinism import cpu_mode, kernels
 from tasks.determinism.fingerprint import explain, fingerprint
 from tests.conftest import ROOT
+from tests.support.portable import computes_what_torch_does, portable_kernels
 
 GOLDEN = Path(__file__).parent / "golden" / "portable_training.json"
+HASHES = ("sha256", "bf16_sha256", "depthwise_sha256")  # small_cnn in float32, in bf16; depthwise layers
 # The variables measured to change native weights, each unset or set to what another CPU would use.
 VARIABLES = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "AVX2"}
 # A process already pinned portable keeps what it finds (cpu_mode.pin_env): here, MKL and oneDNN free to
@@ -73,23 +74,28 @@ for x, y in zip(images, labels):
     loss.backward()
     optimiser.step()
 bf16 = b"".join(t.numpy().tobytes() for t in model.state_dict().values())
+torch.manual_seed(0)  # depthwise convolutions (tasks/determinism/depthwise.py), in float32 and then bf16
+nn = torch.nn
+model = nn.Sequential(
+    nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+    nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8), nn.BatchNorm2d(8), nn.ReLU(),
+    nn.Conv2d(8, 8, 7, padding=3, groups=8, bias=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
+)
+optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+for step, (x, y) in enumerate(zip(images, labels)):
+    optimiser.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step >= 2):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimiser.step()
+depthwise = b"".join(t.numpy().tobytes() for t in model.state_dict().values())
 print(json.dumps({
     "sha256": hashlib.sha256(state).hexdigest(),
     "bf16_sha256": hashlib.sha256(bf16).hexdigest(),
+    "depthwise_sha256": hashlib.sha256(depthwise).hexdigest(),
     "machine": fingerprint(),
 }))
 """
-
-
-@contextmanager
-def _portable_kernels(on: bool) -> Iterator[None]:
-    """torch's own kernels (False) or the portable ones (True), whatever an earlier test left."""
-    was = dispatch.installed()
-    dispatch.install() if on else dispatch.uninstall()
-    try:
-        yield
-    finally:
-        dispatch.install() if was else dispatch.uninstall()
 
 
 def _train(mode: str, env_vars: dict[str, str], threads: int = 2) -> dict:
@@ -117,7 +123,7 @@ def test_portable_weights_do_not_follow_the_thread_count() -> None:
     cores trains the same bytes."""
     with ThreadPoolExecutor(2) as pool:
         made = list(pool.map(lambda threads: _train("portable", {}, threads), (1, 2, 3)))
-    made = [(run["sha256"], run["bf16_sha256"]) for run in made]
+    made = [[run[key] for key in HASHES] for run in made]
     assert made == [made[1]] * 3, made
 
 
@@ -132,14 +138,14 @@ def test_portable_weights_match_the_committed_hash_under_every_cpu_variable() ->
         native = list(pool.map(lambda combo: _train("native", combo), [{}, {"ATEN_CPU_CAPABILITY": "default"}]))
     made = portable[0]
     if os.environ.get("LOCKSTEP_RECORD_GOLDEN") == "1":
-        record = {"sha256": made["sha256"], "bf16_sha256": made["bf16_sha256"], "recorded_on": made["machine"]}
+        record = {key: made[key] for key in HASHES} | {"recorded_on": made["machine"]}
         GOLDEN.write_text(json.dumps(record, indent=2) + "\n")
-    for key in ("sha256", "bf16_sha256"):
+    for key in HASHES:
         assert [p[key] for p in portable] == [made[key]] * len(combos), f"portable {key} moved with the variables"
         assert native[0][key] != native[1][key], f"the variables no longer change native {key}: test is vacuous"
     recorded = json.loads(GOLDEN.read_text())
     differences, _ = explain(recorded["recorded_on"], made["machine"])
-    for key in ("sha256", "bf16_sha256"):
+    for key in HASHES:
         assert made[key] == recorded[key], (
             f"portable training gave other bytes ({key}) on this machine ({made['machine']['hw.cpu.model']}) than "
             f"on the one it was recorded on ({recorded['recorded_on']['hw.cpu.model']}); byte-relevant "
@@ -167,16 +173,7 @@ def test_portable_convolution_computes_what_torch_does(stride, padding, dilation
     def conv() -> torch.Tensor:
         return F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
 
-    with _portable_kernels(False):
-        expected = conv()
-        upstream = torch.randn(expected.shape, dtype=torch.float64, generator=generator)
-        expected_grads = torch.autograd.grad(expected, inputs, upstream)
-    with _portable_kernels(True):
-        made = conv()
-        grads = torch.autograd.grad(made, inputs, upstream)
-    torch.testing.assert_close(made, expected)
-    for got, want in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(got, want)
+    computes_what_torch_does(conv, inputs, generator)
 
 
 def test_portable_results_never_share_the_reused_temporaries() -> None:
@@ -185,7 +182,7 @@ def test_portable_results_never_share_the_reused_temporaries() -> None:
     generator = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6, 4, 3, 3, dtype=torch.float64, generator=generator))
     first, second = (torch.randn(2, 4, 7, 7, dtype=torch.float64, generator=generator) for _ in range(2))
-    with _portable_kernels(True):
+    with portable_kernels(True):
         out = F.conv2d(first, w, padding=1)
         kept = out.clone()
         (grad,) = torch.autograd.grad(out.sum(), w)
@@ -194,7 +191,7 @@ def test_portable_results_never_share_the_reused_temporaries() -> None:
             F.conv2d(second, w, padding=1)
         again = F.conv2d(second, w, padding=1)
         torch.autograd.grad(again.square().sum(), w)
-        with _portable_kernels(False):
+        with portable_kernels(False):
             expected = F.conv2d(first, w, padding=1)
     assert torch.equal(out, kept) and torch.equal(grad, grad_kept)
     torch.testing.assert_close(out, expected)
@@ -206,9 +203,9 @@ def test_portable_linear_and_conv1d_compute_what_torch_does() -> None:
     x = torch.randn(2, 5, 7, dtype=torch.float64, generator=generator)
     signal = torch.randn(2, 3, 10, dtype=torch.float64, generator=generator)
     kernel = torch.randn(5, 3, 3, dtype=torch.float64, generator=generator)
-    with _portable_kernels(False):
+    with portable_kernels(False):
         expected = (linear(x), F.conv1d(signal, kernel, padding=1, stride=2))
-    with _portable_kernels(True):
+    with portable_kernels(True):
         made = (linear(x), F.conv1d(signal, kernel, padding=1, stride=2))
         with pytest.raises(kernels.PortableOpError, match="aten::mv"):
             torch.mv(kernel[:, :, 0], signal[0, :, 0])

@@ -32,7 +32,7 @@ from tasks.determinism import cpu_mode, escapes, kernels
 from tasks.train import models
 from tasks.train.loop import build_training
 from tests.conftest import ROOT
-from tests.determinism.test_cpu_mode import _portable_kernels
+from tests.support.portable import portable_kernels
 
 # One model of each family, and the project's own; bf16 (train.amp) for two of them.
 ZOO = [
@@ -144,7 +144,7 @@ def _run_zoo() -> tuple[dict, dict[str, list[str]]]:
 
 
 @pytest.mark.slow
-def test_no_product_or_convolution_of_the_zoo_escapes_the_portable_kernels() -> None:
+def test_no_product_or_convolution_of_the_zoo_escapes_theportable_kernels() -> None:
     report, calls = _run_zoo()
     # the witnesses work: without the portable kernels, the same process's products print
     control = calls.get("control", [])
@@ -202,9 +202,9 @@ def test_out_and_in_place_products_compute_what_torch_does() -> None:
             torch._addmm_activation(bias, a, b, use_gelu=True),
         ]
 
-    with _portable_kernels(False):
+    with portable_kernels(False):
         expected = products()
-    with _portable_kernels(True):
+    with portable_kernels(True):
         made = products()
     for got, want in zip(made, expected, strict=True):
         torch.testing.assert_close(got, want)
@@ -223,7 +223,7 @@ def test_out_and_in_place_products_compute_what_torch_does() -> None:
     ],
 )
 def test_ops_that_would_compute_with_cpu_dependent_libraries_are_refused_naming_them(call, op) -> None:  # noqa: ANN001
-    with _portable_kernels(True), pytest.raises(kernels.PortableOpError, match=re.escape(op)) as refused:
+    with portable_kernels(True), pytest.raises(kernels.PortableOpError, match=re.escape(op)) as refused:
         call()
     assert refused.value.exit_code == ExitCode.REFUSED and "\n" not in str(refused.value)
 
@@ -273,7 +273,7 @@ def test_a_model_that_reaches_a_refused_op_is_refused_when_built_naming_it(net, 
     images = np.zeros((4, 3, 8, 8), dtype=np.uint8)
     split = Preprocessed(images, np.arange(4) % 5, [str(c) for c in range(5)], [0.5] * 3, [0.25] * 3)
     cfg = TrainConfig(model="small_cnn", num_workers=0, device="cpu")
-    with _portable_kernels(True), pytest.raises(kernels.PortableOpError) as refused:
+    with portable_kernels(True), pytest.raises(kernels.PortableOpError) as refused:
         build_training(cfg, 0, split, torch.device("cpu"), model=_classifier(net(), "tiny_net"))
     message = str(refused.value)
     assert message.startswith(f"train.model: tiny_net reaches {op} in a training step on the CPU")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -177,15 +176,6 @@ def test_a_portable_training_takes_fewer_threads_while_other_processes_keep_the_
         for hog in hogs:
             hog.kill()
             hog.wait()
-
-
-@pytest.fixture
-def torch_threads() -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

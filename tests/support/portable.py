@@ -1,0 +1,52 @@
+"""The portable kernels inside a test process: switched on or off whatever an earlier test left, their C++ op
+built, and a convolution checked against torch's own kernels."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from tasks.determinism import blas, dispatch
+
+
+@contextmanager
+def portable_kernels(on: bool) -> Iterator[None]:
+    """torch's own kernels (False) or the portable ones (True) for the block."""
+    was = dispatch.installed()
+    dispatch.install() if on else dispatch.uninstall()
+    try:
+        yield
+    finally:
+        dispatch.install() if was else dispatch.uninstall()
+
+
+def needs_the_op() -> None:
+    """Skip the test where blas_pool.cpp cannot be built (no compiler), except in CI, where it must be."""
+    try:
+        blas.build()
+    except blas.BuildError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+
+
+def computes_what_torch_does(
+    compute: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], generator: torch.Generator
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    """`compute()` and its gradients for `inputs` on the portable kernels, asserted close to torch's own
+    (float64 inputs); returns them, with the random upstream gradient both were given."""
+    with portable_kernels(False):
+        expected = compute()
+        upstream = torch.randn(expected.shape, dtype=expected.dtype, generator=generator)
+        expected_grads = torch.autograd.grad(expected, inputs, upstream)
+    with portable_kernels(True):
+        made = compute()
+        grads = torch.autograd.grad(made, inputs, upstream)
+    torch.testing.assert_close(made, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    return made, grads, upstream
