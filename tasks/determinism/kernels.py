@@ -213,6 +213,11 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
     """aten.convolution: one product of the input's receptive fields with the weights, per group."""
     if transposed:
         raise PortableOpError("determinism.cpu: portable has no transposed convolution; use native")
+    if x.dtype not in FLOATS or weight.dtype not in FLOATS:
+        raise PortableOpError(
+            f"determinism.cpu: portable convolves floating-point tensors only, not {x.dtype} by {weight.dtype}; "
+            "use native"
+        )
     x2, w2, geometry = _to_2d(x, weight, stride, padding, dilation)
     if depthwise.is_depthwise(x2, w2, groups):
         out = depthwise.forward(x2, w2, geometry)

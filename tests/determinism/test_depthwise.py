@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tasks.determinism import blas, depthwise
-from tests.support.portable import computes_what_torch_does, needs_the_op
+from tasks.determinism.kernels import PortableOpError
+from tests.support.portable import computes_what_torch_does, needs_the_op, portable_kernels
 
 # (stride, padding, dilation, kernel): mobilenet's and efficientnet's (3x3 and 5x5, stride 1 and 2),
 # convnext's (7x7, padding 3: on a 2x2 map most offsets meet only padding), dilated and uneven ones,
@@ -114,3 +115,11 @@ def test_the_op_refuses_shapes_that_do_not_follow_from_the_geometry() -> None:
         blas.depthwise_op()(x, torch.randn(3, 1, 3, 3), torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1)
     with pytest.raises(RuntimeError, match="lockstep_blas: depthwise: contiguous"):
         blas.depthwise_op()(x.transpose(2, 3), w, torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_a_convolution_of_integers_is_refused_naming_the_dtype(groups: int) -> None:
+    """Not computed in float32 behind the caller's back (torch's own CPU kernels have none either)."""
+    x, w = torch.ones(1, 4, 5, 5, dtype=torch.int64), torch.ones(4, 4 // groups, 3, 3, dtype=torch.int64)
+    with portable_kernels(True), pytest.raises(PortableOpError, match="floating-point tensors only, not torch.int64"):
+        F.conv2d(x, w, groups=groups)
