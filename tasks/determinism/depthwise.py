@@ -36,7 +36,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> torch.Ten
     """The output (N, C, oh, ow) of a depthwise convolution of `x` (N, C, H, W) by `weight` (C, 1, kh, kw),
     without bias; `geometry` is (stride, padding, dilation), each (rows, columns)."""
     xc, w = _operands(x, x, weight)
-    oh, ow = (_out_size(x.shape[2 + d], w.shape[2 + d], *(part[d] for part in geometry)) for d in (0, 1))
+    oh, ow = (out_size(x.shape[2 + d], w.shape[2 + d], *(part[d] for part in geometry)) for d in (0, 1))
     out = memory.empty((x.shape[0], x.shape[1], oh, ow), xc)
     return _compute(_OUTPUT, xc, w, out, geometry).to(x.dtype)
 
@@ -82,7 +82,8 @@ def _compute(part: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, geo
     return out
 
 
-def _out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+def out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    """A convolution's output length along one dimension."""
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 

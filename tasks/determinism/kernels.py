@@ -55,16 +55,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out if compute == a.dtype else out.to(a.dtype)
 
 
-def _out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
-    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
-
-
 def _shapes(x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> tuple[int, int, int, int]:
     """(kh, kw, oh, ow) of a convolution."""
     stride, padding, dilation = geometry
     kh, kw = weight.shape[2:]
-    oh = _out_size(x.shape[2], kh, stride[0], padding[0], dilation[0])
-    ow = _out_size(x.shape[3], kw, stride[1], padding[1], dilation[1])
+    oh = depthwise.out_size(x.shape[2], kh, stride[0], padding[0], dilation[0])
+    ow = depthwise.out_size(x.shape[3], kw, stride[1], padding[1], dilation[1])
     return kh, kw, oh, ow
 
 
