@@ -15,8 +15,8 @@ elsewhere: whoever could write there may have planted it, and rebuilding in a pr
 every run would hide that (and cost a compile per process). Where it cannot be built, the same
 calls run from Python, one chunk after another: the same bytes, slower, and a warning says so.
 The op also takes a grouped convolution's products in one call (Python's call per group cost more
-than a small group's product), does the convolutions' col2im (`columns_op`) and computes depthwise
-convolutions (`depthwise_op`, tasks/determinism/depthwise.py).
+than a small group's product), does the convolutions' im2col and col2im (`image_columns_op`, `columns_op`)
+and computes depthwise convolutions (`depthwise_op`, tasks/determinism/depthwise.py).
 (torch.utils.cpp_extension.load would build it too, but it wants ninja on PATH and builds a Python
 module; g++ alone makes a torch op library.)
 """
@@ -166,10 +166,16 @@ def depthwise_op() -> Any:
     return torch.ops.lockstep_blas.depthwise if _library_loaded() else None
 
 
+def image_columns_op() -> Any:
+    """torch.ops.lockstep_blas.image_columns (im2col without groups: kernels.py's copies, an image at a time);
+    None if the op cannot be built here."""
+    return torch.ops.lockstep_blas.image_columns if _library_loaded() else None
+
+
 def columns_op() -> Any:
-    """torch.ops.lockstep_blas.add_columns (a convolution's col2im, kernels.py's loop in C++); None if the
-    op cannot be built here."""
-    return torch.ops.lockstep_blas.add_columns if _library_loaded() else None
+    """torch.ops.lockstep_blas.gather_columns (a convolution's col2im: kernels.py's loop's sums, each input
+    position's in one pass); None if the op cannot be built here."""
+    return torch.ops.lockstep_blas.gather_columns if _library_loaded() else None
 
 
 @functools.cache

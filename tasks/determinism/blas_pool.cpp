@@ -98,69 +98,6 @@ void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& o
   }
 }
 
-// col2im: grad (N, Hp, Wp, C), zeroed, += fields (N, oh, ow, kh, kw, C) at the positions each field
-// was read from; both may have any strides. Every element takes its additions in the order of the
-// kernel offsets (i, then j), as kernels.py's loop of strided adds does, so the bytes are the same
-// whatever the loops around them. Images run in parallel, and no two threads add to one element.
-// Channels innermost when grad is channels-last; else (a channel-first grad: a grouped convolution's)
-// a channel's plane at a time, so that neither side is read across channels.
-template <typename T>
-void add_fields(const at::Tensor& fields, const at::Tensor& grad, int64_t sh, int64_t sw, int64_t dh, int64_t dw) {
-  const Index n = fields.size(0), oh = fields.size(1), ow = fields.size(2), kh = fields.size(3), kw = fields.size(4),
-              c = fields.size(5);
-  const Index f0 = fields.stride(0), f1 = fields.stride(1), f2 = fields.stride(2), f3 = fields.stride(3),
-              f4 = fields.stride(4), f5 = fields.stride(5);
-  const Index g0 = grad.stride(0), g1 = grad.stride(1), g2 = grad.stride(2), g3 = grad.stride(3);
-  const T* pf = fields.data_ptr<T>();
-  T* pg = grad.data_ptr<T>();
-  const bool channels_last = g3 == 1;
-  at::parallel_for(0, n, 1, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      const T* fb = pf + b * f0;
-      T* gb = pg + b * g0;
-      for (Index k = 0; k < (channels_last ? 1 : c); ++k) {  // channel-first: one plane after another
-        for (Index i = 0; i < kh; ++i) {
-          for (Index j = 0; j < kw; ++j) {
-            for (Index y = 0; y < oh; ++y) {
-              const T* src = fb + k * f5 + y * f1 + i * f3 + j * f4;
-              T* dst = gb + k * g3 + (y * sh + i * dh) * g1 + j * dw * g2;
-              if (channels_last) {
-                for (Index x = 0; x < ow; ++x) {
-                  for (Index ch = 0; ch < c; ++ch) dst[x * sw * g2 + ch] += src[x * f2 + ch * f5];
-                }
-              } else {
-                for (Index x = 0; x < ow; ++x) dst[x * sw * g2] += src[x * f2];
-              }
-            }
-          }
-        }
-      }
-    }
-  });
-}
-
-void add_columns(const at::Tensor& fields, const at::Tensor& grad, int64_t sh, int64_t sw, int64_t dh, int64_t dw) {
-  TORCH_CHECK(fields.dim() == 6 && grad.dim() == 4, "lockstep_blas: fields (N, oh, ow, kh, kw, C), grad (N, H, W, C)");
-  TORCH_CHECK(fields.size(0) == grad.size(0) && fields.size(5) == grad.size(3), "lockstep_blas: fields and grad do not match");
-  TORCH_CHECK((fields.size(1) - 1) * sh + (fields.size(3) - 1) * dh < grad.size(1) &&
-                  (fields.size(2) - 1) * sw + (fields.size(4) - 1) * dw < grad.size(2),
-              "lockstep_blas: fields reach outside grad");
-  TORCH_CHECK(fields.scalar_type() == grad.scalar_type(), "lockstep_blas: dtypes");
-  if (grad.scalar_type() == at::kFloat) {
-    add_fields<float>(fields, grad, sh, sw, dh, dw);
-  } else {
-    TORCH_CHECK(grad.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
-    add_fields<double>(fields, grad, sh, sw, dh, dw);
-  }
-}
-
-// Depthwise convolution (one channel per group), computed directly: an im2col of kh * kw columns per
-// channel and a product whose inner dimension is kh * kw cost several times the arithmetic. Every
-// element's sum has one fixed order, written out below and in tasks/determinism/depthwise.py's torch
-// loops (the same bytes; tested): each term a rounded product, then a rounded sum (built with
-// -ffp-contract=off: no fused multiply-add), so no byte depends on the CPU, the vector width or the
-// threads. Terms that fall on the padding are left out (they add zeros). All tensors contiguous.
-
 // The positions o in [0, extent) of an output row (or column) whose input position o * stride + offset
 // lies in [0, size): [first, last), empty when first >= last.
 struct Span {
@@ -176,6 +113,144 @@ Span span(Index size, Index extent, Index stride, Index offset) {
 struct Geometry {
   Index sh, sw, ph, pw, dh, dw;
 };
+
+// im2col without groups: out (N, oh, ow, kh, kw, C), contiguous, every receptive field of x (N, C, H, W,
+// any strides) as a row, channels fastest, zeros where it reaches the padding. An image at a time (images
+// in parallel): first transposed into a zero-bordered channels-last buffer, then its rows copied out in
+// runs of kw * C values. Only copies: the values are x's.
+template <typename T>
+void image_fields(const at::Tensor& x, const at::Tensor& out, Geometry k) {
+  const Index c = x.size(1), h = x.size(2), wd = x.size(3);
+  const Index oh = out.size(1), ow = out.size(2), kh = out.size(3), kw = out.size(4);
+  const Index x0 = x.stride(0), x1 = x.stride(1), x2 = x.stride(2), x3 = x.stride(3);
+  const Index hp = h + 2 * k.ph, wp = wd + 2 * k.pw, run = k.dw == 1 ? kw * c : c;
+  const T* px = x.data_ptr<T>();
+  T* po = out.data_ptr<T>();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t first, int64_t last) {
+    std::vector<T> image(std::max<Index>(1, hp * wp * c));
+    for (int64_t b = first; b < last; ++b) {
+      std::fill(image.begin(), image.end(), T(0));
+      for (Index y = 0; y < h; ++y) {
+        T* to = image.data() + ((y + k.ph) * wp + k.pw) * c;
+        for (Index ch = 0; ch < c; ++ch) {
+          const T* from = px + b * x0 + ch * x1 + y * x2;
+          for (Index q = 0; q < wd; ++q) to[q * c + ch] = from[q * x3];
+        }
+      }
+      T* dst = po + b * oh * ow * kh * kw * c;
+      for (Index y = 0; y < oh; ++y) {
+        for (Index q = 0; q < ow; ++q) {
+          for (Index i = 0; i < kh; ++i) {
+            const T* src = image.data() + ((y * k.sh + i * k.dh) * wp + q * k.sw) * c;
+            for (Index j = 0; j < kw; j += run / c) {
+              std::copy(src + j * k.dw * c, src + j * k.dw * c + run, dst);
+              dst += run;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// col2im, gathered: out (N, C, H, W), any strides, the input gradient of the fields (N, oh, ow, kh, kw, C),
+// any strides: each of its elements is the sum, from zero, of the fields' values read from its position,
+// in the order of the kernel offsets (i, then j). That is the order in which kernels.py's loop of strided
+// adds into a zeroed, padded image adds them, so the bytes are the same; terms that fall on the padding
+// are not computed at all. One row of an image (every channel) at a time: summed channels innermost in a
+// buffer, then written out once, transposed. Rows run in parallel; no two threads write one element.
+template <typename T>
+void gather_fields(const at::Tensor& fields, const at::Tensor& out, Geometry k) {
+  const Index oh = fields.size(1), ow = fields.size(2), kh = fields.size(3), kw = fields.size(4), c = fields.size(5);
+  const Index h = out.size(2), wd = out.size(3);
+  const Index f0 = fields.stride(0), f1 = fields.stride(1), f2 = fields.stride(2), f3 = fields.stride(3),
+              f4 = fields.stride(4), f5 = fields.stride(5);
+  const Index o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2), o3 = out.stride(3);
+  const T* pf = fields.data_ptr<T>();
+  T* po = out.data_ptr<T>();
+  // A field row read in one sequential pass: the offsets of one row of the input are a third (or so) of
+  // each field row's values, strided; read that way from memory, the rows cost several times a whole pass.
+  // So the field rows in use (a window of them) are copied whole into a buffer when first needed.
+  const bool whole_rows = f5 == 1 && f4 == c && f3 == kw * c && f2 == kh * kw * c;
+  const Index window = (kh - 1) * k.dh / k.sh + 1, row_size = ow * kh * kw * c;
+  at::parallel_for(0, out.size(0) * h, 1, [&](int64_t first, int64_t last) {
+    std::vector<T> row(std::max<Index>(1, wd * c));
+    std::vector<T> rows(whole_rows ? window * row_size : 1);
+    std::vector<Index> held(window, -1);  // which (image, field row) each slot of `rows` holds
+    for (int64_t r = first; r < last; ++r) {
+      const Index b = r / h, p = r % h;
+      std::fill(row.begin(), row.end(), T(0));
+      for (Index i = 0; i < kh; ++i) {
+        const Index ys = p + k.ph - i * k.dh;  // y * sh, for the field row y that read this row
+        if (ys < 0 || ys % k.sh != 0 || ys / k.sh >= oh) continue;
+        const Index y = ys / k.sh;
+        const T* field_row = pf + b * f0 + y * f1;
+        if (whole_rows) {
+          T* slot = rows.data() + (y % window) * row_size;
+          if (held[y % window] != b * oh + y) {
+            std::copy(field_row, field_row + row_size, slot);
+            held[y % window] = b * oh + y;
+          }
+          field_row = slot;
+        }
+        for (Index j = 0; j < kw; ++j) {
+          const T* src = field_row + i * f3 + j * f4;
+          const Span xs = span(wd, ow, k.sw, j * k.dw - k.pw);
+          for (Index x = xs.first; x < xs.last; ++x) {
+            const T* s = src + x * f2;
+            T* d = row.data() + (x * k.sw + j * k.dw - k.pw) * c;
+            if (f5 == 1) {
+              for (Index ch = 0; ch < c; ++ch) d[ch] += s[ch];
+            } else {
+              for (Index ch = 0; ch < c; ++ch) d[ch] += s[ch * f5];
+            }
+          }
+        }
+      }
+      T* o = po + b * o0 + p * o2;
+      for (Index ch = 0; ch < c; ++ch) {
+        for (Index q = 0; q < wd; ++q) o[ch * o1 + q * o3] = row[q * c + ch];
+      }
+    }
+  });
+}
+
+// What both column ops check: an image (N, C, H, W) and its fields (N, oh, ow, kh, kw, C) of one geometry
+// and one dtype, float32 or float64.
+Geometry fields_of(const at::Tensor& image, const at::Tensor& fields, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                   int64_t dh, int64_t dw) {
+  TORCH_CHECK(image.dim() == 4 && fields.dim() == 6, "lockstep_blas: image (N, C, H, W), fields (N, oh, ow, kh, kw, C)");
+  TORCH_CHECK(image.size(0) == fields.size(0) && image.size(1) == fields.size(5),
+              "lockstep_blas: image and fields do not match");
+  TORCH_CHECK(sh > 0 && sw > 0 && ph >= 0 && pw >= 0 && dh > 0 && dw > 0, "lockstep_blas: columns arguments");
+  TORCH_CHECK(fields.size(1) == (image.size(2) + 2 * ph - dh * (fields.size(3) - 1) - 1) / sh + 1 &&
+                  fields.size(2) == (image.size(3) + 2 * pw - dw * (fields.size(4) - 1) - 1) / sw + 1,
+              "lockstep_blas: the fields' size does not follow from the geometry");
+  TORCH_CHECK(image.scalar_type() == fields.scalar_type() &&
+                  (image.scalar_type() == at::kFloat || image.scalar_type() == at::kDouble),
+              "lockstep_blas: float32 or float64, both the same");
+  return {sh, sw, ph, pw, dh, dw};
+}
+
+void image_columns(const at::Tensor& x, const at::Tensor& out, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                   int64_t dh, int64_t dw) {
+  const Geometry k = fields_of(x, out, sh, sw, ph, pw, dh, dw);
+  TORCH_CHECK(out.is_contiguous(), "lockstep_blas: image_columns writes contiguous fields");
+  x.scalar_type() == at::kFloat ? image_fields<float>(x, out, k) : image_fields<double>(x, out, k);
+}
+
+void gather_columns(const at::Tensor& fields, const at::Tensor& out, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
+                    int64_t dh, int64_t dw) {
+  const Geometry k = fields_of(out, fields, sh, sw, ph, pw, dh, dw);
+  out.scalar_type() == at::kFloat ? gather_fields<float>(fields, out, k) : gather_fields<double>(fields, out, k);
+}
+
+// Depthwise convolution (one channel per group), computed directly: an im2col of kh * kw columns per
+// channel and a product whose inner dimension is kh * kw cost several times the arithmetic. Every
+// element's sum has one fixed order, written out below and in tasks/determinism/depthwise.py's torch
+// loops (the same bytes; tested): each term a rounded product, then a rounded sum (built with
+// -ffp-contract=off: no fused multiply-add), so no byte depends on the CPU, the vector width or the
+// threads. Terms that fall on the padding are left out (they add zeros). All tensors contiguous.
 
 // Offset (i, then j) after offset, for each position (y, x) of `small` whose input position
 // (y*sh + i*dh - ph, x*sw + j*dw - pw) is inside `image`: `kToImage` false, the output,
@@ -293,7 +368,10 @@ void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
 TORCH_LIBRARY(lockstep_blas, m) {
   m.def("bind(str path) -> ()", [](const std::string& path) { bind(path); });
   m.def("gemm_chunks(Tensor a, Tensor b, Tensor(a!) out, int dim, int chunk) -> ()", gemm_chunks);
-  m.def("add_columns(Tensor fields, Tensor(a!) grad, int sh, int sw, int dh, int dw) -> ()", add_columns);
+  m.def("image_columns(Tensor x, Tensor(a!) out, int sh, int sw, int ph, int pw, int dh, int dw) -> ()",
+        image_columns);
+  m.def("gather_columns(Tensor fields, Tensor(a!) out, int sh, int sw, int ph, int pw, int dh, int dw) -> ()",
+        gather_columns);
   m.def(
       "depthwise(Tensor a, Tensor b, Tensor(a!) out, int part, int sh, int sw, int ph, int pw, int dh, int dw) -> ()",
       depthwise);

@@ -6,9 +6,10 @@ matrix products and 1-D/2-D convolutions that compute with numpy's OpenBLAS, pin
 kernels, in chunks on torch's threads (tasks/determinism/blas.py; only these ops pay a Python call; autograd
 and every other op stay torch's own). A convolution is one matrix product over its im2col columns
 (forward, and the weight gradient) and one into columns that are added back in a fixed order (the
-input gradient); the columns are strided copies and adds in ATen, pinned to AVX2 like every ATen
-kernel. A depthwise convolution (one channel per group) is computed directly instead, without
-columns (tasks/determinism/depthwise.py). The out= and in-place forms of the products are routed too
+input gradient); the columns are copies, and the adds back run in a fixed order, in the C++ op
+(or ATen's strided copies and adds, pinned to AVX2 like every ATen kernel, where it cannot be built).
+A depthwise convolution (one channel per group) is computed directly instead, without columns
+(tasks/determinism/depthwise.py). The out= and in-place forms of the products are routed too
 (an op's CPU kernel may call them: the fused CPU attention of nn.MultiheadAttention's inference path
 writes through aten::bmm.out). The other ops that would compute with MKL, oneDNN, NNPACK or fbgemm
 are refused. Which op runs on which kernel, and which is refused, is tasks/determinism/dispatch.py's:
@@ -77,12 +78,24 @@ def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tenso
 
 def _columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int, take: Any) -> torch.Tensor:
     """Every receptive field as a row: (groups, N * oh * ow, kh * kw * C/groups), channels fastest,
-    in memory from `take(shape, like)`.
+    in memory from `take(shape, like)`. Without groups the op copies them (the copies below, an image at a
+    time through a buffer that stays in cache)."""
+    stride, padding, dilation = geometry
+    n, c = x.shape[:2]
+    kh, kw, oh, ow = _shapes(x, weight, geometry)
+    op = blas.image_columns_op() if groups == 1 and x.dtype in memory.NUMPY_DTYPES else None
+    if op is None:
+        return _copied_columns(x, weight, geometry, groups, take)
+    columns = take((1, n * oh * ow, kh * kw * c), x)
+    op(x, columns.view(n, oh, ow, kh, kw, c), *stride, *padding, *dilation)
+    return columns
 
-    The padded image is written in one pass and the rows in a second. Without groups it is
-    channels-last, so each copied run is kw * C contiguous values rather than a few pixels; with groups
-    channel-first, so a group's rows are read from its own planes. Either way the rows hold the same values.
-    """
+
+def _copied_columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int, take: Any) -> torch.Tensor:
+    """`_columns` in torch's copies. The padded image is written in one pass and the rows in a second.
+    Without groups it is channels-last, so each copied run is kw * C contiguous values rather than a few
+    pixels; with groups channel-first, so a group's rows are read from its own planes. Either way the rows
+    hold the same values."""
     stride, padding, dilation = geometry
     n, c, h, w = x.shape
     kh, kw, oh, ow = _shapes(x, weight, geometry)
@@ -165,28 +178,30 @@ def _weight_matrix(weight: torch.Tensor, groups: int) -> torch.Tensor:
 def _add_columns(columns: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> torch.Tensor:
     """col2im: each row of (groups, N * oh * ow, kh * kw * C/g) back onto the input positions it was
     read from, kernel offset by kernel offset: a fixed order of additions, the same bytes anywhere.
-    Into a channels-last image without groups, a channel-first one with (as `_columns` reads them)."""
+    The loop below adds into a zeroed, padded image (channels-last without groups, channel-first with, as
+    `_columns` reads them); the op sums each input position's terms in the same order, in one pass."""
     stride, padding, dilation = geometry
     n, c, h, w = x.shape
     kh, kw, oh, ow = _shapes(x, weight, geometry)
     groups = columns.shape[0]
     fields = columns.reshape(groups, n, oh, ow, kh, kw, c // groups).permute(1, 2, 3, 4, 5, 0, 6)
     fields = fields.reshape(n, oh, ow, kh, kw, c)
+    op = blas.columns_op() if x.dtype in memory.NUMPY_DTYPES else None
+    if op is not None:
+        out = memory.empty((n, c, h, w), x)
+        op(fields, out, *stride, *padding, *dilation)
+        return out
     channels_last = groups == 1
     height, width = h + 2 * padding[0], w + 2 * padding[1]
     with memory.temporaries() as temporary:
         grad = temporary((n, height, width, c) if channels_last else (n, c, height, width), x).zero_()
         grad = grad if channels_last else grad.permute(0, 2, 3, 1)  # (N, H, W, C) either way
-        op = blas.columns_op() if x.dtype in memory.NUMPY_DTYPES else None
-        if op is not None:  # the same additions in the same order, without a Python call per offset
-            op(fields, grad, stride[0], stride[1], dilation[0], dilation[1])
-        else:
-            for i in range(kh):
-                for j in range(kw):
-                    top, left = i * dilation[0], j * dilation[1]
-                    rows = slice(top, top + stride[0] * (oh - 1) + 1, stride[0])
-                    cols = slice(left, left + stride[1] * (ow - 1) + 1, stride[1])
-                    grad[:, rows, cols, :] += fields[:, :, :, i, j, :]
+        for i in range(kh):
+            for j in range(kw):
+                top, left = i * dilation[0], j * dilation[1]
+                rows = slice(top, top + stride[0] * (oh - 1) + 1, stride[0])
+                cols = slice(left, left + stride[1] * (ow - 1) + 1, stride[1])
+                grad[:, rows, cols, :] += fields[:, :, :, i, j, :]
         grad = grad[:, padding[0] : padding[0] + h, padding[1] : padding[1] + w, :]
         return memory.empty((n, c, h, w), x).copy_(grad.permute(0, 3, 1, 2))
 

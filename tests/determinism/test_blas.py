@@ -13,7 +13,7 @@ import pytest
 import torch
 from threadpoolctl import threadpool_limits
 
-from tasks.determinism import blas
+from tasks.determinism import blas, kernels
 from tests.support.portable import needs_the_op
 
 # (a, b, whether each is stored row-major): the products a small CNN's convolutions make (forward,
@@ -77,38 +77,48 @@ def test_a_grouped_product_in_one_call_gives_each_group_its_own_product_bytes(
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
-@pytest.mark.parametrize(("stride", "dilation"), [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((1, 2), (2, 1))])
+@pytest.mark.parametrize(
+    ("stride", "padding", "dilation"),
+    [((1, 1), (1, 1), (1, 1)), ((2, 2), (0, 0), (1, 1)), ((1, 2), (2, 1), (2, 1)), ((3, 1), (1, 3), (1, 1))],
+)
 def test_col2im_in_the_op_adds_in_the_order_of_the_python_loop(
-    stride: tuple[int, int], dilation: tuple[int, int], channels_last: bool, torch_threads: None
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    channels_last: bool,
+    torch_threads: None,
 ) -> None:
-    """The op's col2im (kernels._add_columns) against the loop of strided adds it replaces: equal bytes,
-    for strided fields (a grouped convolution's), a channels-last or channel-first gradient, and any
-    thread count."""
+    """The op's col2im (kernels._add_columns) against the loop of strided adds into a zeroed, padded image
+    that it replaces: equal bytes, for fields whose rows it reads whole (a convolution's without groups)
+    or strided (a grouped one's), an output channel-first or channels-last, and any thread count."""
     needs_the_op()
     blas.gemm(torch.ones(4, 4), torch.ones(4, 4), torch.empty(4, 4))  # loads the ops
     generator = torch.Generator().manual_seed(2)
-    n, oh, ow, kh, kw, c, groups = 3, 5, 6, 3, 3, 8, 4
+    n, h, w, kh, kw, c, groups = 3, 7, 9, 3, 3, 8, 4
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    whole = torch.randn(n, oh, ow, kh, kw, c, generator=generator)
     columns = torch.randn(groups, n * oh * ow, kh * kw * c // groups, generator=generator)
-    fields = columns.reshape(groups, n, oh, ow, kh, kw, c // groups).permute(1, 2, 3, 4, 5, 0, 6)
-    fields = fields.reshape(n, oh, ow, kh, kw, c)  # a copy with the groups' channels side by side
-    fields = fields.permute(0, 1, 2, 4, 3, 5).contiguous().permute(0, 1, 2, 4, 3, 5)  # kh, kw strides swapped
-    height = (oh - 1) * stride[0] + (kh - 1) * dilation[0] + 1
-    width = (ow - 1) * stride[1] + (kw - 1) * dilation[1] + 1
-    expected = torch.zeros(n, height, width, c)
-    for i in range(kh):
-        for j in range(kw):
-            rows = slice(i * dilation[0], i * dilation[0] + stride[0] * (oh - 1) + 1, stride[0])
-            cols = slice(j * dilation[1], j * dilation[1] + stride[1] * (ow - 1) + 1, stride[1])
-            expected[:, rows, cols, :] += fields[:, :, :, i, j, :]
-    for threads in (1, 2, 3):
-        torch.set_num_threads(threads)
-        grad = (
-            torch.zeros(n, height, width, c) if channels_last else torch.zeros(n, c, height, width).permute(0, 2, 3, 1)
-        )
-        blas.columns_op()(fields, grad, *stride, *dilation)
-        assert torch.equal(grad, expected), threads
-    with pytest.raises(RuntimeError, match="lockstep_blas: fields reach outside grad"):
-        blas.columns_op()(fields, torch.zeros(n, height - 1, width, c), *stride, *dilation)
+    strided = columns.reshape(groups, n, oh, ow, kh, kw, c // groups).permute(1, 2, 3, 4, 5, 0, 6)
+    strided = strided.reshape(n, oh, ow, kh, kw, c)  # a copy with the groups' channels side by side
+    strided = strided.permute(0, 1, 2, 4, 3, 5).contiguous().permute(0, 1, 2, 4, 3, 5)  # kh, kw strides swapped
+    for fields in (whole, strided):
+        padded = torch.zeros(n, h + 2 * padding[0], w + 2 * padding[1], c)
+        for i in range(kh):
+            for j in range(kw):
+                rows = slice(i * dilation[0], i * dilation[0] + stride[0] * (oh - 1) + 1, stride[0])
+                cols = slice(j * dilation[1], j * dilation[1] + stride[1] * (ow - 1) + 1, stride[1])
+                padded[:, rows, cols, :] += fields[:, :, :, i, j, :]
+        expected = padded[:, padding[0] : padding[0] + h, padding[1] : padding[1] + w].permute(0, 3, 1, 2)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = (
+                torch.full((n, h, w, c), float("nan")).permute(0, 3, 1, 2) if channels_last else torch.empty(n, c, h, w)
+            )
+            blas.columns_op()(fields, out, *stride, *padding, *dilation)
+            assert torch.equal(out, expected), (fields.is_contiguous(), threads)
+    with pytest.raises(RuntimeError, match="lockstep_blas: the fields' size does not follow from the geometry"):
+        blas.columns_op()(whole, torch.empty(n, c, h + stride[0], w), *stride, *padding, *dilation)
 
 
 def test_the_cut_follows_the_longer_side_and_no_chunk_is_a_narrow_edge() -> None:
@@ -157,3 +167,43 @@ def test_a_failed_build_says_why_and_the_products_run_on_one_thread(
         assert blas.backend() == "one thread (blas_pool.cpp not built)"
     finally:
         blas._library_loaded.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("stride", "padding", "dilation", "kernel"),
+    [
+        ((1, 1), (1, 1), (1, 1), (3, 3)),
+        ((2, 2), (0, 0), (1, 1), (3, 3)),
+        ((1, 2), (2, 1), (2, 1), (3, 2)),
+        ((3, 1), (1, 3), (1, 2), (1, 4)),
+    ],
+)
+def test_im2col_in_the_op_copies_what_the_torch_copies_do(
+    stride: tuple[int, int],
+    padding: tuple[int, int],
+    dilation: tuple[int, int],
+    kernel: tuple[int, int],
+    torch_threads: None,
+) -> None:
+    """The op's im2col (kernels._columns without groups) against the padded, strided copies it replaces:
+    the same rows, for an input in either layout, float32 and float64, on any thread count."""
+    needs_the_op()
+    blas.gemm(torch.ones(4, 4), torch.ones(4, 4), torch.empty(4, 4))  # loads the ops
+    generator = torch.Generator().manual_seed(3)
+    n, c, h, w = 3, 5, 7, 9
+    weight = torch.empty(4, c, *kernel)
+    geometry = (stride, padding, dilation)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(n, c, h, w, generator=generator, dtype=dtype)
+        expected = kernels._copied_columns(
+            x, weight, geometry, 1, lambda shape, like: torch.empty(shape, dtype=like.dtype)
+        )
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for image in (x, x.to(memory_format=torch.channels_last)):
+                kh, kw, oh, ow = kernels._shapes(image, weight, geometry)
+                out = torch.full((n, oh, ow, kh, kw, c), float("nan"), dtype=dtype)
+                blas.image_columns_op()(image, out, *stride, *padding, *dilation)
+                assert torch.equal(out.view(1, n * oh * ow, -1), expected), (dtype, threads)
+    with pytest.raises(RuntimeError, match="lockstep_blas: the fields' size does not follow from the geometry"):
+        blas.image_columns_op()(x, torch.empty(n, oh + 1, ow, kh, kw, c, dtype=x.dtype), *stride, *padding, *dilation)
