@@ -114,6 +114,11 @@ struct Geometry {
   Index sh, sw, ph, pw, dh, dw;
 };
 
+// A convolution's output size along one side (depthwise.out_size's formula).
+Index out_size(Index size, Index kernel, Index stride, Index pad, Index dilation) {
+  return (size + 2 * pad - dilation * (kernel - 1) - 1) / stride + 1;
+}
+
 // im2col without groups: out (N, oh, ow, kh, kw, C), contiguous, every receptive field of x (N, C, H, W,
 // any strides) as a row, channels fastest, zeros where it reaches the padding. An image at a time (images
 // in parallel): first transposed into a zero-bordered channels-last buffer, then its rows copied out in
@@ -223,8 +228,8 @@ Geometry fields_of(const at::Tensor& image, const at::Tensor& fields, int64_t sh
   TORCH_CHECK(image.size(0) == fields.size(0) && image.size(1) == fields.size(5),
               "lockstep_blas: image and fields do not match");
   TORCH_CHECK(sh > 0 && sw > 0 && ph >= 0 && pw >= 0 && dh > 0 && dw > 0, "lockstep_blas: columns arguments");
-  TORCH_CHECK(fields.size(1) == (image.size(2) + 2 * ph - dh * (fields.size(3) - 1) - 1) / sh + 1 &&
-                  fields.size(2) == (image.size(3) + 2 * pw - dw * (fields.size(4) - 1) - 1) / sw + 1,
+  TORCH_CHECK(fields.size(1) == out_size(image.size(2), fields.size(3), sh, ph, dh) &&
+                  fields.size(2) == out_size(image.size(3), fields.size(4), sw, pw, dw),
               "lockstep_blas: the fields' size does not follow from the geometry");
   TORCH_CHECK(image.scalar_type() == fields.scalar_type() &&
                   (image.scalar_type() == at::kFloat || image.scalar_type() == at::kDouble),
@@ -349,8 +354,8 @@ void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
   TORCH_CHECK(image.size(0) == small.size(0) && image.size(1) == small.size(1) && kernel.size(0) == small.size(1) &&
                   kernel.size(1) == 1,
               "lockstep_blas: depthwise: shapes do not match");
-  TORCH_CHECK(small.size(2) == (image.size(2) + 2 * ph - dh * (kernel.size(2) - 1) - 1) / sh + 1 &&
-                  small.size(3) == (image.size(3) + 2 * pw - dw * (kernel.size(3) - 1) - 1) / sw + 1,
+  TORCH_CHECK(small.size(2) == out_size(image.size(2), kernel.size(2), sh, ph, dh) &&
+                  small.size(3) == out_size(image.size(3), kernel.size(3), sw, pw, dw),
               "lockstep_blas: depthwise: the output's size does not follow from the geometry");
   const Geometry k{sh, sw, ph, pw, dh, dw};
   const bool single = a.scalar_type() == at::kFloat;
