@@ -11,8 +11,10 @@ The store's part alone, without DVC, is the fast test: two processes opening a n
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -76,13 +79,41 @@ def queued(dvc_repo: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -
         for name, lr in EXPERIMENTS.items():
             run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"train.lr={lr}"], repo)
         before_start = queue_states(repo)
-        run(["dvc", "queue", "start", "-j", "2"], repo)
+        start_queue(repo, repo.parent / "queue-start.log")
         states = wait_for_queue(repo)
         logs = {name: run(["dvc", "queue", "logs", name], repo).stdout for name in EXPERIMENTS}
         shown = json.loads(run(["dvc", "exp", "show", "--json"], repo).stdout)
         yield Queued(repo, before_start, states, logs, shown)
     finally:
         run(["dvc", "queue", "stop", "--kill"], repo, check=False)
+        kill_workers(repo)
+
+
+def start_queue(repo: Path, log: Path) -> None:
+    """`dvc queue start -j 2` with its output in `log`, not a pipe: the workers it forks inherit its
+    stdout and stderr, so reading a pipe to its end waits for the last worker to exit, which is a
+    minute after the queue empties (on a busy machine that wait outlasted the test's timeout)."""
+    with log.open("wb") as out:
+        started = subprocess.run(
+            ["dvc", "queue", "start", "-j", "2"], cwd=repo, env=subprocess_env(), stdout=out, stderr=out, timeout=120
+        )
+    assert started.returncode == 0, f"dvc queue start exited {started.returncode}:\n{log.read_text()}"
+
+
+def kill_workers(repo: Path) -> None:
+    """Kill what is left of the queue's workers, each with its process group (the worker and the
+    experiment it runs), by the PIDs DVC recorded: a worker must not outlive its test and take the
+    cores from the tests after it."""
+    for info in (repo / ".dvc" / "tmp" / "exps" / "celery").glob("dvc-exp-worker-*.json"):
+        pid = json.loads(info.read_text())["pid"]
+        try:
+            worker = psutil.Process(pid)
+            group = os.getpgid(pid)
+            # not a later process that reused the PID, and never our own group
+            if "queue-worker" in " ".join(worker.cmdline()) and group != os.getpgrp():
+                os.killpg(group, signal.SIGKILL)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass  # exited already
 
 
 def queue_states(repo: Path) -> dict[str, str]:
@@ -102,7 +133,10 @@ def wait_for_queue(repo: Path) -> dict[str, str]:
         states = queue_states(repo)
         if set(states) == set(EXPERIMENTS) and not any(state in UNFINISHED for state in states.values()):
             return states
-        assert time.monotonic() < deadline, f"queue not done after {QUEUE_TIMEOUT_S} s: {states}"
+        if time.monotonic() > deadline:
+            workers = sorted((repo / ".dvc" / "tmp" / "exps" / "celery").glob("dvc-exp-worker-*.out"))
+            tails = {out.name: out.read_text(errors="replace")[-2000:] for out in workers}
+            raise AssertionError(f"queue not done after {QUEUE_TIMEOUT_S} s: {states}; workers' logs: {tails}")
         time.sleep(POLL_S)
 
 
