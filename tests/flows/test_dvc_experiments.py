@@ -103,11 +103,16 @@ def start_queue(repo: Path, log: Path) -> None:
     assert started.returncode == 0, f"dvc queue start exited {started.returncode}:\n{log.read_text()}"
 
 
+def worker_files(repo: Path, suffix: str) -> list[Path]:
+    """What DVC keeps of each queue worker: `json` (its PID) or `out` (its log)."""
+    return sorted((repo / ".dvc" / "tmp" / "exps" / "celery").glob(f"dvc-exp-worker-*.{suffix}"))
+
+
 def kill_workers(repo: Path) -> None:
     """Kill what is left of the queue's workers, each with its process group (the worker and the
     experiment it runs), by the PIDs DVC recorded: a worker must not outlive its test and take the
     cores from the tests after it."""
-    for info in (repo / ".dvc" / "tmp" / "exps" / "celery").glob("dvc-exp-worker-*.json"):
+    for info in worker_files(repo, "json"):
         pid = json.loads(info.read_text())["pid"]
         try:
             worker = psutil.Process(pid)
@@ -137,8 +142,7 @@ def wait_for_queue(repo: Path) -> dict[str, str]:
         if set(states) == set(EXPERIMENTS) and not any(state in UNFINISHED for state in states.values()):
             return states
         if time.monotonic() > deadline:
-            workers = sorted((repo / ".dvc" / "tmp" / "exps" / "celery").glob("dvc-exp-worker-*.out"))
-            tails = {out.name: out.read_text(errors="replace")[-2000:] for out in workers}
+            tails = {out.name: out.read_text(errors="replace")[-2000:] for out in worker_files(repo, "out")}
             raise AssertionError(f"queue not done after {QUEUE_TIMEOUT_S} s: {states}; workers' logs: {tails}")
         time.sleep(POLL_S)
 
