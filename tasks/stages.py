@@ -20,8 +20,9 @@ from tasks.core import layout
 from tasks.core.atomic import write_text
 from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5, file_digest
+from tasks.determinism import cpu_mode
 from tasks.determinism.fingerprint import fingerprint
-from tasks.determinism.pinning import pin_everything
+from tasks.determinism.seeds import pin_seeds
 from tasks.determinism.threads import resolve
 from tasks.tracking.dashboard import log_dataset
 from tasks.tracking.runs import StageRun, lineage_tags, stage_run
@@ -167,11 +168,9 @@ def train_trial(
     from tasks.tools.sweep import Pruned
     from tasks.train.stage import train
 
-    determinism = pin_everything(
-        params.train_seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu
-    )
+    pinned = _pin("train", params)
     with stage_run("train", params.tracking, {"seed": params.seed, **params.sections("train")}) as run:
-        run.set_tags({**{f"determinism.{k}": v for k, v in determinism.items()}, **fingerprint(), **tags})
+        run.set_tags({**pinned, **tags})
 
         def epoch_done(row: dict[str, float]) -> None:
             run.log_history([row])
@@ -285,17 +284,35 @@ _WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, Any]]] = {
 }
 
 
+# The data stages compute with numpy alone: they pin its seeds and never load torch, which costs seconds
+# in each of their processes. The others pin torch's seeds and switches too.
+NUMPY_STAGES = ("download", "stats", "preprocess")
+
+
+def _pin(stage: str, params: Params) -> dict[str, Any]:
+    """Pin every source of randomness `stage` computes with; the tags that record it (`determinism.*`,
+    and the machine's `hw.*` fingerprint)."""
+    if stage in NUMPY_STAGES:
+        # (the mode numpy's OpenBLAS was started in: the data stages make no BLAS call, so not a dep)
+        torch = "not loaded: the stage computes with numpy alone"
+        pinned = {**pin_seeds(params.seed), "cpu": cpu_mode.current(), "torch": torch}
+        machine = fingerprint(with_torch=False)
+    else:
+        from tasks.determinism.pinning import pin_everything  # loads torch
+
+        seed = params.train_seed if stage == "train" else params.seed  # train.seed: a sweep trial's, applied
+        d = params.determinism
+        pinned, machine = pin_everything(seed, d.num_threads, d.strict, d.cpu), fingerprint()
+    return {**{f"determinism.{k}": v for k, v in pinned.items()}, **machine}
+
+
 def run_stage(name: str, params: Params) -> dict[str, Any]:
     """Pin determinism, open the stage's MLflow run, do the stage; return its summary metrics (and, for
     export, the promotion verdict under "promotion")."""
-    seed = params.train_seed if name == "train" else params.seed  # train.seed: a sweep trial's, applied
-    determinism = pin_everything(
-        seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu
-    )
+    pinned = _pin(name, params)
     logged = {"seed": params.seed, **params.sections(name)}
     with stage_run(name, params.tracking, logged, pipeline=params) as run:
-        run.set_tags({f"determinism.{k}": v for k, v in determinism.items()})
-        run.set_tags(fingerprint())
+        run.set_tags(pinned)
         results = _WRAPPERS[name](params, run)
         run.log_metrics({key: value for key, value in results.items() if isinstance(value, int | float)})
     return results

@@ -98,15 +98,12 @@ def cpu_facts() -> dict[str, str]:
 
 def _cpu(torch: Any) -> dict[str, str]:
     return {
-        **cpu_facts(),
         "hw.cpu.capability": torch.backends.cpu.get_cpu_capability(),
         "hw.threads": str(torch.get_num_threads()),
     }
 
 
 def _versions(torch: Any) -> dict[str, str]:
-    import numpy
-
     from tasks.determinism import blas  # loads torch: not at module level
 
     config = torch.__config__.show()
@@ -114,7 +111,6 @@ def _versions(torch: Any) -> dict[str, str]:
     onednn = re.search(r"MKL-DNN v(\S+)", config)
     return {
         "hw.version.torch": torch.__version__,
-        "hw.version.numpy": numpy.__version__,
         "hw.version.mkl": mkl.group(1) if mkl else "none",
         "hw.version.onednn": onednn.group(1) if onednn else "none",
         "hw.version.openblas": str(blas.openblas().get("version", "none")),
@@ -178,19 +174,28 @@ def _nccl(torch: Any) -> str:
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
-def fingerprint(gpu: int = 0) -> dict[str, str]:
+def fingerprint(gpu: int = 0, with_torch: bool = True) -> dict[str, str]:
     """This process's machine, libraries and CPU mode as `hw.*` strings (torch loaded and pinned);
-    `gpu`: the CUDA device whose name, capability and memory are read."""
+    `gpu`: the CUDA device whose name, capability and memory are read. `with_torch=False`: what a
+    process that computes with numpy alone (the data stages) can say without loading torch."""
+    import numpy
+
+    tags = {"hw.cpu.mode": cpu_mode.current(), **cpu_facts(), "hw.version.numpy": numpy.__version__}
+    tags.update({f"hw.env.{name}": os.environ.get(name, "unset") for name in _ENV})
+    if with_torch:
+        tags.update(_torch_facts(gpu))
+    return tags
+
+
+def _torch_facts(gpu: int) -> dict[str, str]:
     import torch
 
     tags = {
-        "hw.cpu.mode": cpu_mode.current(),
         "hw.cpu.openblas": cpu_mode.blas_coretype() or "none",
         **_cpu(torch),
         **_versions(torch),
         **_gpu(torch, gpu),
     }
-    tags.update({f"hw.env.{name}": os.environ.get(name, "unset") for name in _ENV})
     if cpu_mode.current() == "portable":
         from tasks.determinism import blas
 

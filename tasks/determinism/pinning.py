@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tasks.determinism import cpu_mode
+from tasks.determinism.seeds import pin_seeds
 from tasks.determinism.threads import LoadFollower, NumThreads, resolve
 
 # cuBLAS needs this before CUDA initialises to pick deterministic workspaces.
@@ -34,10 +35,8 @@ def pin_everything(seed: int, num_threads: NumThreads, strict: bool = True, cpu:
     (tasks/determinism/cpu_mode.py); None: the mode this process was started in. `num_threads`
     may be `auto` (tasks/determinism/threads.py).
     """
-    os.environ["PYTHONHASHSEED"] = str(seed)  # inherited by subprocesses (torchrun ranks)
+    pin_seeds(seed)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # seeds every CUDA device too
     mode = cpu_mode.resolve(cpu or cpu_mode.current())
     threads = resolve(num_threads, follow_load=mode == "portable")  # portable bytes do not follow it

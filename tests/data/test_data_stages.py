@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tasks.core.config.data import DataConfig, SplitConfig
+from tasks.core.config.yaml_io import load_params
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
 from tasks.data.formats import FORMAT, RawDataset, open_raw, read_raw, split_indices, write_raw
 from tasks.data.preprocess import load_split, preprocess
 from tasks.data.stats import channel_stats, compute_stats
+from tasks.stages import NUMPY_STAGES
+from tests.conftest import client_for, copy_project, run
 
 SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # assign: hash, the default (tests/data/test_splits.py)
 RANDOM = SplitConfig(train=0.7, val=0.15, test=0.15, assign="random")
@@ -128,3 +132,25 @@ def test_missing_inputs_name_the_file(tmp_path: Path) -> None:
         read_raw(tmp_path / "data")
     with pytest.raises(ExpectedFailure, match="preprocessed/meta.json: missing; run the preprocess stage"):
         load_split(tmp_path / "preprocessed", "train")
+
+
+@pytest.mark.slow
+def test_the_data_stages_run_as_commands_without_loading_torch(tmp_path: Path) -> None:
+    """`python -m tasks download|stats|preprocess` (dvc.yaml's commands) in a fresh project never load
+    torch (seconds of each of their processes), and their runs still record what they were pinned by."""
+    repo = copy_project(tmp_path / "repo")
+    for stage in NUMPY_STAGES:
+        done = run([sys.executable, "-X", "importtime", "-m", "tasks", stage], repo)
+        loaded = {
+            line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")
+        }
+        assert "numpy" in loaded and not {"torch", "torchvision"} & loaded, stage
+    client = client_for(repo)
+    runs = client.search_runs([client.get_experiment_by_name("lockstep").experiment_id])
+    tags = {r.data.tags["lockstep.stage"]: r.data.tags for r in runs if "lockstep.stage" in r.data.tags}
+    assert set(tags) == set(NUMPY_STAGES)
+    for stage, tagged in tags.items():
+        assert tagged["determinism.PYTHONHASHSEED"] == str(load_params(repo / "params.yaml").seed), stage
+        assert tagged["determinism.torch"] == "not loaded: the stage computes with numpy alone", stage
+        assert tagged["determinism.cpu"] == tagged["hw.cpu.mode"] and tagged["hw.version.numpy"] == np.__version__
+        assert "hw.version.torch" not in tagged and "hw.cpu.model" in tagged, stage

@@ -11,6 +11,7 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.config.params import STAGE_PARAMS, STAGES
+from tasks.stages import NUMPY_STAGES
 from tests.conftest import write_params
 from tests.support.code_graph import PACKAGES, ROOT, closure, module_path
 
@@ -36,8 +37,9 @@ def test_outputs_never_overlap_the_dvc_tracked_data_dir() -> None:
             assert path.startswith(f"{layout.ARTIFACTS}/"), (name, path)
 
 
-# What each stage's command computes with: its module, and the determinism pinning every stage runs
-# under (tasks/stages.py's run_stage); train also runs tasks/train/launcher.py's ranks. The rest of the runner
+# What each stage's command computes with: its module, and the determinism pinning it runs under
+# (tasks/stages.py's run_stage: numpy's seeds alone for the data stages, which never load torch; every
+# seed and switch for the others); train also runs tasks/train/launcher.py's ranks. The rest of the runner
 # (tasks/stages.py, tracking.py) is the edge that logs, not a dep: how a run is logged does not
 # change what it computes.
 STAGE_MODULE = {
@@ -49,7 +51,10 @@ STAGE_MODULE = {
     "compress": "tasks.ship.compress",
     "export": "tasks.ship.export",
 }
-STAGE_MODULES = {name: (STAGE_MODULE[name], "tasks.determinism.pinning") for name in STAGES}
+STAGE_MODULES = {
+    name: (STAGE_MODULE[name], "tasks.determinism.seeds" if name in NUMPY_STAGES else "tasks.determinism.pinning")
+    for name in STAGES
+}
 STAGE_MODULES["train"] += ("tasks.train.launcher",)
 STAGE_MODULES["download"] += ("tasks.data.checks",)  # the new snapshot's profile (an output) and its data checks
 

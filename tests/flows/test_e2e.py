@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from tasks.core.config.params import STAGES
+from tasks.stages import NUMPY_STAGES
 from tasks.tracking.dashboard import run_page
 from tests.conftest import TINY, client_for, clone_project, run, sha256
 from tests.support.first_run import TwoRuns
@@ -28,16 +29,21 @@ LINEAGE_TAGS = {
     "dvc_lock.sha256",
     "version.torch",
     "version.torchvision",
+    "device",
+    "determinism.PYTHONHASHSEED",
+    "determinism.cpu",
+    "hw.cpu.mode",
+    "hw.cpu.model",
+    "hw.version.numpy",
+}
+# What the stages that compute with torch add: the data stages (numpy alone) never load it.
+TORCH_TAGS = {
     "version.cuda",
     "version.cudnn",
-    "device",
     "determinism.cudnn.deterministic",
     "determinism.cudnn.benchmark",
     "determinism.deterministic_algorithms",
     "determinism.num_threads",
-    "determinism.cpu",
-    "hw.cpu.mode",
-    "hw.cpu.model",
     "hw.cpu.capability",
     "hw.threads",
     "hw.version.mkl",
@@ -94,6 +100,11 @@ def check_stage_run(repo: Path, child: Any) -> None:
     stage = child.data.tags["lockstep.stage"]
     assert child.info.status == "FINISHED"
     assert LINEAGE_TAGS <= set(child.data.tags), stage
+    if stage in NUMPY_STAGES:
+        assert not TORCH_TAGS & set(child.data.tags), stage
+        assert child.data.tags["determinism.torch"].startswith("not loaded"), stage
+    else:
+        assert TORCH_TAGS <= set(child.data.tags), stage
     assert len(child.data.tags["git.commit"]) == 40
     assert child.data.tags["data.md5"].endswith(".dir")
     assert child.data.params["seed"] == "42"

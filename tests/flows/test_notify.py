@@ -5,7 +5,8 @@ token, is never written anywhere.
 Unit tests call the hooks and the sender directly against a receiver on 127.0.0.1 (tests/support/webhook.py).
 End-to-end tests run the real flow (`python -m flows.pipeline`) in clones of the session's trained
 project, and the served deployment (`python -m flows.deployments serve`) for crashes: its flow-run
-process is killed with SIGKILL (the Runner reports the crash) or SIGTERM (the engine does).
+process is killed with SIGKILL (the Runner reports the crash) or SIGTERM (the engine does) while its
+download stage waits on the data source, a loopback HTTP server that holds the request until then.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,11 +32,14 @@ from typing import Any
 import pytest
 import yaml
 
+from benchmarks.fakedata.archives import pack
+from benchmarks.httpserver import FileServer
 from flows import notify
 from tasks.core.errors import DataRefused, ExpectedFailure
 from tasks.core.lock import pipeline_lock
 from tasks.core.redact import redact
-from tests.conftest import client_for, clone_project, free_port, run, service
+from tests.conftest import client_for, clone_project, free_port, run, service, write_params
+from tests.support.digits import write_digits
 from tests.support.prefect_client import PrefectAPI, wait_for_deployment
 from tests.support.webhook import WebhookReceiver
 
@@ -325,6 +330,10 @@ def test_a_completed_run_that_registered_a_model_sends_its_promotion(dvc_repo: d
 
 DEPLOYMENT = "lockstep-pipeline/nightly"
 BLOCK = "custom-webhook/oncall"
+ARCHIVE = "/datasets/digits.tar.gz"
+# How long the source holds a download a test kills: the kill comes within seconds; the hold ends
+# sooner if the server stops.
+HOLD_S = 600
 
 
 @dataclass
@@ -333,26 +342,36 @@ class Served:
     hook: WebhookReceiver
     serve: subprocess.Popen[bytes]
     prefect: PrefectAPI
+    source: FileServer  # the data source (an image-folder archive): holds a download on request
 
 
 @pytest.fixture(scope="module")
 def served(dvc_repo: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """`python -m flows.deployments serve` (its own Prefect server) in a trained clone, notifying
-    through a Prefect Custom Webhook block saved on that server, as an operator would set it up."""
+    through a Prefect Custom Webhook block saved on that server, as an operator would set it up. Its data
+    is sklearn's digits as an image-folder archive on a loopback HTTP server, so that a test can hold
+    the download stage for as long as it needs: killed "while download runs" is then not a race with a
+    stage that takes a second."""
     base = tmp_path_factory.mktemp("notify-served")
-    repo = _clone(dvc_repo, base, {"block": BLOCK}, cron=None)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    serve_cmd = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(port)]
-    with WebhookReceiver() as hook, service(serve_cmd, repo, f"{api}/health", base / "serve.log") as serve:
-        prefect = PrefectAPI(api, wait_for_deployment(api, repo / ".prefect" / "api-auth", DEPLOYMENT, serve, 180))
-        save_block = (
-            "from prefect.blocks.notifications import CustomWebhookNotificationBlock as B; "
-            f"B(name='oncall', url={hook.url(HOOK_PATH)!r}, "
-            "json_data={'text': '{{body}}', 'subject': '{{subject}}'}).save('oncall')"
-        )
-        run([sys.executable, "-c", save_block], repo, **prefect.client_env)
-        yield Served(repo, hook, serve, prefect)
+    write_digits(base / "digits", range(1797))
+    sha256 = pack(base / "digits", base / "digits.tar.gz", "tar.gz")
+    with FileServer(hang_s=HOLD_S) as source, WebhookReceiver() as hook:
+        source.add(ARCHIVE, (base / "digits.tar.gz").read_bytes())
+        repo = _clone(dvc_repo, base, {"block": BLOCK}, cron=None)
+        data = {"source": "imagefolder", "url": source.url_for(ARCHIVE), "sha256": sha256, "channels": 1}
+        write_params(repo / "params.yaml", {"data": data}, base=repo / "params.yaml")
+        port = free_port()
+        api = f"http://127.0.0.1:{port}/api"
+        serve_cmd = [sys.executable, "-m", "flows.deployments", "serve", "--port", str(port)]
+        with service(serve_cmd, repo, f"{api}/health", base / "serve.log") as serve:
+            prefect = PrefectAPI(api, wait_for_deployment(api, repo / ".prefect" / "api-auth", DEPLOYMENT, serve, 180))
+            save_block = (
+                "from prefect.blocks.notifications import CustomWebhookNotificationBlock as B; "
+                f"B(name='oncall', url={hook.url(HOOK_PATH)!r}, "
+                "json_data={'text': '{{body}}', 'subject': '{{subject}}'}).save('oncall')"
+            )
+            run([sys.executable, "-c", save_block], repo, **prefect.client_env)
+            yield Served(repo, hook, serve, prefect, source)
     log = (base / "serve.log").read_text()
     assert TOKEN not in log and QUERY_SECRET not in log
 
@@ -371,19 +390,19 @@ def _flow_run_process(flow_run_id: str, parent: int) -> int:
 
 
 def _kill_in_download(stack: Served, sig: signal.Signals) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
-    """Start a deployment run, kill its process with `sig` while the download stage runs; the
-    messages that arrive, and the flow run's final state."""
+    """Start a deployment run, kill its process with `sig` while the download stage waits on the data
+    source (which holds the request); the messages that arrive, and the flow run's final state."""
     before = len(stack.hook.messages)
+    # the archive must be fetched again, not taken from the download cache a completed run left
+    shutil.rmtree(stack.repo / ".cache" / "downloads", ignore_errors=True)
+    requests = stack.source.count(ARCHIVE)
+    stack.source.fail(ARCHIVE, "hang")
     started = run(["prefect", "deployment", "run", DEPLOYMENT], stack.repo, **stack.prefect.client_env).stdout
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started).group(1)
-    task_runs = {"flow_runs": {"id": {"any_": [flow_run_id]}}}
     deadline = time.monotonic() + 300
-    while not any(  # a task run is created before its first state: `state` can be null
-        t["name"] == "download" and (t["state"] or {}).get("type") == "RUNNING"
-        for t in stack.prefect("/task_runs/filter", task_runs)
-    ):
-        assert time.monotonic() < deadline, "the download stage never started"
-        time.sleep(0.2)
+    while stack.source.count(ARCHIVE) == requests:
+        assert time.monotonic() < deadline, "the download stage never asked the source for the data"
+        time.sleep(0.1)
     os.kill(_flow_run_process(flow_run_id, stack.serve.pid), sig)
     state: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -409,7 +428,8 @@ def _assert_one_crash_message(stack: Served, flow_run_id: str, messages: list[di
 @pytest.mark.slow
 def test_a_served_run_killed_with_sigkill_is_reported_crashed_once(served: Served) -> None:
     """Nothing runs in a SIGKILLed process: serve's Runner sees the exit, reports Crashed and runs
-    the flow's on_crashed hook in its own process, which finds the stage in the API."""
+    the flow's on_crashed hook in its own process, which finds the stage in the API. The next run
+    marks the MLflow runs the killed one left RUNNING as KILLED."""
     flow_run_id, messages, state = _kill_in_download(served, signal.SIGKILL)
     _assert_one_crash_message(served, flow_run_id, messages, state)
     assert "SIGKILL" in messages[0]["text"]
@@ -419,7 +439,17 @@ def test_a_served_run_killed_with_sigkill_is_reported_crashed_once(served: Serve
     experiment = client.get_experiment_by_name("lockstep").experiment_id
     orphans = client.search_runs([experiment], "attributes.status = 'RUNNING'")
     assert "parent" in {r.data.tags.get("lockstep.stage", "parent") for r in orphans}, orphans
-    run(["prefect", "deployment", "run", DEPLOYMENT, "--watch"], served.repo, **served.prefect.client_env)
+    # The sweep is the first thing a run does; this one's source then answers 404, so that it fails a
+    # second later rather than training again. Its failure message is waited for here, not left to
+    # arrive while another test counts its own.
+    before = len(served.hook.messages)
+    served.source.fail(ARCHIVE, "404")
+    run(["prefect", "deployment", "run", DEPLOYMENT, "--watch"], served.repo, check=False, **served.prefect.client_env)
+    deadline = time.monotonic() + 120
+    while len(served.hook.messages) == before:
+        assert time.monotonic() < deadline, "the failed run sent no message"
+        time.sleep(0.2)
+    assert "Failed" in served.hook.messages[before]["subject"] and "404" in served.hook.messages[before]["text"]
     for orphan in orphans:
         after = client.get_run(orphan.info.run_id)
         assert after.info.status == "KILLED", after.info

@@ -22,22 +22,21 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import yaml
-from PIL import Image
 
 from tasks.core.config.params import STAGES
 from tasks.core.lock import pipeline_lock
 from tasks.tracking.dashboard import CURVES, run_page, runs_page
 from tests.conftest import ROOT, TINY, copy_project, free_port, run, service, stop_group, subprocess_env, until_healthy
 from tests.support.chromium import devtools
+from tests.support.digits import write_digits
 from tests.support.prefect_client import PrefectAPI, basic_auth, cron_far_from_now, status_of, wait_for_deployment
 from tests.support.webhook import WebhookReceiver
 
@@ -60,17 +59,6 @@ class Stack:
     prefect: PrefectAPI  # the API with serve's auth string, as a client uses it
     hook: WebhookReceiver  # the on-call webhook serve's runs notify (LOCKSTEP_NOTIFY_URL)
     timings: dict[str, float] = field(default_factory=dict)
-
-
-def write_digits(folder: Path, indices: Iterable[int]) -> None:
-    """sklearn's digits as an image folder: <folder>/<label>/<index>.png, 8x8 greyscale."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    for i in indices:
-        path = folder / str(digits.target[i]) / f"{i:04d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray((digits.images[i] * 255 / 16).round().astype(np.uint8), mode="L").save(path)
 
 
 @pytest.fixture(scope="module")

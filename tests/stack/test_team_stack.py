@@ -46,8 +46,8 @@ from stack.servers import ObjectStore, Postgres, s3_client
 from stack.state import DVC_BUCKET, MLFLOW_BUCKET, Stack, open_stack
 from tasks.tracking.dashboard import run_page
 from tests.conftest import ROOT, commit_all, copy_project, listening, run, service, sha256, subprocess_env
-from tests.flows.test_service import write_digits
 from tests.support.chromium import basic_auth_proxy, dom_and_screenshot
+from tests.support.digits import write_digits
 from tests.support.prefect_client import PrefectAPI, cron_far_from_now, wait_for_deployment
 
 pytestmark = pytest.mark.slow
