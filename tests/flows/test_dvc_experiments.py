@@ -124,9 +124,23 @@ def kill_workers(repo: Path) -> None:
             pass  # exited already
 
 
+# `dvc queue status` prints the tasks' table, then asks the workers what they run through kombu's
+# filesystem broker, whose reader can open a reply file its writer has created but not yet written
+# (kombu/transport/filesystem.py: `_put` opens, then locks and writes; `_get` reads without the lock).
+# The command then fails with this JSON error after a complete table. Only that error is retried.
+KOMBU_EMPTY_REPLY = "unexpected error - Expecting value: line 1 column 1 (char 0)"
+STATUS_TRIES = 3
+
+
 def queue_states(repo: Path) -> dict[str, str]:
     """Experiment name -> its task's status, from `dvc queue status`'s table."""
-    table = run(["dvc", "queue", "status"], repo).stdout
+    for _ in range(STATUS_TRIES):
+        done = run(["dvc", "queue", "status"], repo, check=False)
+        if done.returncode == 0 or KOMBU_EMPTY_REPLY not in done.stderr:
+            break
+    if done.returncode != 0:
+        raise AssertionError(f"dvc queue status exited {done.returncode}\n{done.stdout}\n{done.stderr}")
+    table = done.stdout
     states = {}
     for line in table.splitlines():
         words = line.split()
