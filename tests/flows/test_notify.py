@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.error
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -389,6 +389,13 @@ def _flow_run_process(flow_run_id: str, parent: int) -> int:
     raise AssertionError(f"no process of serve (pid {parent}) runs flow run {flow_run_id}")
 
 
+def _until(done: Callable[[], bool], what: str, deadline: float, seen: object = None) -> None:
+    """Poll `done` until it holds; past `deadline` (time.monotonic()) fail with `what` and what was `seen`."""
+    while not done():
+        assert time.monotonic() < deadline, what if seen is None else f"{what}: {seen}"
+        time.sleep(0.2)
+
+
 def _kill_in_download(stack: Served, sig: signal.Signals) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
     """Start a deployment run, kill its process with `sig` while the download stage waits on the data
     source (which holds the request); the messages that arrive, and the flow run's final state."""
@@ -400,16 +407,20 @@ def _kill_in_download(stack: Served, sig: signal.Signals) -> tuple[str, list[dic
     started = run(["prefect", "deployment", "run", DEPLOYMENT], stack.repo, **stack.prefect.client_env).stdout
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started).group(1)
     deadline = time.monotonic() + 300
-    while stack.source.count(ARCHIVE) == requests:
-        assert time.monotonic() < deadline, "the download stage never asked the source for the data"
-        time.sleep(0.1)
+    _until(
+        lambda: stack.source.count(ARCHIVE) > requests,
+        "the download stage never asked the source for the data",
+        deadline,
+    )
     os.kill(_flow_run_process(flow_run_id, stack.serve.pid), sig)
     state: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        state = stack.prefect(f"/flow_runs/{flow_run_id}")["state"]
-        if state["type"] == "CRASHED" and len(stack.hook.messages) > before:
-            break
-        time.sleep(0.2)
+
+    def crashed_and_told() -> bool:
+        state.clear()
+        state.update(stack.prefect(f"/flow_runs/{flow_run_id}")["state"])
+        return state["type"] == "CRASHED" and len(stack.hook.messages) > before
+
+    _until(crashed_and_told, "the killed run was not reported Crashed with a message", deadline, state)
     time.sleep(5)  # time for a second message, if anything sent one
     return flow_run_id, stack.hook.messages[before:], state
 
@@ -445,10 +456,7 @@ def test_a_served_run_killed_with_sigkill_is_reported_crashed_once(served: Serve
     before = len(served.hook.messages)
     served.source.fail(ARCHIVE, "404")
     run(["prefect", "deployment", "run", DEPLOYMENT, "--watch"], served.repo, check=False, **served.prefect.client_env)
-    deadline = time.monotonic() + 120
-    while len(served.hook.messages) == before:
-        assert time.monotonic() < deadline, "the failed run sent no message"
-        time.sleep(0.2)
+    _until(lambda: len(served.hook.messages) > before, "the failed run sent no message", time.monotonic() + 120)
     assert "Failed" in served.hook.messages[before]["subject"] and "404" in served.hook.messages[before]["text"]
     for orphan in orphans:
         after = client.get_run(orphan.info.run_id)
