@@ -294,8 +294,8 @@ def _pin(stage: str, params: Params) -> dict[str, Any]:
     and the machine's `hw.*` fingerprint)."""
     if stage in NUMPY_STAGES:
         # (the mode numpy's OpenBLAS was started in: the data stages make no BLAS call, so not a dep)
-        torch = "not loaded: the stage computes with numpy alone"
-        pinned = {**pin_seeds(params.seed), "cpu": cpu_mode.current(), "torch": torch}
+        without_torch = "not loaded: the stage computes with numpy alone"
+        pinned = {**pin_seeds(params.seed), "cpu": cpu_mode.current(), "torch": without_torch}
         machine = fingerprint(with_torch=False)
     else:
         from tasks.determinism.pinning import pin_everything  # loads torch
