@@ -26,7 +26,7 @@ from flows.deployments import main as deployments_main
 from tasks.core.cli import exit_code
 from tasks.core.config.base import OverrideRefused
 from tasks.core.config.policy import API_OVERRIDABLE, refuse_api_overrides
-from tests.conftest import ROOT, PrefectServer, clone_project, run, sha256
+from tests.conftest import ROOT, clone_project, run, sha256
 
 GATES = {"checks.enabled": False, "promotion.min_margin": -1, "orchestration.notify.url_env": "X"}
 FOREIGN = {"train.strategy": "ddp", "train.nnodes": 2, "train.rdzv_endpoint": "attacker.example:29500"}
@@ -123,10 +123,10 @@ def test_an_api_run_changes_only_what_a_retrain_varies(project: Path) -> None:
     assert {name: sha256(project / name) for name in before} == before
 
 
-def test_a_person_at_the_prompt_may_change_any_key(project: Path, prefect_server: PrefectServer) -> None:
+def test_a_person_at_the_prompt_may_change_any_key(project: Path) -> None:
     margin = yaml.safe_load((project / "params.yaml").read_text())["promotion"]["min_margin"]
     command = [sys.executable, "-m", "flows.pipeline", "--set", f"promotion.min_margin={margin}"]
-    done = run(command, project, check=False, **prefect_server.env)
+    done = run(command, project, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

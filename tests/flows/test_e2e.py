@@ -17,7 +17,7 @@ import yaml
 from tasks.core.config.params import STAGES
 from tasks.stages import NUMPY_STAGES
 from tasks.tracking.dashboard import run_page
-from tests.conftest import TINY, PrefectServer, client_for, clone_project, run, sha256
+from tests.conftest import TINY, client_for, clone_project, run, sha256
 from tests.support.first_run import TwoRuns
 
 pytestmark = pytest.mark.slow
@@ -233,7 +233,7 @@ def _without_mirror(lock: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(
-    dvc_repo: dict[str, Any], first_make_runs: TwoRuns, prefect_server: PrefectServer, tmp_path: Path
+    dvc_repo: dict[str, Any], first_make_runs: TwoRuns, tmp_path: Path
 ) -> None:
     """A fresh copy's first `make run` (the flow; started twice at once, tests/support/first_run.py: one
     of the two ran every stage) leaves what `dvc repro` leaves in another copy, and each respects the other's work."""
@@ -260,7 +260,7 @@ def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(
     assert ran_stages(run(["dvc", "repro"], repo).stdout) == []
     # ... and what DVC reproduced, the flow does not redo
     run(["dvc", "repro", "--force", "evaluate", "--single-item"], repo)
-    again = run(["python", "-m", "flows.pipeline"], repo, **prefect_server.env)
+    again = run(["python", "-m", "flows.pipeline"], repo)
     assert "stages run: none (everything up to date)" in again.stdout, again.stdout
 
     executions = pipeline_runs(repo)

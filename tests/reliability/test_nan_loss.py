@@ -10,24 +10,21 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import PrefectServer, client_for, clone_project, run, sha256, write_params
+from tests.conftest import client_for, clone_project, run, sha256, write_params
 from tests.reliability.conftest import Trained, clone, one_line_error, stage
 
 pytestmark = pytest.mark.slow
 DIVERGING = "1.0e+10"  # train.lr: the loss is NaN within a few steps
 
 
-def test_a_diverging_run_of_the_pipeline_stops_and_registers_nothing(
-    dvc_repo: dict[str, Any], prefect_server: PrefectServer, tmp_path: Path
-) -> None:
+def test_a_diverging_run_of_the_pipeline_stops_and_registers_nothing(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     repo = clone_project(dvc_repo["repo"], tmp_path / "repo")  # a finished pipeline: version 1 is the champion
     client = client_for(repo)
     champion = client.get_model_version_by_alias("lockstep-classifier", "champion")
     before = {"best": sha256(repo / "artifacts/train/best.safetensors"), "lock": (repo / "dvc.lock").read_text()}
     params = (repo / "params.yaml").read_text()
     try:
-        command = [sys.executable, "-m", "flows.pipeline", "--set", f"train.lr={DIVERGING}"]
-        done = run(command, repo, check=False, **prefect_server.env)
+        done = run([sys.executable, "-m", "flows.pipeline", "--set", f"train.lr={DIVERGING}"], repo, check=False)
     finally:
         (repo / "params.yaml").write_text(params)
     error = one_line_error(done, launcher_log=True)
