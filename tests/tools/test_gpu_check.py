@@ -166,11 +166,14 @@ tasks.train.loop.build_model = build
 
 
 def test_an_op_refused_in_strict_mode_is_a_failed_row_naming_it_and_exit_1(tmp_path: Path) -> None:
-    done = _patched(REFUSED_OP, "--device", "cpu", "--only", "strict", "--json", str(tmp_path / "r.json"))
+    models = ("resnet9", "resnet18")  # the one refused and one beside it: `--models` checks those alone
+    args = ("--device", "cpu", "--only", "strict", "--models", *models, "--json", str(tmp_path / "r.json"))
+    done = _patched(REFUSED_OP, *args)
     assert done.returncode == 1, done.stderr[-3000:]
     report = json.loads((tmp_path / "r.json").read_text())
     strict = _rows(report, "strict")
     assert report["passed"] is False
+    assert set(strict) == {f"{model}/{optimizer}" for model in models for optimizer in _literal("optimizer")}
     for optimizer in _literal("optimizer"):
         assert strict[f"resnet9/{optimizer}"]["status"] == "pass"
         failed = strict[f"resnet18/{optimizer}"]

@@ -29,7 +29,7 @@ from tasks.train.checkpoints import cpu_state
 def strict_checks(options: CheckOptions) -> Iterator[Check]:
     sizes = options.sizes
     split = synthetic_split(sizes.batch_size, options.seed)
-    for model in MODELS:
+    for model in options.models or MODELS:
         for optimizer in choices("optimizer"):
             cfg = train_config(options, model=model, optimizer=optimizer, batch_size=sizes.batch_size, max_batches=1)
             numbers = {"model": model, "optimizer": optimizer, "batch_size": sizes.batch_size, "steps": 1}
@@ -63,7 +63,7 @@ RECIPE = {
 def determinism_checks(options: CheckOptions) -> Iterator[Check]:
     sizes = options.sizes
     on_cuda = torch.device(options.device).type == "cuda"
-    models = options.determinism_models or (MODELS if on_cuda else (COMPRESS_MODEL,))
+    models = options.models or (MODELS if on_cuda else (COMPRESS_MODEL,))
     split = synthetic_split(sizes.batch_size * sizes.steps, options.seed)
     for model in models:
         for label, amp in PRECISIONS.items():

@@ -70,7 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--only", nargs="+", choices=GROUPS, default=list(GROUPS), help="run these groups only (compress: and export)"
     )
-    parser.add_argument("--models", nargs="+", choices=MODELS, help="determinism: models to train twice")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=MODELS,
+        help="strict and determinism: check these models only (default: every model; determinism on cpu: resnet9)",
+    )
     parser.add_argument(
         "--variants",
         nargs="+",
@@ -114,7 +119,7 @@ def _options(args: argparse.Namespace) -> CheckOptions:
         seed=args.seed,
         threads=threads,
         groups=tuple(group for group in GROUPS if group in args.only),
-        determinism_models=tuple(args.models or ()),
+        models=tuple(args.models or ()),
         variants=tuple(args.variants or DEFAULT_VARIANTS[kind]),
         max_cost=args.max_cost,
     )

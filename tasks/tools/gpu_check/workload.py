@@ -77,7 +77,9 @@ class CheckOptions:
     seed: int = 42
     threads: int = field(default_factory=lambda: resolve("auto"))
     groups: tuple[str, ...] = GROUPS
-    determinism_models: tuple[str, ...] = ()  # empty: every model of MODELS on CUDA, COMPRESS_MODEL on the CPU
+    # the models checked; empty: strict mode steps every model of MODELS, and determinism trains every
+    # model on CUDA, COMPRESS_MODEL on the CPU
+    models: tuple[str, ...] = ()
     variants: tuple[str, ...] = DEFAULT_VARIANTS["cuda"]  # compress.variants to build
     max_cost: float = MAX_COST
 
