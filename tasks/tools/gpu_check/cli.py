@@ -23,7 +23,15 @@ from tasks.determinism.pinning import CUBLAS_WORKSPACE_CONFIG
 from tasks.determinism.threads import resolve
 from tasks.tools.gpu_check.report import Check
 from tasks.tools.gpu_check.runner import run_checks
-from tasks.tools.gpu_check.workload import DEFAULT_VARIANTS, GROUPS, MAX_COST, MODELS, SIZES, CheckOptions
+from tasks.tools.gpu_check.workload import (
+    COMPRESS_MODEL,
+    DEFAULT_VARIANTS,
+    GROUPS,
+    MAX_COST,
+    MODELS,
+    SIZES,
+    CheckOptions,
+)
 
 DEFAULT_JSON = Path("artifacts") / "gpu-check.json"
 
@@ -74,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
         "--models",
         nargs="+",
         choices=MODELS,
-        help="strict and determinism: check these models only (default: every model; determinism on cpu: resnet9)",
+        help="strict and determinism: check these models only "
+        f"(default: every model; determinism on cpu: {COMPRESS_MODEL})",
     )
     parser.add_argument(
         "--variants",
