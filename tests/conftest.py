@@ -17,6 +17,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -285,6 +286,37 @@ def first_make_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) ->
     return TwoRuns.from_record(
         _once_per_run(tmp_path_factory, worker_id, "two", lambda base: two_make_runs(base).record())
     )
+
+
+@dataclass(frozen=True)
+class PrefectServer:
+    """A Prefect server of the test worker's: `env` points a flow run at it (`run(..., **prefect_server.env)`),
+    as `PREFECT_API_URL` names a user's server; its database lies in `home`."""
+
+    env: dict[str, str]
+    home: Path
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """One Prefect server for a module's flow runs whose subject is what the flow does, not the server
+    it starts for itself: each such start costs several CPU-seconds that a test reading a flow's result
+    has no use for. Module-wide, not session-wide: an idle server still takes a little of a core, and
+    a module's flow runs come one after another. The flow's own server is tested where it is the
+    subject: the first `make run`s (tests/support/first_run.py, whose Prefect database
+    tests/flows/test_e2e.py reads), the bind test (tests/reliability/test_server_binds.py) and the
+    benchmarks' no-op and whole-pipeline runs.
+    """
+    from flows.prefect_env import LocalServer
+
+    home = tmp_path_factory.mktemp("prefect-server")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_HOME", str(home))
+        server = LocalServer(ephemeral=True, quiet=True, die_with_parent=True)
+    try:
+        yield PrefectServer({"PREFECT_API_URL": server.wait(), "PREFECT_API_AUTH_STRING": server.auth_string}, home)
+    finally:
+        server.stop()
 
 
 PREFECT_DATABASE = """

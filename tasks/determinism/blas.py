@@ -194,10 +194,16 @@ class BuildError(RuntimeError):
     """blas_pool.cpp could not be built on this machine."""
 
 
+def _torch_dir() -> Path:
+    """The installed torch package, links resolved: a project whose .venv is a link to another's (or a
+    checkout reached by another path) uses the same library rather than compiling its own."""
+    return Path(torch.__file__).resolve().parent
+
+
 def library_path(cache: Path | None = None, compiler: str | None = None) -> Path:
     """Where the op library for this source, this torch and `compiler` is kept."""
     compiler = compiler or os.environ.get("CXX") or "g++"
-    torch_dir = Path(torch.__file__).parent
+    torch_dir = _torch_dir()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     key = f"{SOURCE.read_bytes()!r} {torch.__version__} {torch_dir} {abi} {compiler} {_FLAGS}"
     key = hashlib.sha256(key.encode())
@@ -228,7 +234,7 @@ def build(cache: Path | None = None, compiler: str | None = None) -> Path:
     ($XDG_CACHE_HOME/lockstep by default, created 0700), written to a temporary name and then renamed.
     Raises Refused for a cache folder or library someone else could have written (`_check_private`)."""
     compiler = compiler or os.environ.get("CXX") or "g++"
-    torch_dir = Path(torch.__file__).parent
+    torch_dir = _torch_dir()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     target = library_path(cache, compiler)
     cache = target.parent

@@ -3,12 +3,12 @@
 The cross-machine check: a small fixed training in portable mode must give the sha256 committed in
 tests/determinism/golden/portable_training.json on every machine CI gets (Intel and AMD, AVX2 and AVX-512 have
 all been seen). On one machine, the three variables that changed native weights (ATen's capability,
-oneDNN's ISA, MKL's branch) are set in every combination: portable bytes must not move, native ones
-do; nor may they move with MKL and oneDNN left to pick their own kernels, since portable computes with
-neither. The same holds for a bf16 training (train.amp: bf16, the one other precision the CPU trains
-in: fp16 needs CUDA), whose hash is recorded beside, and for a small net of depthwise convolutions
-(tasks/determinism/depthwise.py's kernels; float32 steps, then bf16). Record new hashes (after checking
-the change is meant; it starts a new record, without `seen_on`) with:
+oneDNN's ISA, MKL's branch) are set in every combination, on 1, 2 and 3 threads: portable bytes
+must not move, native ones do; nor may they move with MKL and oneDNN left to pick their own kernels,
+since portable computes with neither. The same holds for a bf16 training (train.amp: bf16, the one
+other precision the CPU trains in: fp16 needs CUDA), whose hash is recorded beside, and for a small
+net of depthwise convolutions (tasks/determinism/depthwise.py's kernels; float32 steps, then bf16).
+Record new hashes (after checking the change is meant; it starts a new record, without `seen_on`) with:
 
     LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/determinism/test_cpu_mode.py
 """
@@ -118,31 +118,28 @@ def _train(mode: str, env_vars: dict[str, str], threads: int = 2) -> dict:
 
 
 @pytest.mark.slow
-def test_portable_weights_do_not_follow_the_thread_count() -> None:
-    """The products are cut by shape, not by thread (tasks/determinism/blas.py): a machine with more or fewer
-    cores trains the same bytes."""
-    with ThreadPoolExecutor(2) as pool:
-        made = list(pool.map(lambda threads: _train("portable", {}, threads), (1, 2, 3)))
-    made = [[run[key] for key in HASHES] for run in made]
-    assert made == [made[1]] * 3, made
-
-
-@pytest.mark.slow
-def test_portable_weights_match_the_committed_hash_under_every_cpu_variable() -> None:
+def test_portable_weights_match_the_committed_hash_under_every_cpu_variable_and_thread_count() -> None:
+    """Portable bytes move with none of the variables, nor with the thread count: the products are cut
+    by shape, not by thread (tasks/determinism/blas.py), so a machine with more or fewer cores trains
+    the same bytes. The runs take 1, 2 and 3 threads in turn (each is a process importing torch: one
+    run per combination, not three)."""
     combos = [
         {name: value for name, value, on in zip(VARIABLES, VARIABLES.values(), flags, strict=True) if on}
         for flags in itertools.product((False, True), repeat=len(VARIABLES))
     ] + [LIBRARIES_FREE]
+    runs = [(combo, (2, 1, 3)[i % 3]) for i, combo in enumerate(combos)]  # the first: no variable, 2 threads
     with ThreadPoolExecutor(2) as pool:
-        portable = list(pool.map(lambda combo: _train("portable", combo), combos))
+        portable = list(pool.map(lambda run: _train("portable", *run), runs))
         native = list(pool.map(lambda combo: _train("native", combo), [{}, {"ATEN_CPU_CAPABILITY": "default"}]))
     made = portable[0]
     if os.environ.get("LOCKSTEP_RECORD_GOLDEN") == "1":
         record = {key: made[key] for key in HASHES} | {"recorded_on": made["machine"]}
         GOLDEN.write_text(json.dumps(record, indent=2) + "\n")
     for key in HASHES:
-        assert [p[key] for p in portable] == [made[key]] * len(combos), f"portable {key} moved with the variables"
+        moved = [(combo, threads) for (combo, threads), p in zip(runs, portable, strict=True) if p[key] != made[key]]
+        assert not moved, f"portable {key} moved with the variables or the thread count (variables, threads): {moved}"
         assert native[0][key] != native[1][key], f"the variables no longer change native {key}: test is vacuous"
+    assert {threads for _, threads in runs} == {1, 2, 3}
     recorded = json.loads(GOLDEN.read_text())
     differences, _ = explain(recorded["recorded_on"], made["machine"])
     for key in HASHES:

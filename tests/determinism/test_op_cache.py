@@ -69,6 +69,26 @@ def test_a_fresh_cache_folder_is_private_and_so_is_the_library(tmp_path: Path) -
     assert blas.build(cache, _fake_compiler(tmp_path)) == built  # found again, checked, not rebuilt
 
 
+def test_a_venv_reached_through_a_link_uses_the_same_library(tmp_path: Path) -> None:
+    """A project whose .venv links to another's (as the tests' project copies do) finds the op already
+    built for that torch instead of compiling its own copy (seconds of a compiler per project)."""
+    link = tmp_path / "venv"
+    link.symlink_to(sys.prefix, target_is_directory=True)
+    code = "import torch; from tasks.determinism import blas; print(torch.__file__); print(blas.library_path())"
+    done = subprocess.run(
+        [str(link / "bin" / "python"), "-c", code],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    torch_file, library = done.stdout.split()
+    assert torch_file.startswith(str(link))  # torch was imported through the link ...
+    assert library == str(blas.library_path())  # ... and the op's library is the same file
+
+
 @pytest.mark.parametrize("where", ["library", "folder"])
 def test_a_library_someone_else_could_write_is_refused_and_never_runs(tmp_path: Path, where: str) -> None:
     xdg, record = tmp_path / "xdg", tmp_path / "constructor-ran"

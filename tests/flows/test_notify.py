@@ -38,7 +38,7 @@ from flows import notify
 from tasks.core.errors import DataRefused, ExpectedFailure
 from tasks.core.lock import pipeline_lock
 from tasks.core.redact import redact
-from tests.conftest import client_for, clone_project, free_port, run, service, write_params
+from tests.conftest import PrefectServer, client_for, clone_project, free_port, run, service, write_params
 from tests.support.digits import write_digits
 from tests.support.prefect_client import PrefectAPI, wait_for_deployment
 from tests.support.webhook import WebhookReceiver
@@ -217,18 +217,20 @@ def _clone(dvc_repo: dict[str, Any], tmp_path: Path, notify_params: dict[str, An
     return repo
 
 
-def _flow(repo: Path, url: str, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def _flow(repo: Path, api: PrefectServer, url: str, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
-    done = run([sys.executable, "-m", "flows.pipeline", *args], repo, check=False, LOCKSTEP_NOTIFY_URL=url)
+    command = [sys.executable, "-m", "flows.pipeline", *args]
+    done = run(command, repo, check=False, LOCKSTEP_NOTIFY_URL=url, **api.env)
     return done, time.monotonic() - started
 
 
-def _assert_url_written_nowhere(repo: Path, *outputs: str) -> None:
-    """Not in the console, nor in any file of the project: Prefect's database (run logs, flow-run
-    parameters), MLflow's store and artifacts, params.yaml, dvc.lock."""
+def _assert_url_written_nowhere(repo: Path, api: PrefectServer, *outputs: str) -> None:
+    """Not in the console, nor in any file of the project (MLflow's store and artifacts, params.yaml,
+    dvc.lock) or of the Prefect server the run reported to (its database: run logs, flow-run parameters)."""
     for text in outputs:
         assert TOKEN not in text and QUERY_SECRET not in text
-    leaked = [str(path) for path in repo.rglob("*") if path.is_file() and not path.is_symlink() and _holds_token(path)]
+    files = [path for folder in (repo, api.home) for path in folder.rglob("*")]
+    leaked = [str(path) for path in files if path.is_file() and not path.is_symlink() and _holds_token(path)]
     assert not leaked, leaked
 
 
@@ -249,13 +251,15 @@ def _hook_seconds(output: str, hook: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_failed_stage_sends_one_message_even_to_a_slow_receiver(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+def test_a_failed_stage_sends_one_message_even_to_a_slow_receiver(
+    dvc_repo: dict[str, Any], prefect_server: PrefectServer, tmp_path: Path
+) -> None:
     """An impossible export gate fails the export stage: one `failed` message naming it and the
     gate's line, while the receiver takes the message and never answers: the hook gives up after
     timeout_s, the run is Failed exactly as without notifications. The URL is written nowhere."""
     repo = _clone(dvc_repo, tmp_path, {"timeout_s": 2})
     with WebhookReceiver("slow", slow_s=120) as hook:
-        done, took = _flow(repo, hook.url(HOOK_PATH), "--set", "export.max_abs_diff=1e-12")
+        done, took = _flow(repo, prefect_server, hook.url(HOOK_PATH), "--set", "export.max_abs_diff=1e-12")
         messages = hook.wait_for(2, timeout_s=1)
     output = done.stdout + done.stderr
     assert done.returncode == 3 and "Finished in state Failed(" in output, output[-3000:]
@@ -267,17 +271,21 @@ def test_a_failed_stage_sends_one_message_even_to_a_slow_receiver(dvc_repo: dict
     assert f"Flow run '{run_name}'" in output
     assert _hook_seconds(output, "on_failure") < 2 + 1.5
     assert "notification (failed) to the webhook in $LOCKSTEP_NOTIFY_URL" in output and "no answer within 2 s" in output
-    _assert_url_written_nowhere(repo, done.stdout, done.stderr)
+    _assert_url_written_nowhere(repo, prefect_server, done.stdout, done.stderr)
     print(f"failed export stage, slow receiver: run {took:.1f} s, hook {_hook_seconds(output, 'on_failure'):.1f} s")
 
 
 @pytest.mark.slow
-def test_a_refused_snapshot_sends_one_refused_message(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+def test_a_refused_snapshot_sends_one_refused_message(
+    dvc_repo: dict[str, Any], prefect_server: PrefectServer, tmp_path: Path
+) -> None:
     """A new snapshot the data checks refuse (any class imbalance is too much): the download stage
     raises DataRefused; one `refused` message, generic JSON, naming the check and its numbers."""
     repo = _clone(dvc_repo, tmp_path, {"format": "generic"})
     with WebhookReceiver() as hook:
-        done, took = _flow(repo, hook.url(HOOK_PATH), "--reingest", "--set", "checks.max_class_imbalance=1")
+        done, took = _flow(
+            repo, prefect_server, hook.url(HOOK_PATH), "--reingest", "--set", "checks.max_class_imbalance=1"
+        )
         messages = hook.wait_for(2, timeout_s=1)
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
     assert len(messages) == 1, messages
@@ -286,34 +294,38 @@ def test_a_refused_snapshot_sends_one_refused_message(dvc_repo: dict[str, Any], 
     assert "refused the new snapshot" in message["error"] and "class_imbalance" in message["error"], message
     assert message["error"] in done.stderr  # the same line the command printed
     assert message["flow_run"] in done.stdout + done.stderr and len(message["flow_run_id"]) == 36
-    _assert_url_written_nowhere(repo, done.stdout, done.stderr)
+    _assert_url_written_nowhere(repo, prefect_server, done.stdout, done.stderr)
     print(f"refused snapshot: run {took:.1f} s")
 
 
 @pytest.mark.slow
-def test_a_dead_receiver_never_fails_or_stalls_the_run(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+def test_a_dead_receiver_never_fails_or_stalls_the_run(
+    dvc_repo: dict[str, Any], prefect_server: PrefectServer, tmp_path: Path
+) -> None:
     """A run refused because another holds the pipeline lock fails as it always does (exit 3,
     Failed) when nothing listens at the webhook: one warning, without the URL, and no delay."""
     repo = _clone(dvc_repo, tmp_path, {"timeout_s": 5}, lock_wait_s=0)
     with WebhookReceiver("dead") as hook, pipeline_lock("the test", wait_s=0, root=repo):
-        done, took = _flow(repo, hook.url(HOOK_PATH))
+        done, took = _flow(repo, prefect_server, hook.url(HOOK_PATH))
     output = done.stdout + done.stderr
     assert done.returncode == 3 and "another pipeline run is in progress" in done.stderr, output[-3000:]
     assert "Finished in state Failed(" in output
     warnings = [line for line in output.splitlines() if "notification (failed)" in line]
     assert len(warnings) == 1 and "Connection refused" in warnings[0], warnings
     assert _hook_seconds(output, "on_failure") < 2
-    _assert_url_written_nowhere(repo, done.stdout, done.stderr)
+    _assert_url_written_nowhere(repo, prefect_server, done.stdout, done.stderr)
     print(f"dead receiver: run {took:.1f} s, hook {_hook_seconds(output, 'on_failure'):.2f} s")
 
 
 @pytest.mark.slow
-def test_a_completed_run_that_registered_a_model_sends_its_promotion(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
+def test_a_completed_run_that_registered_a_model_sends_its_promotion(
+    dvc_repo: dict[str, Any], prefect_server: PrefectServer, tmp_path: Path
+) -> None:
     """A changed export gate re-runs export alone, which registers version 2 and decides on the
     champion: a Completed run, and one message with the export stage's verdict line."""
     repo = _clone(dvc_repo, tmp_path)
     with WebhookReceiver() as hook:
-        done, took = _flow(repo, hook.url(HOOK_PATH), "--set", "export.min_top1_agreement=0.94")
+        done, took = _flow(repo, prefect_server, hook.url(HOOK_PATH), "--set", "export.min_top1_agreement=0.94")
         messages = hook.wait_for(1, timeout_s=2)
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "Finished in state Completed(" in output, output[-3000:]
@@ -321,7 +333,7 @@ def test_a_completed_run_that_registered_a_model_sends_its_promotion(dvc_repo: d
     text = messages[0]["text"]
     assert re.match(r"lockstep-pipeline: flow run '[\w-]+' Completed \(promotion\)\n", text), text
     assert re.search(r"^promotion: lockstep-classifier v2 .*champion v1 ", text, re.MULTILINE), text
-    _assert_url_written_nowhere(repo, done.stdout, done.stderr)
+    _assert_url_written_nowhere(repo, prefect_server, done.stdout, done.stderr)
     print(f"promotion: run {took:.1f} s, {len(messages)} message(s)")
 
 

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import (
+    PrefectServer,
     client_for,
     copy_project,
     free_port,
@@ -46,10 +47,11 @@ TRAIN = {"epochs": 4}
 
 
 class Cluster:
-    """A Dask scheduler and its workers, each in its own process group."""
+    """A Dask scheduler and its workers, each in its own process group; the sweeps run on it report to
+    the test worker's Prefect server (`flow_env`)."""
 
-    def __init__(self, project: Path) -> None:
-        self.project, self.port = project, free_port()
+    def __init__(self, project: Path, flow_env: dict[str, str]) -> None:
+        self.project, self.port, self.flow_env = project, free_port(), flow_env
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.workers: list[subprocess.Popen[Any]] = []
         self.scheduler = self._start("scheduler", "--host", "127.0.0.1", "--port", str(self.port), "--no-dashboard")
@@ -89,9 +91,9 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, prefect_server: PrefectServer) -> Iterator[Cluster]:
     project = copy_project(tmp_path_factory.mktemp("sweep"), {"sweep": SWEEP, "train": TRAIN})
-    cluster = Cluster(project)
+    cluster = Cluster(project, prefect_server.env)
     try:
         cluster.add_worker()
         yield cluster
@@ -103,6 +105,7 @@ def _sweep(cluster: Cluster, name: str, *extra: str) -> subprocess.CompletedProc
     return run(
         [sys.executable, "-m", "flows.sweep", "--address", cluster.address, "--set", f"sweep.name={name}", *extra],
         cluster.project,
+        **cluster.flow_env,
     )
 
 
@@ -135,7 +138,7 @@ def test_two_workers_one_killed_mid_trial_give_the_same_study(
     sweep = subprocess.Popen(
         [sys.executable, "-m", "flows.sweep", "--address", cluster.address, "--set", "sweep.name=two"],
         cwd=cluster.project,
-        env=subprocess_env(),
+        env=subprocess_env(**cluster.flow_env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -246,7 +249,7 @@ def test_a_crashing_trial_is_retried_once_then_recorded_failed_on_a_local_cluste
     params["sweep"].update(name="crash", trials=1, space={"train.lr": {"type": "categorical", "choices": [1.0e10]}})
     params["determinism"]["num_threads"] = "auto"  # each of the sweep.workers (2) takes its share of the cores
     (project / "crash-params.yaml").write_text(yaml.safe_dump(params))
-    done = run([sys.executable, "-m", "flows.sweep", "--params", "crash-params.yaml"], project)
+    done = run([sys.executable, "-m", "flows.sweep", "--params", "crash-params.yaml"], project, **cluster.flow_env)
     assert "1 trials, none complete" in done.stdout
 
     (row,) = _trials(project, "crash")
