@@ -129,6 +129,19 @@ def test_the_cut_follows_the_longer_side_and_no_chunk_is_a_narrow_edge() -> None
         assert extent == max(m, n) and chunk % 4 == 0 and -(-extent // chunk) <= 8
 
 
+def test_an_operand_stored_transposed_gives_the_bytes_of_one_stored_row_major(one_blas_thread: None) -> None:
+    """kernels._weight_matrix lays a convolution's weights out as (O, K), which the forward reads transposed
+    and the input gradient's product row-major (before, the other way round): the golden hashes hold only
+    if OpenBLAS's bytes do not depend on how an operand is stored."""
+    generator = torch.Generator().manual_seed(1)
+    for a_shape, b_shape, a_rows, _ in SHAPES:
+        a = _operand(a_shape, a_rows, torch.float32, generator)
+        b = torch.randn(b_shape, generator=generator)
+        row_major = blas.gemm(a, b, torch.empty(a_shape[0], b_shape[1]))
+        transposed = blas.gemm(a, b.t().contiguous().t(), torch.empty_like(row_major))
+        assert torch.equal(transposed, row_major), (a_shape, b_shape)
+
+
 def test_an_operand_in_another_layout_is_copied_and_the_op_refuses_one(one_blas_thread: None) -> None:
     needs_the_op()
     a = torch.randn(64, 200)[:, ::2]  # every other column: neither row-major nor transposed
