@@ -268,12 +268,12 @@ def _once_per_run(
 
 
 @pytest.fixture(scope="session")
-def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> dict[str, Any]:
+def dvc_repo(tmp_path_factory: pytest.TempPathFactory, worker_id: str, prefect_database: Path) -> dict[str, Any]:
     """A copy reproduced by `dvc repro` (every stage, MLflow on), with what it looked like right after.
 
     Built once per test run. Tests only read it; a test that changes a project clones it (`clone_project`).
     """
-    loaded = _once_per_run(tmp_path_factory, worker_id, "dvc", _build_dvc_repo)
+    loaded = _once_per_run(tmp_path_factory, worker_id, "dvc", lambda base: _build_dvc_repo(base, prefect_database))
     return {**loaded, "repo": Path(loaded["repo"])}
 
 
@@ -298,7 +298,7 @@ class PrefectServer:
 
 
 @pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+def prefect_server(tmp_path_factory: pytest.TempPathFactory, prefect_database: Path) -> Iterator[PrefectServer]:
     """One Prefect server for a module's flow runs whose subject is what the flow does, not the server
     it starts for itself: each such start costs several CPU-seconds that a test reading a flow's result
     has no use for. Module-wide, not session-wide: an idle server still takes a little of a core, and
@@ -309,7 +309,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
     """
     from flows.prefect_env import LocalServer
 
-    home = tmp_path_factory.mktemp("prefect-server")
+    home = seed_prefect_home(tmp_path_factory.mktemp("prefect-server"), prefect_database)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PREFECT_HOME", str(home))
         server = LocalServer(ephemeral=True, quiet=True, die_with_parent=True)
@@ -319,6 +319,11 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         server.stop()
 
 
+# A Prefect server started on an empty database first runs Prefect's ~100 migrations: about 12 CPU-s
+# to answer instead of about 4.4. The database a server leaves is made once per test run (`prefect_database`)
+# and copied into the Prefect home of each server a test starts for a project of its own, as a project's
+# first `make run` leaves it; what a test examines is never the migrations. The cold start is tested
+# where it is the subject: the first `make run`s (tests/support/first_run.py) and the benchmarks' runs.
 PREFECT_DATABASE = """
 from flows.prefect_env import LocalServer
 server = LocalServer(ephemeral=True, quiet=True)
@@ -327,16 +332,40 @@ server.stop()
 """
 
 
-def _build_dvc_repo(base: Path) -> dict[str, Any]:
+def _build_prefect_database(folder: Path) -> dict[str, Any]:
+    folder.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-c", PREFECT_DATABASE], ROOT, PREFECT_HOME=str(folder))
+    return {"database": str(folder / "prefect.db")}
+
+
+@pytest.fixture(scope="session")
+def prefect_database(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """A migrated Prefect database (SQLite), made once per test run; tests copy it (`seed_prefect_home`)."""
+    return Path(_once_per_run(tmp_path_factory, worker_id, "prefect-database", _build_prefect_database)["database"])
+
+
+def seed_prefect_home(home: Path, database: Path) -> Path:
+    """`home` (a PREFECT_HOME) holding a copy of the migrated `database`, unless it has a database already.
+    Copied through SQLite's backup API: the server left part of it in its write-ahead log."""
+    import sqlite3
+    from contextlib import closing
+
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "prefect.db").exists():
+        with closing(sqlite3.connect(database)) as source, closing(sqlite3.connect(home / "prefect.db")) as copy:
+            source.backup(copy)
+    return home
+
+
+def _build_dvc_repo(base: Path, prefect_db: Path) -> dict[str, Any]:
     repo = copy_project(base / "repo", SHARED_PROJECT)
     committed_data_dvc = (repo / "data.dvc").read_text()
     # A fresh clone has no data/ yet: the download stage (or `dvc pull`) brings it first.
     first = run(["dvc", "repro", "download"], repo)
     second = run(["dvc", "repro"], repo)
-    # The project's Prefect database made (migrated) by the server a flow run starts, as a project's first
-    # `make run` leaves it: a flow run or `serve` in a clone then starts its server in seconds, not after
-    # ~13 s of migrations (the cold start is the first make runs', tests/support/first_run.py).
-    run([sys.executable, "-c", PREFECT_DATABASE], repo)
+    # The project's Prefect database, as a project's first `make run` leaves it: a flow run or `serve` in
+    # a clone then starts its server in seconds (PREFECT_DATABASE).
+    seed_prefect_home(repo / ".prefect", prefect_db)
     return {
         "repo": repo,
         "committed_data_dvc": committed_data_dvc,

@@ -34,7 +34,18 @@ import yaml
 from tasks.core.config.params import STAGES
 from tasks.core.lock import pipeline_lock
 from tasks.tracking.dashboard import CURVES, run_page, runs_page
-from tests.conftest import ROOT, TINY, copy_project, free_port, run, service, stop_group, subprocess_env, until_healthy
+from tests.conftest import (
+    ROOT,
+    TINY,
+    copy_project,
+    free_port,
+    run,
+    seed_prefect_home,
+    service,
+    stop_group,
+    subprocess_env,
+    until_healthy,
+)
 from tests.support.chromium import devtools
 from tests.support.digits import write_digits
 from tests.support.prefect_client import PrefectAPI, basic_auth, cron_far_from_now, status_of, wait_for_deployment
@@ -62,7 +73,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, prefect_database: Path) -> Iterator[Stack]:
     base = tmp_path_factory.mktemp("service")
     images = base / "digits-folder"
     write_digits(images, range(FIRST_IMAGES))
@@ -74,6 +85,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "orchestration": {"notify": {"format": "generic"}, "cron": CRON},
         },
     )
+    seed_prefect_home(repo / ".prefect", prefect_database)  # as the project's first `make run` leaves it
     mlflow_port, prefect_port = free_port(), free_port()
     mlflow = f"http://127.0.0.1:{mlflow_port}"
     api = f"http://127.0.0.1:{prefect_port}/api"

@@ -15,16 +15,25 @@ from secrets import token_hex
 import psutil
 import pytest
 
-from flows.prefect_env import LocalServer, wait_until_healthy
-from tests.conftest import copy_project, free_port, listening, stop_group, subprocess_env, with_environment
+from flows.prefect_env import LocalServer, prefect_home, wait_until_healthy
+from tests.conftest import (
+    copy_project,
+    free_port,
+    listening,
+    seed_prefect_home,
+    stop_group,
+    subprocess_env,
+    with_environment,
+)
 from tests.support.prefect_client import basic_auth, cron_far_from_now, status_of, wait_for_deployment
 
 pytestmark = pytest.mark.slow
 
 
-def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path) -> None:
+def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path, prefect_database: Path) -> None:
     """Also: `make mlflow-server` runs with the README's recipe for a team (basic-auth, --allowed-hosts)."""
     repo = with_environment(copy_project(tmp_path / "repo", {"orchestration": {"cron": cron_far_from_now()}}))
+    seed_prefect_home(repo / ".prefect", prefect_database)  # as the project's first `make run` leaves it
     ports = {name: free_port() for name in ("mlflow", "ui", "prefect")}
     password = f"Adm1n-{token_hex(8)}"
     team = [f"MLFLOW_AUTH_CONFIG={_auth_ini(tmp_path, password)}", f"MLFLOW_ALLOWED_HOSTS=127.0.0.1:{ports['mlflow']}"]
@@ -111,7 +120,8 @@ def _closes(address: str, within_s: float = 30) -> bool:
     return False
 
 
-def test_the_prefect_server_of_make_run_binds_to_loopback() -> None:
+def test_the_prefect_server_of_make_run_binds_to_loopback(prefect_database: Path) -> None:
+    seed_prefect_home(prefect_home(), prefect_database)  # (this test worker's home: conftest.py)
     server = LocalServer(ephemeral=True, quiet=True)  # what `make run` (python -m flows.pipeline) starts
     try:
         server.wait()
