@@ -12,11 +12,12 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -233,9 +234,6 @@ def clone_project(source: Path, dest: Path) -> Path:
     Its MLflow store is relocated too: the sqlite store records absolute artifact locations, which
     would otherwise still point into `source` (a run logged in the copy would write there).
     """
-    import sqlite3
-    from contextlib import closing
-
     shutil.copytree(source, dest, symlinks=True)
     store = dest / "mlflow.db"
     if store.exists():
@@ -319,8 +317,8 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory, prefect_database: P
         server.stop()
 
 
-# A Prefect server started on an empty database first runs Prefect's ~100 migrations: about 12 CPU-s
-# to answer instead of about 4.4. The database a server leaves is made once per test run (`prefect_database`)
+# A Prefect server started on an empty database first runs all of Prefect's migrations, which take longer
+# than the rest of its start together. The database a server leaves is made once per test run (`prefect_database`)
 # and copied into the Prefect home of each server a test starts for a project of its own, as a project's
 # first `make run` leaves it; what a test examines is never the migrations. The cold start is tested
 # where it is the subject: the first `make run`s (tests/support/first_run.py) and the benchmarks' runs.
@@ -347,9 +345,6 @@ def prefect_database(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -
 def seed_prefect_home(home: Path, database: Path) -> Path:
     """`home` (a PREFECT_HOME) holding a copy of the migrated `database`, unless it has a database already.
     Copied through SQLite's backup API: the server left part of it in its write-ahead log."""
-    import sqlite3
-    from contextlib import closing
-
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "prefect.db").exists():
         with closing(sqlite3.connect(database)) as source, closing(sqlite3.connect(home / "prefect.db")) as copy:
