@@ -45,14 +45,19 @@ def chromium_flags(profile: Path) -> list[str]:
 
 
 def dom_and_screenshot(url: str, profile: Path, screenshot: Path) -> str:
-    """The page's DOM once its scripts ran; a PNG of it kept at `screenshot` for a person to look at."""
+    """The page's DOM once its scripts ran; a PNG of it kept at `screenshot` for a person to look at.
+
+    One browser does both (headless Chromium runs every command it is given on the loaded page): a
+    launch on a page as heavy as MLflow's UI costs seconds of CPU."""
     flags = chromium_flags(profile)
-    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
     screenshot.parent.mkdir(parents=True, exist_ok=True)
     screenshot.unlink(missing_ok=True)
-    subprocess.run([*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
+    done = subprocess.run(
+        [*flags, "--dump-dom", f"--screenshot={screenshot}", url], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, f"chromium exited {done.returncode}: {done.stderr[-2000:]}"
     assert screenshot.stat().st_size > 10_000, f"{screenshot}: an empty page?"
-    return dom
+    return done.stdout
 
 
 @contextmanager
