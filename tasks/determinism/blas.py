@@ -1,29 +1,28 @@
-"""Matrix products for the portable kernels: numpy's OpenBLAS on its Haswell kernels, on one
-thread, each product cut into chunks that run on torch's own thread pool.
+"""Matrix products for the portable kernels: each element of a product is one chain of fused
+multiply-adds over the inner dimension, in order, from zero, computed by a small C++ op
+(blas_pool.cpp, fma_chain.h) on torch's own thread pool.
 
-Why not OpenBLAS's own threads: they and torch's OpenMP threads take turns on the same cores, and
-every turn costs a wake-up, or a spinning thread in the other's way; on small layers that costs as
-much as the product. Running the chunks on torch's pool leaves one pool and no turns.
-
-A product's bytes depend on how it is cut (OpenBLAS's edge kernels add in another order), so the
-cut is decided by the shape alone (`plan`), never by the thread count: the same bytes on 1 thread
-or 64. The pool is a small C++ op (blas_pool.cpp), built once per machine with its C++ compiler
-and kept in a cache ($XDG_CACHE_HOME/lockstep, created 0700). Loading a library runs its code in
-this process, and its name is computable by anyone, so a cache folder or library that is not this
-user's, is a link, or is writable by group or others, is refused in one line (exit 3), not rebuilt
-elsewhere: whoever could write there may have planted it, and rebuilding in a private folder on
-every run would hide that (and cost a compile per process). Where it cannot be built, the same
-calls run from Python, one chunk after another: the same bytes, slower, and a warning says so.
-The op also takes a grouped convolution's products in one call (Python's call per group cost more
-than a small group's product), does the convolutions' im2col and col2im (`image_columns_op`, `columns_op`)
-and computes depthwise convolutions (`depthwise_op`, tasks/determinism/depthwise.py).
+That definition is what makes the bytes portable: it names one rounding per term and one order, so
+a kernel with 16-lane (AVX-512) or 8-lane (AVX2) vectors, or a scalar loop, gives the same bytes; each
+CPU runs the widest it has. A BLAS promises no order (OpenBLAS's AVX2 and AVX-512 kernels add in
+different ones), so products pinned to one BLAS kernel set held their bytes only by running its AVX2
+kernels everywhere, AVX-512 CPUs included. Each product is cut into chunks (`plan`) that run on torch's
+threads; the cut changes where an element is computed, never its chain, so the bytes are the same on 1
+thread or 64. The op is built once per machine with its C++ compiler and kept in a cache
+($XDG_CACHE_HOME/lockstep, created 0700). Loading a library runs its code in this process, and its name
+is computable by anyone, so a cache folder or library that is not this user's, is a link, or is writable
+by group or others, is refused in one line (exit 3), not rebuilt elsewhere: whoever could write there may
+have planted it, and rebuilding in a private folder on every run would hide that (and cost a compile per
+process). Where it cannot be built, float32 products are computed in Python (`emulated`: the same
+bytes, far slower, and a warning says so) and float64 ones are refused. The op also takes a grouped
+convolution's products in one call, does the convolutions' im2col and col2im (`image_columns_op`,
+`columns_op`) and computes depthwise convolutions (`depthwise_op`, tasks/determinism/depthwise.py).
 (torch.utils.cpp_extension.load would build it too, but it wants ninja on PATH and builds a Python
 module; g++ alone makes a torch op library.)
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
@@ -40,83 +39,73 @@ import torch
 from tasks.core.errors import Refused
 
 SOURCE = Path(__file__).with_name("blas_pool.cpp")
-_MAX_CHUNKS = 8  # enough for 8 threads; a multiple of 2 and 4, so those counts share the work evenly
+_HEADERS = (Path(__file__).with_name("fma_chain.h"),)  # included by SOURCE: part of what the cache key hashes
 _MIN_CHUNK = 64  # narrower chunks spend more on packing the shared operand than they gain
-_ALIGN = 4  # OpenBLAS's Haswell tiles are multiples of 4 wide: no chunk ends in a narrow edge tile
+_ROWS, _COLUMNS = 12, 32  # the widest kernel's tile (AVX2's, 6 x 16, divides it): chunks of whole tiles
 _BUILD_TIMEOUT_S = 300
-# -ffp-contract=off: no fused multiply-add, which rounds a product and a sum once where the same loops
-# written with torch ops (depthwise.py) round twice; without it the op's bytes would follow the compiler
+# -ffp-contract=off: no fused multiply-add but the ones the code asks for (the products' chains): the
+# depthwise loops round a product and a sum apart, as the same loops written with torch ops (depthwise.py)
+# do; without it the op's bytes would follow the compiler
 _FLAGS = ("-O3", "-ffp-contract=off", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enums
 
 
-class _Blas:
-    """numpy's OpenBLAS, bound once per process."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        library = ctypes.CDLL(path)  # already loaded by numpy: the same library, not a second copy
-        index, pointer = ctypes.c_int64, ctypes.c_void_p  # numpy's OpenBLAS is ILP64
-        self.gemm = {}
-        kinds = ((torch.float32, "sgemm", ctypes.c_float), (torch.float64, "dgemm", ctypes.c_double))
-        for dtype, name, scalar in kinds:
-            function = getattr(library, f"scipy_cblas_{name}64_")
-            function.argtypes = [ctypes.c_int] * 3 + [index] * 3 + [scalar, pointer, index, pointer, index]
-            function.argtypes += [scalar, pointer, index]
-            function.restype = None
-            self.gemm[dtype] = function
-
-
-def openblas() -> dict[str, Any]:
-    """What threadpoolctl reads from numpy's OpenBLAS itself (architecture, version, file, ...); {}
-    if none. Numpy's, not another package's: scipy, for one, brings its own OpenBLAS (another
-    version, another interface), and threadpoolctl lists the libraries in no fixed order."""
-    import numpy
-    from threadpoolctl import threadpool_info
-
-    site = Path(numpy.__file__).resolve().parent.parent
-    found = [info for info in threadpool_info() if info.get("internal_api") == "openblas"]
-    ours = [info for info in found if Path(info["filepath"]).resolve().parent in (site / "numpy.libs", site / "numpy")]
-    return (ours or found or [{}])[0]
-
-
-@functools.cache
-def _blas() -> _Blas:
-    path = openblas().get("filepath")
-    if not path:
-        raise RuntimeError("determinism.cpu: portable needs numpy's OpenBLAS, and numpy has none here")
-    return _Blas(path)
-
-
-def plan(m: int, n: int) -> tuple[int, int]:
-    """(dimension, chunk size) for a product of m x n: the longer side of the result, cut into at
-    most `_MAX_CHUNKS` near-equal chunks of at least `_MIN_CHUNK`, rounded up to `_ALIGN`."""
+def plan(m: int, n: int, threads: int) -> tuple[int, int]:
+    """(dimension, chunk size) for a product of m x n on `threads` threads: the longer side of the
+    result, cut into one chunk per thread (fewer where chunks would be under `_MIN_CHUNK`), each a
+    whole number of the kernel's tiles. The cut changes no byte (each element is its own chain), so
+    it follows the threads: one chunk each, no thread waiting on another's second one."""
     dim, extent = (0, m) if m >= n else (1, n)
-    chunks = max(1, min(_MAX_CHUNKS, extent // _MIN_CHUNK))
+    chunks = max(1, min(threads, extent // _MIN_CHUNK))
+    align = _ROWS if dim == 0 else _COLUMNS
     chunk = -(-extent // chunks)
-    return dim, -(-chunk // _ALIGN) * _ALIGN
+    return dim, -(-chunk // align) * align
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, pool: bool = True) -> torch.Tensor:
+def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, width: int = 0) -> torch.Tensor:
     """`out` = a @ b for float32/float64 tensors: 2-D, or 3-D for one product per group (a grouped
     convolution's), made in one call; `out` row-major. An operand whose matrices are neither row-major
-    nor transposed is copied first. `pool=False` makes the same calls one after another."""
+    nor transposed is copied first. `width`: the op's vectors in bits (256, 512; 0 the widest this
+    CPU has), for tests: the bytes do not depend on it."""
     a, b = _operand(a), _operand(b)
-    dim, chunk = plan(a.shape[-2], b.shape[-1])
-    op = _pool_op() if pool else None
+    op = _pool_op()
     if op is not None:
-        op(a, b, out, dim, chunk)
-    elif a.dim() == 2:
-        _sequential(a, b, out, dim, chunk)
-    else:
-        for a_group, b_group, out_group in zip(a, b, out, strict=True):
-            _sequential(a_group, b_group, out_group, dim, chunk)
+        op(a, b, out, *plan(a.shape[-2], b.shape[-1], torch.get_num_threads()), width)
+        return out
+    if a.dtype != torch.float32:
+        raise Refused(
+            f"determinism.cpu: portable computes {a.dtype} products only in the C++ op (blas_pool.cpp), "
+            "which could not be built here (see the warning above): install a C++ compiler, or use native"
+        )
+    out.copy_(emulated(a, b))
     return out
 
 
+def emulated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (float32, 2-D or 3-D) as the op computes it, in torch: each element's chain
+    c = fma(a_k, b_k, c) from zero, one k at a time over whole matrices. fma's single rounding comes
+    from float64: a product of two float32 values is exact there, the sum is rounded to odd (the
+    nearest float64 whose last bit is odd, when it is not exact), and a value rounded to odd with
+    53 bits rounds to 24 as the exact one would (Boldo and Melquiond, 2008)."""
+    a64, b64 = a.double(), b.double()
+    c = torch.zeros((*a.shape[:-1], b.shape[-1]), dtype=torch.float32)
+    for k in range(a.shape[-1]):
+        p = a64[..., k : k + 1] * b64[..., k : k + 1, :]
+        c64 = c.double()
+        s = p + c64
+        tail = s - p  # TwoSum: s + error == p + c64 exactly
+        error = (p - (s - tail)) + (c64 - tail)
+        inexact = (error != 0) & error.isfinite() & ((s.view(torch.int64) & 1) == 0)  # and even: not yet odd
+        s = torch.where(inexact, torch.nextafter(s, torch.where(error > 0, torch.inf, -torch.inf).double()), s)
+        c = s.float()
+    return c
+
+
 def backend() -> str:
-    """Where the products run in this process (for the fingerprint; either way, the same bytes)."""
-    return "torch thread pool" if _pool_op() is not None else "one thread (blas_pool.cpp not built)"
+    """How products run in this process (for the fingerprint; either way, the same bytes)."""
+    op = _pool_op()
+    if op is None:
+        return "fma chains in Python, one thread (blas_pool.cpp not built)"
+    return f"fma chains, {torch.ops.lockstep_blas.widest()}-bit vectors, torch thread pool"
 
 
 def _row_major(t: torch.Tensor) -> bool:
@@ -128,35 +117,12 @@ def _transposed(t: torch.Tensor) -> bool:
 
 
 def _operand(t: torch.Tensor) -> torch.Tensor:
-    """`t` as BLAS takes it: matrices row-major or transposed (as blas_pool.cpp's `operand` checks), else a copy."""
+    """`t` as the op takes it: matrices row-major or transposed (as blas_pool.cpp's `operand` checks), else a copy."""
     return t.detach() if _row_major(t) or _transposed(t) else t.detach().contiguous()
 
 
-def _layout(t: torch.Tensor) -> tuple[int, int]:
-    return (_NO_TRANS, t.stride(0)) if _row_major(t) else (_TRANS, t.stride(1))
-
-
-def _sequential(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, dim: int, chunk: int) -> None:
-    """blas_pool.cpp's calls, made from here: keep the two in step."""
-    (m, k), n = a.shape, b.shape[1]
-    (trans_a, lda), (trans_b, ldb), ldc = _layout(a), _layout(b), out.stride(0)
-    size = a.element_size()
-    call = _blas().gemm[a.dtype]
-    for start in range(0, m if dim == 0 else n, chunk):
-        pa, pb, pc, rows, cols = a.data_ptr(), b.data_ptr(), out.data_ptr(), m, n
-        if dim == 0:  # rows of out: rows of a
-            rows = min(chunk, m - start)
-            pa += start * (lda if trans_a == _NO_TRANS else 1) * size
-            pc += start * ldc * size
-        else:  # columns of out: columns of b
-            cols = min(chunk, n - start)
-            pb += start * (1 if trans_b == _NO_TRANS else ldb) * size
-            pc += start * size
-        call(_ROW_MAJOR, trans_a, trans_b, rows, cols, k, 1, pa, lda, pb, ldb, 0, pc, ldc)
-
-
 def _pool_op() -> Any:
-    """torch.ops.lockstep_blas.gemm_chunks, bound to numpy's OpenBLAS; None if the op cannot be built here."""
+    """torch.ops.lockstep_blas.gemm_chunks; None if the op cannot be built here."""
     return torch.ops.lockstep_blas.gemm_chunks if _library_loaded() else None
 
 
@@ -180,13 +146,16 @@ def columns_op() -> Any:
 
 @functools.cache
 def _library_loaded() -> bool:
-    """Load blas_pool.cpp's ops, bound to numpy's OpenBLAS; False (and one warning) if it cannot be built."""
+    """Load blas_pool.cpp's ops; False (and one warning) if it cannot be built."""
     try:
         torch.ops.load_library(str(build()))
     except BuildError as exc:
-        warnings.warn(f"determinism.cpu portable: {exc}; products run on one thread (same bytes, slower)", stacklevel=2)
+        warnings.warn(
+            f"determinism.cpu portable: {exc}; float32 products run in Python (same bytes, far slower), "
+            "float64 ones are refused",
+            stacklevel=2,
+        )
         return False
-    torch.ops.lockstep_blas.bind(_blas().path)
     return True
 
 
@@ -205,7 +174,8 @@ def library_path(cache: Path | None = None, compiler: str | None = None) -> Path
     compiler = compiler or os.environ.get("CXX") or "g++"
     torch_dir = _torch_dir()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    key = f"{SOURCE.read_bytes()!r} {torch.__version__} {torch_dir} {abi} {compiler} {_FLAGS}"
+    sources = b"".join(path.read_bytes() for path in (SOURCE, *_HEADERS))
+    key = f"{sources!r} {torch.__version__} {torch_dir} {abi} {compiler} {_FLAGS}"
     key = hashlib.sha256(key.encode())
     cache = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lockstep"
     return cache / f"blas_pool-{key.hexdigest()[:16]}.so"

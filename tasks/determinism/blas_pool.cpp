@@ -1,59 +1,168 @@
-// The portable kernels' C++ ops: matrix products on torch's own thread pool (the chunks of one
-// product, each a call into numpy's OpenBLAS, which runs on one thread), a convolution's col2im, and
-// depthwise convolutions. tasks/determinism/blas.py says why, builds this, and makes the same calls from
-// Python where it cannot be built (col2im and depthwise: kernels.py's and depthwise.py's torch loops).
+// The portable kernels' C++ ops: matrix products whose every element is one chain of fused
+// multiply-adds (below), run on torch's own thread pool; a convolution's im2col and col2im; depthwise
+// convolutions. tasks/determinism/blas.py says why, builds this, and computes the same bytes in Python
+// where it cannot be built (products: float32 only; col2im and depthwise: kernels.py's and depthwise.py's
+// torch loops).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <immintrin.h>
 #include <torch/library.h>
-
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <string>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;  // CBLAS enums
-using Index = int64_t;  // numpy's OpenBLAS is ILP64
-using Sgemm = void (*)(int, int, int, Index, Index, Index, float, const float*, Index, const float*, Index, float,
-                       float*, Index);
-using Dgemm = void (*)(int, int, int, Index, Index, Index, double, const double*, Index, const double*, Index,
-                       double, double*, Index);
-Sgemm sgemm = nullptr;
-Dgemm dgemm = nullptr;
+using Index = int64_t;
 
-void bind(const std::string& path) {
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
-  TORCH_CHECK(lib != nullptr, "lockstep_blas: ", path, " is not loaded in this process");
-  sgemm = reinterpret_cast<Sgemm>(dlsym(lib, "scipy_cblas_sgemm64_"));
-  dgemm = reinterpret_cast<Dgemm>(dlsym(lib, "scipy_cblas_dgemm64_"));
-  TORCH_CHECK(sgemm && dgemm, "lockstep_blas: ", path, " lacks the expected symbols");
+// The micro-kernel for each vector width (fma_chain.h): Lanes<T> names the intrinsics of one width.
+#define LANES(T, VEC, P, S, ROWS)                                            \
+  template <>                                                                \
+  struct Lanes<T> {                                                          \
+    using V = VEC;                                                           \
+    static constexpr int W = sizeof(VEC) / sizeof(T), MR = ROWS;             \
+    static V zero() { return P##_setzero_##S(); }                            \
+    static V load(const T* p) { return P##_loadu_##S(p); }                   \
+    static void store(T* p, V v) { P##_storeu_##S(p, v); }                   \
+    static V set1(T x) { return P##_set1_##S(x); }                           \
+    static V fma(V a, V b, V c) { return P##_fmadd_##S(a, b, c); }           \
+  };
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+template <typename T>
+struct Lanes;
+LANES(float, __m256, _mm256, ps, 6)  // 6 x 2 accumulators of the 16 registers
+LANES(double, __m256d, _mm256, pd, 6)
+#include "fma_chain.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+template <typename T>
+struct Lanes;
+LANES(float, __m512, _mm512, ps, 12)  // 12 x 2 accumulators of the 32 registers
+LANES(double, __m512d, _mm512, pd, 12)
+#include "fma_chain.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
 }
 
-// One operand as BLAS sees it: row-major (stride (ld, 1)) or transposed (stride (1, ld)), in the last two
-// dimensions; the first (the product's group) may have any stride.
+// One operand's strides in its last two dimensions (rows, columns).
 struct Operand {
-  int trans;
-  Index ld;
+  Index rows, cols;
 };
 
 Operand operand(const at::Tensor& t, const char* name) {
   const Index rows = t.size(1), cols = t.size(2), s0 = t.stride(1), s1 = t.stride(2);
-  if (s1 == 1 && s0 >= std::max<Index>(1, cols)) return {kNoTrans, s0};
-  if (s0 == 1 && s1 >= std::max<Index>(1, rows)) return {kTrans, s1};
-  TORCH_CHECK(false, "lockstep_blas: ", name, " is neither row-major nor transposed");
+  TORCH_CHECK((s1 == 1 && s0 >= std::max<Index>(1, cols)) || (s0 == 1 && s1 >= std::max<Index>(1, rows)),
+              "lockstep_blas: ", name, " is neither row-major nor transposed");
+  return {s0, s1};
 }
 
-// Every group's product cut the same way (by shape: blas.py's plan), and the (group, chunk) pairs shared
-// out on torch's pool: each pair is one call into OpenBLAS on one thread, so no byte depends on which
-// thread ran it or on how many there are.
-template <typename T, typename Gemm>
-void run(Gemm gemm, const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t dim, int64_t chunk) {
+template <typename T>
+using Kernel = void (*)(Index, const T*, Index, const T*, T*, Index, bool);
+
+// A panel: to[q * P + i] = from[i * across + q * along] for the `count` <= P lines i and kc steps q,
+// zeros for lines past `count` (an edge tile's). Read in whichever order is contiguous in `from`.
+template <typename T, int P>
+void pack(T* to, const T* from, Index across, Index along, Index count, Index kc) {
+  if (count < P) std::fill(to, to + kc * P, T(0));
+  if (along == 1) {
+    for (Index i = 0; i < count; ++i)
+      for (Index q = 0; q < kc; ++q) to[q * P + i] = from[i * across + q];
+  } else {
+    for (Index q = 0; q < kc; ++q)
+      for (Index i = 0; i < count; ++i) to[q * P + i] = from[i * across + q * along];
+  }
+}
+
+// c (m x n, row stride ldc) = a (m x k) @ b (k x n), each element the micro-kernel's chain over all of k.
+// The usual blocking (BLIS's): b in blocks of KC x NC packed into panels NR wide, so that the kernel
+// reads them in order from cache; a read in place, by the kernel that suits its layout (`rows` for a
+// row-major a, `panel` for a transposed one: a is read once per NR columns of the result, and packing
+// it cost more than it saved), or packed where a tile has fewer than MR rows. Blocks and edges decide
+// only where the chain is computed, never its order: a block of k carries each element's chain on from
+// the value stored in c (exact, in T), and edge tiles run the same kernel on zero-padded panels and a
+// copy of c's corner. Why a kernel of our own and not a BLAS: no BLAS promises an order, and OpenBLAS's
+// own kernels do not keep one from one instruction set to the next, so the bytes followed its kernel
+// choice and held only while every CPU ran its AVX2 kernels, also where AVX-512 ones are faster.
+template <typename T, int MR, int NR>
+void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, const T* a, Operand sa, const T* b,
+                   Operand sb, T* c, Index ldc) {
+  constexpr Index KC = 256, NC = 256;  // b's block: 256 KiB in float32, within a 512 KiB L2
+  static_assert(NC % NR == 0);
+  thread_local std::vector<T> pa, pb;
+  pa.resize(MR * KC), pb.resize(KC * NC);
+  T edge[MR * NR];
+  if (k == 0) {  // no terms: every chain is its starting zero
+    for (Index i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, T(0));
+    return;
+  }
+  const bool row_major = sa.cols == 1;
+  for (Index jc = 0; jc < n; jc += NC) {
+    const Index nc = std::min(NC, n - jc);
+    for (Index pc = 0; pc < k; pc += KC) {
+      const Index kc = std::min(KC, k - pc);
+      for (Index jr = 0; jr < nc; jr += NR)  // b's panels: NR values per k
+        pack<T, NR>(pb.data() + jr * kc, b + pc * sb.rows + (jc + jr) * sb.cols, sb.cols, sb.rows,
+                    std::min<Index>(NR, nc - jr), kc);
+      for (Index ir = 0; ir < m; ir += MR) {
+        const Index h = std::min<Index>(MR, m - ir);
+        const T* from = a + ir * sa.rows + pc * sa.cols;
+        Kernel<T> kernel = row_major ? rows : panel;
+        Index step = row_major ? sa.rows : sa.cols;
+        if (h < MR) {
+          pack<T, MR>(pa.data(), from, sa.rows, sa.cols, h, kc);
+          from = pa.data(), kernel = panel, step = MR;
+        }
+        for (Index jr = 0; jr < nc; jr += NR) {
+          const Index w = std::min<Index>(NR, nc - jr);
+          T* tile = c + ir * ldc + jc + jr;
+          if (h == MR && w == NR) {
+            kernel(kc, from, step, pb.data() + jr * kc, tile, ldc, pc == 0);
+            continue;
+          }
+          for (Index i = 0; i < h && pc > 0; ++i) std::memcpy(edge + i * NR, tile + i * ldc, w * sizeof(T));
+          kernel(kc, from, step, pb.data() + jr * kc, edge, NR, pc == 0);
+          for (Index i = 0; i < h; ++i) std::memcpy(tile + i * ldc, edge + i * NR, w * sizeof(T));
+        }
+      }
+    }
+  }
+}
+
+// One product (or a chunk of one) on the calling thread, with the widest kernel `width` allows.
+template <typename T>
+void product(int64_t width, Index m, Index n, Index k, const T* a, Operand sa, const T* b, Operand sb, T* c,
+             Index ldc) {
+  if (width == 512) {
+    using L = avx512::Lanes<T>;
+    chain_product<T, L::MR, 2 * L::W>(avx512::micro_kernel<T, true>, avx512::micro_kernel<T, false>, m, n, k, a, sa,
+                                      b, sb, c, ldc);
+  } else {
+    using L = avx2::Lanes<T>;
+    chain_product<T, L::MR, 2 * L::W>(avx2::micro_kernel<T, true>, avx2::micro_kernel<T, false>, m, n, k, a, sa, b,
+                                      sb, c, ldc);
+  }
+}
+
+// Every group's product cut into chunks (by shape: blas.py's plan), and the (group, chunk) pairs shared
+// out on torch's pool, each computed on one thread.
+template <typename T>
+void run(int64_t width, const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t dim, int64_t chunk) {
   const Index groups = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
-  const Operand oa = operand(a, "a"), ob = operand(b, "b");
+  const Operand sa = operand(a, "a"), sb = operand(b, "b");
   const T* pa = a.data_ptr<T>();
   const T* pb = b.data_ptr<T>();
   T* pc = out.data_ptr<T>();
@@ -66,19 +175,18 @@ void run(Gemm gemm, const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
       const T *ag = pa + g * ga, *bg = pb + g * gb;
       T* cg = pc + g * gc;
       if (dim == 0) {  // rows of out: rows of a
-        const T* sa = ag + start * (oa.trans == kNoTrans ? oa.ld : 1);
-        gemm(kRowMajor, oa.trans, ob.trans, size, n, k, T(1), sa, oa.ld, bg, ob.ld, T(0), cg + start * ldc, ldc);
+        product<T>(width, size, n, k, ag + start * sa.rows, sa, bg, sb, cg + start * ldc, ldc);
       } else {  // columns of out: columns of b
-        const T* sb = bg + start * (ob.trans == kNoTrans ? 1 : ob.ld);
-        gemm(kRowMajor, oa.trans, ob.trans, m, size, k, T(1), ag, oa.ld, sb, ob.ld, T(0), cg + start, ldc);
+        product<T>(width, m, size, k, ag, sa, bg + start * sb.cols, sb, cg + start, ldc);
       }
     }
   });
 }
 
-// out[g] = a[g] @ b[g] for 2-D operands (one product) or 3-D (one per group: a grouped convolution's).
-void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& out2, int64_t dim, int64_t chunk) {
-  TORCH_CHECK(sgemm != nullptr, "lockstep_blas: bind() first");
+// out[g] = a[g] @ b[g] for 2-D operands (one product) or 3-D (one per group: a grouped convolution's), with
+// vectors `width` bits wide (256, 512, or 0: the widest this CPU has). The bytes do not depend on it.
+void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& out2, int64_t dim, int64_t chunk,
+                 int64_t width) {
   TORCH_CHECK(a2.dim() == b2.dim() && a2.dim() == out2.dim() && (a2.dim() == 2 || a2.dim() == 3),
               "lockstep_blas: 2-D or 3-D operands");
   const bool flat = a2.dim() == 2;
@@ -90,13 +198,19 @@ void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& o
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == out.scalar_type(), "lockstep_blas: dtypes");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) >= std::max<Index>(1, out.size(2)), "lockstep_blas: out row-major");
   TORCH_CHECK((dim == 0 || dim == 1) && chunk > 0, "lockstep_blas: dim 0 or 1, chunk > 0");
+  TORCH_CHECK(width == 0 || width == 256 || width == 512, "lockstep_blas: width 0, 256 or 512, not ", width);
+  TORCH_CHECK(width != 512 || has_avx512(), "lockstep_blas: width 512 needs AVX-512, which this CPU lacks");
+  const int64_t use = width == 0 ? (has_avx512() ? 512 : 256) : width;
   if (a.scalar_type() == at::kFloat) {
-    run<float>(sgemm, a, b, out, dim, chunk);
+    run<float>(use, a, b, out, dim, chunk);
   } else {
     TORCH_CHECK(a.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
-    run<double>(dgemm, a, b, out, dim, chunk);
+    run<double>(use, a, b, out, dim, chunk);
   }
 }
+
+// The widest vectors gemm_chunks uses on this CPU (for the fingerprint).
+int64_t widest() { return has_avx512() ? 512 : 256; }
 
 // The positions o in [0, extent) of an output row (or column) whose input position o * stride + offset
 // lies in [0, size): [first, last), empty when first >= last.
@@ -371,8 +485,8 @@ void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
 }  // namespace
 
 TORCH_LIBRARY(lockstep_blas, m) {
-  m.def("bind(str path) -> ()", [](const std::string& path) { bind(path); });
-  m.def("gemm_chunks(Tensor a, Tensor b, Tensor(a!) out, int dim, int chunk) -> ()", gemm_chunks);
+  m.def("gemm_chunks(Tensor a, Tensor b, Tensor(a!) out, int dim, int chunk, int width=0) -> ()", gemm_chunks);
+  m.def("widest() -> int", widest);
   m.def("image_columns(Tensor x, Tensor(a!) out, int sh, int sw, int ph, int pw, int dh, int dw) -> ()",
         image_columns);
   m.def("gather_columns(Tensor fields, Tensor(a!) out, int sh, int sw, int ph, int pw, int dh, int dw) -> ()",

@@ -11,15 +11,16 @@ another machine (Intel vs AMD, AVX2 vs AVX-512):
 - MKL (torch's matrix products and slow-path convolutions) has a reproducibility mode, but its ISA
   branches (MKL_CBWR=AVX2) exist on Intel CPUs only: on AMD it silently runs AUTO, other kernels
   (oneMKL developer guide, "Specifying Code Branches"). Its one vendor-neutral branch, COMPATIBLE
-  (SSE2), is slower than a pinned OpenBLAS.
-- oneDNN (convolutions) and NNPACK pick kernels and blocking by ISA and cache sizes.
+  (SSE2), is slow.
+- oneDNN (convolutions) and NNPACK pick kernels and blocking by ISA and cache sizes; no BLAS
+  promises an order of additions (OpenBLAS's AVX2 and AVX-512 kernels add in different ones).
 
-Portable mode therefore pins ATen to AVX2 and sends convolutions and matrix products to OpenBLAS
-(the BLAS numpy ships) with its kernel set pinned to Haswell's (AVX2 + FMA, blocking fixed at
-compile time): tasks/determinism/kernels.py (installed by dispatch.py), tasks/determinism/blas.py.
-oneDNN and NNPACK are switched off and MKL is held to COMPATIBLE for anything that still reaches it.
-The result is the same bytes on every x86-64 CPU with AVX2, whatever the thread count. Native mode
-leaves every library its fastest path.
+Portable mode therefore pins ATen to AVX2 and sends convolutions and matrix products to kernels
+whose order is fixed by their definition, whatever the vector width: each element of a product one
+chain of fused multiply-adds (tasks/determinism/kernels.py, installed by dispatch.py;
+tasks/determinism/blas.py). oneDNN and NNPACK are switched off and MKL is held to COMPATIBLE for
+anything that still reaches it. The result is the same bytes on every x86-64 CPU with AVX2, whatever
+the thread count. Native mode leaves every library its fastest path.
 
 These variables are read when torch and numpy load, so `pin_env` runs before either is imported
 in every process that computes (`python -m tasks`, the flow, DDP ranks); `activate` (torch loaded,
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 MODE_ENV = "LOCKSTEP_CPU"
 PORTABLE_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",  # ATen's AVX2 kernels, also on AVX-512 CPUs
-    "OPENBLAS_CORETYPE": "Haswell",  # numpy's OpenBLAS: AVX2 + FMA kernels whatever the CPU
     "MKL_CBWR": "COMPATIBLE,STRICT",  # MKL's one vendor-neutral branch, for what still reaches it
     "MKL_DYNAMIC": "FALSE",  # MKL keeps the thread count it is given
     "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN is off in portable mode; capped should anything call it
@@ -77,7 +77,7 @@ def cpuinfo() -> dict[str, str]:
 def portable_unsupported() -> str | None:
     """Why this CPU cannot compute in portable mode, or None if it can. Read without torch (from the
     platform and /proc/cpuinfo), so that `auto` is resolved before torch loads; `activate` checks
-    again, with torch, what ATen and OpenBLAS then run."""
+    again, with torch, what ATen then runs."""
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return f"this CPU is {machine}, not x86-64"
@@ -169,15 +169,14 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
         dispatch.install()
     else:
         dispatch.uninstall()
-    # Portable products run their chunks on torch's threads (tasks/determinism/blas.py), each chunk one
-    # OpenBLAS call on one thread; native leaves numpy's OpenBLAS the run's thread count.
-    _set_blas_threads(1 if portable else num_threads)
+    # Portable products run on torch's threads (tasks/determinism/blas.py); numpy's OpenBLAS, which
+    # neither mode trains with, gets the run's thread count, not one thread per core on top of torch's.
+    _set_blas_threads(num_threads)
     return {
         "cpu": mode,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkldnn": torch.backends.mkldnn.enabled,
         "nnpack": torch._C._get_nnpack_enabled(),
-        "openblas_coretype": blas_coretype() or "none",
         "portable_kernels": dispatch.installed(),
     }
 
@@ -192,19 +191,6 @@ def _check_portable(torch: Any) -> None:
             f"determinism.cpu: portable needs ATen's AVX2 kernels, but torch runs {capability} "
             f"(a CPU without AVX2, or {MODE_ENV} set without ATEN_CPU_CAPABILITY=avx2): use native"
         )
-    coretype = blas_coretype()
-    if coretype != PORTABLE_ENV["OPENBLAS_CORETYPE"]:
-        raise CpuModeError(
-            f"determinism.cpu: portable needs numpy's OpenBLAS on its Haswell kernels, but it runs {coretype} "
-            "(numpy was imported before OPENBLAS_CORETYPE was set): use native, or start a new process"
-        )
-
-
-def blas_coretype() -> str | None:
-    """The kernel set numpy's OpenBLAS runs (torch loaded)."""
-    from tasks.determinism import blas
-
-    return blas.openblas().get("architecture")
 
 
 def _set_blas_threads(num_threads: int) -> None:

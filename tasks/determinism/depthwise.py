@@ -1,7 +1,7 @@
 """Depthwise convolutions (one channel per group: mobilenet, efficientnet, convnext) for determinism.cpu: portable.
 
 kernels.py's general path would copy kh * kw columns per channel (im2col) and multiply them by a matrix of
-one column: a product whose inner dimension is kh * kw, the shape OpenBLAS is slowest at, and copies
+one column: a product whose inner dimension is kh * kw, the shape a product kernel is slowest at, and copies
 several times the arithmetic. Here every element is a short sum in one fixed order instead:
 
 - the output: over the kernel's offsets (i, then j), starting from 0;

@@ -41,7 +41,6 @@ ISA_FLAGS = (
 PORTABLE_KEYS = (
     "hw.cpu.mode",
     "hw.cpu.capability",
-    "hw.cpu.openblas",
     "hw.threads",
     "hw.version.torch",
     "hw.version.numpy",
@@ -104,8 +103,6 @@ def _cpu(torch: Any) -> dict[str, str]:
 
 
 def _versions(torch: Any) -> dict[str, str]:
-    from tasks.determinism import blas  # loads torch: not at module level
-
     config = torch.__config__.show()
     mkl = re.search(r"Math Kernel Library Version (\S+)", config)
     onednn = re.search(r"MKL-DNN v(\S+)", config)
@@ -113,7 +110,6 @@ def _versions(torch: Any) -> dict[str, str]:
         "hw.version.torch": torch.__version__,
         "hw.version.mkl": mkl.group(1) if mkl else "none",
         "hw.version.onednn": onednn.group(1) if onednn else "none",
-        "hw.version.openblas": str(blas.openblas().get("version", "none")),
     }
 
 
@@ -191,7 +187,6 @@ def _torch_facts(gpu: int) -> dict[str, str]:
     import torch
 
     tags = {
-        "hw.cpu.openblas": cpu_mode.blas_coretype() or "none",
         **_cpu(torch),
         **_versions(torch),
         **_gpu(torch, gpu),

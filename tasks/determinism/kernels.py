@@ -2,8 +2,8 @@
 
 Why not torch's own CPU paths is in tasks/determinism/cpu_mode.py: MKL's reproducible branches are Intel-only,
 oneDNN and NNPACK choose kernels by ISA and cache size. These are CPU kernels for torch's
-matrix products and 1-D/2-D convolutions that compute with numpy's OpenBLAS, pinned to its Haswell
-kernels, in chunks on torch's threads (tasks/determinism/blas.py; only these ops pay a Python call; autograd
+matrix products and 1-D/2-D convolutions whose products compute each element as one chain of fused
+multiply-adds, on torch's threads (tasks/determinism/blas.py; only these ops pay a Python call; autograd
 and every other op stay torch's own). A convolution is one matrix product over its im2col columns
 (forward, and the weight gradient) and one into columns that are added back in a fixed order (the
 input gradient); the columns are copies, and the adds back run in a fixed order, in the C++ op
@@ -15,10 +15,9 @@ writes through aten::bmm.out). The other ops that would compute with MKL, oneDNN
 are refused. Which op runs on which kernel, and which is refused, is tasks/determinism/dispatch.py's:
 it installs them.
 
-Which matrix is which operand of a BLAS call decides the order of its additions; whether an operand
-is stored row- or column-major does not (OpenBLAS packs both the same way), so the kernels pass
-views, not copies. Temporaries the products fill come from numpy: torch, in deterministic mode,
-fills every new tensor first, a pass over memory for nothing.
+Whether an operand is stored row- or column-major does not change a product's bytes (each element is
+the same chain either way), so the kernels pass views, not copies. Temporaries the products fill come
+from numpy: torch, in deterministic mode, fills every new tensor first, a pass over memory for nothing.
 """
 
 from __future__ import annotations
@@ -171,9 +170,9 @@ def _forward_columns(x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, ge
 
 def _weight_matrix(weight: torch.Tensor, groups: int) -> torch.Tensor:
     """(O, C/g, kh, kw) -> (groups, O/g, kh * kw * C/g): each output channel's weights in the order of
-    `_columns`' columns. The forward multiplies by its transpose, which BLAS reads in place: the copy is
+    `_columns`' columns. The forward multiplies by its transpose, which the op reads in place: the copy is
     then a small transpose within each output channel's weights, rather than one across all of them
-    (several times slower on large layers). The products' bytes do not depend on the layout BLAS reads."""
+    (several times slower on large layers). The products' bytes do not depend on the layout the op reads."""
     o, cg, kh, kw = weight.shape
     return weight.permute(0, 2, 3, 1).reshape(groups, o // groups, kh * kw * cg)
 

@@ -1,23 +1,24 @@
-"""tasks/determinism/blas.py: the portable products on torch's thread pool give the same bytes as the same calls
-made one after another, whatever the thread count, and a machine without a compiler still computes
-(the same bytes, on one thread)."""
+"""tasks/determinism/blas.py: every element of a portable product is one chain of fused multiply-adds in
+order, whatever the vector width and the thread count, and a machine without a compiler still computes
+float32 products (the same bytes, in Python)."""
 
 from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
-from threadpoolctl import threadpool_limits
 
+from tasks.core.errors import Refused
 from tasks.determinism import blas, kernels
 from tests.support.portable import needs_the_op
 
 # (a, b, whether each is stored row-major): the products a small CNN's convolutions make (forward,
-# weight and input gradients), a linear layer's, and shapes that leave a short last chunk
+# weight and input gradients), a linear layer's, shapes that leave a short last chunk, edge tiles in
+# both directions, an inner dimension across several blocks of 256, and an empty one
 SHAPES = [
     ((4096, 288), (288, 64), True, True),
     ((288, 4096), (4096, 64), False, True),
@@ -25,7 +26,9 @@ SHAPES = [
     ((9, 4096), (4096, 32), False, True),
     ((64, 128), (128, 10), True, False),
     ((1001, 77), (77, 333), False, False),
+    ((37, 700), (700, 45), True, True),
     ((3, 5), (5, 2), True, True),
+    ((5, 0), (0, 3), True, True),
 ]
 
 
@@ -35,42 +38,78 @@ def _operand(shape: tuple[int, int], row_major: bool, dtype: torch.dtype, genera
     return torch.randn(shape[::-1], generator=generator, dtype=dtype).t()
 
 
-@pytest.fixture()
-def one_blas_thread() -> Iterator[None]:
-    """As in portable mode (cpu_mode.activate): OpenBLAS itself on one thread."""
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_pool_gives_the_bytes_of_one_thread_for_any_thread_count(
-    dtype: torch.dtype, one_blas_thread: None, torch_threads: None
-) -> None:
+def _widths() -> list[int]:
+    """The op's vector widths this CPU can run: 256 always (portable needs AVX2), 512 with AVX-512."""
     needs_the_op()
+    blas.gemm(torch.ones(1, 1), torch.ones(1, 1), torch.empty(1, 1))  # loads the op
+    return [256, 512] if torch.ops.lockstep_blas.widest() == 512 else [256]
+
+
+def test_each_element_is_one_chain_of_fused_multiply_adds_at_every_width_and_thread_count(
+    torch_threads: None,
+) -> None:
+    """The op against `blas.emulated` (the definition computed in torch, from float64): equal bytes for
+    every shape and layout, at each vector width and on 1-3 threads."""
     generator = torch.Generator().manual_seed(0)
     for a_shape, b_shape, a_rows, b_rows in SHAPES:
-        a, b = _operand(a_shape, a_rows, dtype, generator), _operand(b_shape, b_rows, dtype, generator)
-        one = blas.gemm(a, b, torch.empty(a_shape[0], b_shape[1], dtype=dtype), pool=False)
-        torch.testing.assert_close(one, (a.double() @ b.double()).to(dtype), rtol=1e-4, atol=1e-3)
-        for threads in (1, 2, 3):
+        a, b = _operand(a_shape, a_rows, torch.float32, generator), _operand(b_shape, b_rows, torch.float32, generator)
+        expected = blas.emulated(a, b)
+        torch.testing.assert_close(expected, (a.double() @ b.double()).float(), rtol=1e-4, atol=1e-3)
+        for width in _widths():
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                out = blas.gemm(a, b, torch.full_like(expected, float("nan")), width=width)
+                assert torch.equal(out, expected), (a_shape, b_shape, a_rows, b_rows, width, threads)
+
+
+def test_the_chain_rounds_once_per_term_in_order() -> None:
+    """What the definition says, on values where it shows: fma(a, b, c) rounds a * b + c once (a product
+    rounded first gives another float32), and the terms are added from the first to the last."""
+    x = 1 + 2**-12  # x * x = 1 + 2**-11 + 2**-24: its float32 rounding drops the 2**-24
+    a = torch.tensor([[1.0, x]])
+    b = torch.tensor([[-1.0], [x]])
+    for width in _widths():
+        assert blas.gemm(a, b, torch.empty(1, 1), width=width).item() == 2**-11 + 2**-24, width
+    assert blas.emulated(a, b).item() == 2**-11 + 2**-24
+    big = torch.tensor([[1.0, 2.0**30, -(2.0**30)]])
+    ones = torch.ones(3, 1)
+    for width in _widths():  # in order: (1 + 2**30) rounds to 2**30, then - 2**30: 0, not 1
+        assert blas.gemm(big, ones, torch.empty(1, 1), width=width).item() == 0.0, width
+
+
+def test_float64_products_are_the_exactly_rounded_chain_at_every_width(torch_threads: None) -> None:
+    """float64 has no wider type to emulate fma with: each element checked against the chain in exact
+    rational arithmetic (float() of a Fraction rounds once, to nearest), on a small product."""
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(7, 300, generator=generator, dtype=torch.float64)
+    b = torch.randn(300, 13, generator=generator, dtype=torch.float64)
+    expected = torch.empty(7, 13, dtype=torch.float64)
+    for i in range(7):
+        for j in range(13):
+            c = 0.0
+            for k in range(300):
+                c = float(Fraction(a[i, k].item()) * Fraction(b[k, j].item()) + Fraction(c))
+            expected[i, j] = c
+    for width in _widths():
+        for threads in (1, 3):
             torch.set_num_threads(threads)
-            pooled = blas.gemm(a, b, torch.empty_like(one))
-            assert torch.equal(pooled, one), (a_shape, b_shape, a_rows, b_rows, threads)
+            assert torch.equal(blas.gemm(a, b, torch.empty(7, 13, dtype=torch.float64), width=width), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_grouped_product_in_one_call_gives_each_group_its_own_product_bytes(
-    dtype: torch.dtype, one_blas_thread: None, torch_threads: None
+    dtype: torch.dtype, torch_threads: None
 ) -> None:
     """A grouped convolution's products go to the op in one call: each group's bytes are those of its
-    own product, made alone (kernels.py made one call per group before), for any thread count."""
+    own product, made alone, for any thread count."""
     needs_the_op()
     generator = torch.Generator().manual_seed(1)
     for groups, m, k, n in [(96, 2048, 9, 1), (4, 300, 72, 16), (32, 7, 25, 1)]:
         a = torch.randn(groups, m, k, generator=generator, dtype=dtype)
         b = torch.randn(groups, n, k, generator=generator, dtype=dtype).transpose(1, 2)  # transposed matrices
         alone = torch.stack([blas.gemm(a[g], b[g], torch.empty(m, n, dtype=dtype)) for g in range(groups)])
-        assert torch.equal(blas.gemm(a, b, torch.empty(groups, m, n, dtype=dtype), pool=False), alone)
+        if dtype == torch.float32:
+            assert torch.equal(blas.emulated(a, b), alone)
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             assert torch.equal(blas.gemm(a, b, torch.empty(groups, m, n, dtype=dtype)), alone), (groups, threads)
@@ -121,18 +160,20 @@ def test_col2im_in_the_op_adds_in_the_order_of_the_python_loop(
         blas.columns_op()(whole, torch.empty(n, c, h + stride[0], w), *stride, *padding, *dilation)
 
 
-def test_the_cut_follows_the_longer_side_and_no_chunk_is_a_narrow_edge() -> None:
-    assert blas.plan(4096, 64) == (0, 512) and blas.plan(9, 4096) == (1, 512)
-    for m, n in [(288, 64), (1001, 333), (40, 7), (3, 2)]:
-        dim, chunk = blas.plan(m, n)
+def test_the_cut_follows_the_longer_side_and_the_threads_in_whole_tiles() -> None:
+    assert blas.plan(4096, 64, 2) == (0, 2052) and blas.plan(9, 4096, 8) == (1, 512)
+    assert blas.plan(288, 32, 2) == (0, 144)  # a weight gradient's: two chunks for two threads, not three
+    for m, n, threads in [(288, 64, 3), (1001, 333, 2), (40, 7, 4), (3, 2, 1), (100, 5000, 64)]:
+        dim, chunk = blas.plan(m, n, threads)
         extent = (m, n)[dim]
-        assert extent == max(m, n) and chunk % 4 == 0 and -(-extent // chunk) <= 8
+        chunks = -(-extent // chunk)
+        assert extent == max(m, n) and chunk % (12 if dim == 0 else 32) == 0 and chunks <= threads
+        assert chunks == 1 or extent // chunks >= 64  # no chunk too small to pay for its packing
 
 
-def test_an_operand_stored_transposed_gives_the_bytes_of_one_stored_row_major(one_blas_thread: None) -> None:
+def test_an_operand_stored_transposed_gives_the_bytes_of_one_stored_row_major() -> None:
     """kernels._weight_matrix lays a convolution's weights out as (O, K), which the forward reads transposed
-    and the input gradient's product row-major (before, the other way round): the golden hashes hold only
-    if OpenBLAS's bytes do not depend on how an operand is stored."""
+    and the input gradient's product row-major: how an operand is stored must not change the bytes."""
     generator = torch.Generator().manual_seed(1)
     for a_shape, b_shape, a_rows, _ in SHAPES:
         a = _operand(a_shape, a_rows, torch.float32, generator)
@@ -142,27 +183,32 @@ def test_an_operand_stored_transposed_gives_the_bytes_of_one_stored_row_major(on
         assert torch.equal(transposed, row_major), (a_shape, b_shape)
 
 
-def test_an_operand_in_another_layout_is_copied_and_the_op_refuses_one(one_blas_thread: None) -> None:
+def test_an_operand_in_another_layout_is_copied_and_the_op_refuses_one() -> None:
     needs_the_op()
     a = torch.randn(64, 200)[:, ::2]  # every other column: neither row-major nor transposed
     b = torch.randn(100, 30)
     out = blas.gemm(a, b, torch.empty(64, 30))
     torch.testing.assert_close(out, a @ b, rtol=1e-4, atol=1e-4)
-    blas.gemm(a.contiguous(), b, out)  # binds the op
+    blas.gemm(a.contiguous(), b, out)  # loads the op
     with pytest.raises(RuntimeError, match="lockstep_blas: a is neither row-major nor transposed"):
         torch.ops.lockstep_blas.gemm_chunks(a, b, out, 0, 32)
     with pytest.raises(RuntimeError, match="lockstep_blas: shapes do not match"):
         torch.ops.lockstep_blas.gemm_chunks(b, b, out, 0, 32)
+    with pytest.raises(RuntimeError, match="lockstep_blas: width 0, 256 or 512, not 128"):
+        torch.ops.lockstep_blas.gemm_chunks(a.contiguous(), b, out, 0, 32, 128)
 
 
-def test_a_failed_build_says_why_and_the_products_run_on_one_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_blas_thread: None
+def test_a_failed_build_says_why_and_float32_products_are_computed_in_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with pytest.raises(blas.BuildError, match=re.escape("no C++ compiler (no-such-c++) to build blas_pool.cpp")):
         blas.build(tmp_path, compiler="no-such-c++")
     with pytest.raises(blas.BuildError, match="false failed on blas_pool.cpp"):
         blas.build(tmp_path, compiler="false")
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+    a, b = torch.randn(50, 300), torch.randn(300, 70)
+    needs_the_op()
+    with_op = blas.gemm(a, b, torch.empty(50, 70))
 
     def no_compiler() -> Path:
         raise blas.BuildError("no C++ compiler (g++) to build blas_pool.cpp")
@@ -170,14 +216,15 @@ def test_a_failed_build_says_why_and_the_products_run_on_one_thread(
     monkeypatch.setattr(blas, "build", no_compiler)
     blas._library_loaded.cache_clear()
     try:
-        a, b = torch.randn(500, 40), torch.randn(40, 70)
-        with pytest.warns(UserWarning, match=r"no C\+\+ compiler .* products run on one thread \(same bytes, slower\)"):
-            out = blas.gemm(a, b, torch.empty(500, 70))
-        assert torch.equal(out, blas.gemm(a, b, torch.empty(500, 70), pool=False))
+        with pytest.warns(UserWarning, match=r"no C\+\+ compiler .* float32 products run in Python \(same bytes"):
+            out = blas.gemm(a, b, torch.empty(50, 70))
+        assert torch.equal(out, with_op)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # said once per process, not per product
             blas.gemm(a, b, out)
-        assert blas.backend() == "one thread (blas_pool.cpp not built)"
+        assert blas.backend() == "fma chains in Python, one thread (blas_pool.cpp not built)"
+        with pytest.raises(Refused, match=r"portable computes torch.float64 products only in the C\+\+ op"):
+            blas.gemm(a.double(), b.double(), torch.empty(50, 70, dtype=torch.float64))
     finally:
         blas._library_loaded.cache_clear()
 

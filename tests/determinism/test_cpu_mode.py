@@ -54,6 +54,10 @@ from tasks.determinism.pinning import pin_everything
 from tasks.determinism.fingerprint import fingerprint
 from tasks.train.models import build_model
 pin_everything(0, int(sys.argv[2]), True, sys.argv[1])
+if sys.argv[3] != "0":  # the products' vectors this narrow (bits): an AVX2 CPU's, on an AVX-512 one
+    import functools
+    from tasks.determinism import blas
+    blas.gemm = functools.partial(blas.gemm, width=int(sys.argv[3]))
 generator = torch.Generator().manual_seed(1)
 images = torch.rand(4, 32, 1, 12, 12, generator=generator)
 labels = torch.randint(0, 10, (4, 32), generator=generator)
@@ -98,7 +102,7 @@ print(json.dumps({
 """
 
 
-def _train(mode: str, env_vars: dict[str, str], threads: int = 2) -> dict:
+def _train(mode: str, env_vars: dict[str, str], threads: int = 2, width: int = 0) -> dict:
     # no thread settings inherited (how threads wait, conftest's, is not one: it changes no result)
     env = {
         k: v
@@ -107,7 +111,7 @@ def _train(mode: str, env_vars: dict[str, str], threads: int = 2) -> dict:
     }
     env = cpu_mode.clean_env(env)
     done = subprocess.run(
-        [sys.executable, "-c", TRAINING, mode, str(threads)],
+        [sys.executable, "-c", TRAINING, mode, str(threads), str(width)],
         cwd=ROOT,
         env={**env, **env_vars},
         capture_output=True,
@@ -119,15 +123,17 @@ def _train(mode: str, env_vars: dict[str, str], threads: int = 2) -> dict:
 
 @pytest.mark.slow
 def test_portable_weights_match_the_committed_hash_under_every_cpu_variable_and_thread_count() -> None:
-    """Portable bytes move with none of the variables, nor with the thread count: the products are cut
-    by shape, not by thread (tasks/determinism/blas.py), so a machine with more or fewer cores trains
-    the same bytes. The runs take 1, 2 and 3 threads in turn (each is a process importing torch: one
-    run per combination, not three)."""
+    """Portable bytes move with none of the variables, nor with the thread count, nor with the products'
+    vector width: each element of a product is one chain of fused multiply-adds, wherever and however wide
+    it is computed (tasks/determinism/blas.py), so a machine with more or fewer cores, or with AVX2 only,
+    trains the same bytes. The runs take 1, 2 and 3 threads in turn (each is a process importing torch:
+    one run per combination, not three); one more computes its products with AVX2's 256-bit vectors."""
     combos = [
         {name: value for name, value, on in zip(VARIABLES, VARIABLES.values(), flags, strict=True) if on}
         for flags in itertools.product((False, True), repeat=len(VARIABLES))
     ] + [LIBRARIES_FREE]
-    runs = [(combo, (2, 1, 3)[i % 3]) for i, combo in enumerate(combos)]  # the first: no variable, 2 threads
+    runs = [(combo, (2, 1, 3)[i % 3], 0) for i, combo in enumerate(combos)]  # the first: no variable, 2 threads
+    runs.append(({}, 2, 256))
     with ThreadPoolExecutor(2) as pool:
         portable = list(pool.map(lambda run: _train("portable", *run), runs))
         native = list(pool.map(lambda combo: _train("native", combo), [{}, {"ATEN_CPU_CAPABILITY": "default"}]))
@@ -136,10 +142,12 @@ def test_portable_weights_match_the_committed_hash_under_every_cpu_variable_and_
         record = {key: made[key] for key in HASHES} | {"recorded_on": made["machine"]}
         GOLDEN.write_text(json.dumps(record, indent=2) + "\n")
     for key in HASHES:
-        moved = [(combo, threads) for (combo, threads), p in zip(runs, portable, strict=True) if p[key] != made[key]]
-        assert not moved, f"portable {key} moved with the variables or the thread count (variables, threads): {moved}"
+        moved = [run for run, p in zip(runs, portable, strict=True) if p[key] != made[key]]
+        assert not moved, (
+            f"portable {key} moved with the variables, threads or width (variables, threads, width): {moved}"
+        )
         assert native[0][key] != native[1][key], f"the variables no longer change native {key}: test is vacuous"
-    assert {threads for _, threads in runs} == {1, 2, 3}
+    assert {threads for _, threads, _ in runs} == {1, 2, 3}
     recorded = json.loads(GOLDEN.read_text())
     differences, _ = explain(recorded["recorded_on"], made["machine"])
     for key in HASHES:
@@ -250,7 +258,7 @@ def test_a_child_of_a_portable_process_chooses_its_own_mode() -> None:
 def test_fingerprint_explains_what_changes_bytes() -> None:
     now = fingerprint()
     assert now["hw.cpu.mode"] == "portable" and now["hw.cpu.capability"] == "AVX2"
-    assert now["hw.cpu.openblas"] == "Haswell" and now["hw.threads"] == str(torch.get_num_threads())
+    assert now["hw.threads"] == str(torch.get_num_threads()) and now["hw.cpu.products"].startswith("fma chains, ")
     assert explain(now, now) == ([], False)
     # portable: another CPU model is no reason, another thread count is
     other_cpu = {**now, "hw.cpu.model": "Intel Xeon", "hw.cpu.flags": now["hw.cpu.flags"] + " avx512f"}
