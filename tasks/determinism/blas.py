@@ -15,8 +15,10 @@ by group or others, is refused in one line (exit 3), not rebuilt elsewhere: whoe
 have planted it, and rebuilding in a private folder on every run would hide that (and cost a compile per
 process). Where it cannot be built, float32 products are computed in Python (`emulated`: the same
 bytes, far slower, and a warning says so) and float64 ones are refused. The op also takes a grouped
-convolution's products in one call, does the convolutions' im2col and col2im (`image_columns_op`,
-`columns_op`) and computes depthwise convolutions (`depthwise_op`, tasks/determinism/depthwise.py).
+convolution's products in one call, multiplies a convolution's columns without writing them out
+(`Fields`, `field_gemm`, the image from `padded_image_op`), computes its input gradient with col2im at
+once (`input_gradient_op`), col2im alone (`columns_op`) and depthwise convolutions (`depthwise_op`,
+tasks/determinism/depthwise.py).
 (torch.utils.cpp_extension.load would build it too, but it wants ninja on PATH and builds a Python
 module; g++ alone makes a torch op library.)
 """
@@ -31,6 +33,7 @@ import stat
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,10 @@ import torch
 from tasks.core.errors import Refused
 
 SOURCE = Path(__file__).with_name("blas_pool.cpp")
-_HEADERS = (Path(__file__).with_name("fma_chain.h"),)  # included by SOURCE: part of what the cache key hashes
+# included by SOURCE: part of what the cache key hashes
+_HEADERS = tuple(
+    Path(__file__).with_name(name) for name in ("fma_chain.h", "products.h", "convolution.h", "depthwise.h")
+)
 _MIN_CHUNK = 64  # narrower chunks spend more on packing the shared operand than they gain
 _ROWS, _COLUMNS = 12, 32  # the widest kernel's tile (AVX2's, 6 x 16, divides it): chunks of whole tiles
 _BUILD_TIMEOUT_S = 300
@@ -77,6 +83,31 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, width: int = 0)
             "which could not be built here (see the warning above): install a C++ compiler, or use native"
         )
     out.copy_(emulated(a, b))
+    return out
+
+
+@dataclass(frozen=True)
+class Fields:
+    """A convolution's columns (im2col's, without groups) left unwritten: `image`, the input padded and
+    channels-last (N, Hp, Wp, C), contiguous, and the kernel's size, stride and dilation. Row r of the
+    columns is output position r's receptive field, its kernel offsets (i, then j) and channels (fastest)."""
+
+    image: torch.Tensor
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+
+
+def field_gemm(
+    fields: Fields, b: torch.Tensor, out: torch.Tensor, transposed: bool = False, *, width: int = 0
+) -> torch.Tensor:
+    """`out` = columns @ b, or columns^T @ b (`transposed`: a weight gradient's), for `fields`' columns:
+    the bytes `gemm` gives for the columns written out, gathered strip by strip inside the op instead.
+    The op must be built (kernels.py writes the columns out where it is not)."""
+    where = plan(out.shape[0], out.shape[1], torch.get_num_threads())
+    torch.ops.lockstep_blas.field_chunks(
+        fields.image, _operand(b), out, *fields.kernel, *fields.stride, *fields.dilation, transposed, *where, width
+    )
     return out
 
 
@@ -132,10 +163,16 @@ def depthwise_op() -> Any:
     return torch.ops.lockstep_blas.depthwise if _library_loaded() else None
 
 
-def image_columns_op() -> Any:
-    """torch.ops.lockstep_blas.image_columns (im2col without groups: kernels.py's copies, an image at a time);
+def padded_image_op() -> Any:
+    """torch.ops.lockstep_blas.padded_image (an image channels-last in a zero border: what `Fields` reads);
     None if the op cannot be built here."""
-    return torch.ops.lockstep_blas.image_columns if _library_loaded() else None
+    return torch.ops.lockstep_blas.padded_image if _library_loaded() else None
+
+
+def input_gradient_op() -> Any:
+    """torch.ops.lockstep_blas.input_gradient (a convolution's input gradient without groups: its columns'
+    product and col2im at once); None if the op cannot be built here."""
+    return torch.ops.lockstep_blas.input_gradient if _library_loaded() else None
 
 
 def columns_op() -> Any:

@@ -6,8 +6,10 @@ matrix products and 1-D/2-D convolutions whose products compute each element as 
 multiply-adds, on torch's threads (tasks/determinism/blas.py; only these ops pay a Python call; autograd
 and every other op stay torch's own). A convolution is one matrix product over its im2col columns
 (forward, and the weight gradient) and one into columns that are added back in a fixed order (the
-input gradient); the columns are copies, and the adds back run in a fixed order, in the C++ op
-(or ATen's strided copies and adds, pinned to AVX2 like every ATen kernel, where it cannot be built).
+input gradient). Without groups the C++ op never writes the columns out (kh * kw times the input):
+the products read them from the padded image, and the input gradient's product and adds run at once,
+the same bytes (tested). With groups, or where the op cannot be built, the columns are written out
+(by ATen's strided copies, pinned to AVX2 like every ATen kernel) and added back by the op (or torch).
 A depthwise convolution (one channel per group) is computed directly instead, without columns
 (tasks/determinism/depthwise.py). The out= and in-place forms of the products are routed too
 (an op's CPU kernel may call them: the fused CPU attention of nn.MultiheadAttention's inference path
@@ -75,19 +77,30 @@ def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     return out
 
 
-def _columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int, take: Any) -> torch.Tensor:
+Columns = torch.Tensor | blas.Fields
+
+
+def _columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int, take: Any) -> Columns:
     """Every receptive field as a row: (groups, N * oh * ow, kh * kw * C/groups), channels fastest,
-    in memory from `take(shape, like)`. Without groups the op copies them (the copies below, an image at a
-    time through a buffer that stays in cache)."""
+    in memory from `take(shape, like)`. Without groups, where the op is built, they are never written
+    out: `blas.Fields`, the padded image they are read from (the products gather each strip of them
+    where the kernel reads it, the same values), a ninth of their size for a 3x3 kernel."""
     stride, padding, dilation = geometry
-    n, c = x.shape[:2]
-    kh, kw, oh, ow = _shapes(x, weight, geometry)
-    op = blas.image_columns_op() if groups == 1 and x.dtype in memory.NUMPY_DTYPES else None
+    n, c, h, w = x.shape
+    op = blas.padded_image_op() if groups == 1 and x.dtype in memory.NUMPY_DTYPES else None
     if op is None:
         return _copied_columns(x, weight, geometry, groups, take)
-    columns = take((1, n * oh * ow, kh * kw * c), x)
-    op(x, columns.view(n, oh, ow, kh, kw, c), *stride, *padding, *dilation)
-    return columns
+    image = take((n, h + 2 * padding[0], w + 2 * padding[1], c), x)
+    op(x, image, *padding)
+    return blas.Fields(image, tuple(weight.shape[2:]), stride, dilation)
+
+
+def _by_columns(columns: Columns, b: torch.Tensor, out: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """`out` = columns @ b per group, or columns^T @ b (`transposed`): `_product`, or `blas.field_gemm`."""
+    if isinstance(columns, blas.Fields):
+        blas.field_gemm(columns, b[0], out[0], transposed)
+        return out
+    return _product(columns.transpose(1, 2) if transposed else columns, b, out)
 
 
 def _copied_columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int, take: Any) -> torch.Tensor:
@@ -138,7 +151,7 @@ def _padded_image(x: torch.Tensor, padding: tuple, channels_last: bool, take: An
 # without a backward (an exception, an abandoned graph) is dropped after _KEPT newer ones. The
 # columns' memory is the pool's: it goes back once the backward has used it (or the entry is dropped).
 _KEPT = 256
-_kept: dict[tuple, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]] = {}
+_kept: dict[tuple, tuple[torch.Tensor, Columns, np.ndarray | None]] = {}
 
 
 def _key(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int) -> tuple:
@@ -175,6 +188,22 @@ def _weight_matrix(weight: torch.Tensor, groups: int) -> torch.Tensor:
     (several times slower on large layers). The products' bytes do not depend on the layout the op reads."""
     o, cg, kh, kw = weight.shape
     return weight.permute(0, 2, 3, 1).reshape(groups, o // groups, kh * kw * cg)
+
+
+def _input_gradient(per_group: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: tuple, take: Any):  # noqa: ANN202
+    """The input gradient: the output gradient times the weights, as columns (g, N*oh*ow, kh*kw*C/g), added
+    back onto the input positions they were read from (`_add_columns`). Without groups, where the op is
+    built, both at once (`input_gradient_op`): the same bytes, without the columns."""
+    groups = per_group.shape[0]
+    weights = _weight_matrix(weight, groups)  # (g, O/g, kh*kw*C/g)
+    op = blas.input_gradient_op() if groups == 1 and x.dtype in memory.NUMPY_DTYPES else None
+    if op is not None:
+        stride, padding, dilation = geometry
+        out = memory.empty(tuple(x.shape), x)
+        op(per_group[0], weights[0], out, *weight.shape[2:], *stride, *padding, *dilation)
+        return out
+    columns = _product(per_group, weights, take((groups, per_group.shape[1], weights.shape[2]), per_group))
+    return _add_columns(columns, x, weight, geometry)
 
 
 def _add_columns(columns: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> torch.Tensor:
@@ -240,8 +269,8 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
     _, _, oh, ow = _shapes(x2, w2, geometry)
     columns, done = _forward_columns(x, x2, w2, geometry, groups)
     with memory.temporaries() as temporary:
-        product = temporary((groups, n * oh * ow, out_channels // groups), columns)
-        _product(columns, _weight_matrix(w2, groups).transpose(1, 2), product)
+        product = temporary((groups, n * oh * ow, out_channels // groups), x2)
+        _by_columns(columns, _weight_matrix(w2, groups).transpose(1, 2), product)
         done()
         # (g, N, oh, ow, O/g) -> the NCHW output, split by group, in one pass with the bias
         product = product.view(groups, n, oh, ow, -1).permute(1, 0, 4, 2, 3)
@@ -289,9 +318,7 @@ def _gradients(
         if mask[1]:
             grad_weight = _weight_gradient(x, x2, w2, geometry, groups, per_group, temporary)
         if mask[0]:
-            weights = _weight_matrix(w2, groups)  # (g, O/g, kh*kw*C/g)
-            columns = _product(per_group, weights, temporary((groups, n * oh * ow, weights.shape[2]), per_group))
-            grad_input = _add_columns(columns, x2, w2, geometry)
+            grad_input = _input_gradient(per_group, x2, w2, geometry, temporary)
     return grad_input, grad_weight
 
 
@@ -308,10 +335,10 @@ def _weight_gradient(
     gradient, per group, laid out as the weight."""
     kept = _kept.pop(_key(x, w2, geometry, groups), None)
     columns, array = (kept[1], kept[2]) if kept is not None else (_columns(x2, w2, geometry, groups, take), None)
-    columns = columns.transpose(1, 2)  # (g, kh*kw*C/g, N*oh*ow)
-    product = _product(columns, per_group, take((groups, columns.shape[1], per_group.shape[2]), columns))
-    memory.pool.give(array)
     o, cg, kh, kw = w2.shape
+    product = take((groups, kh * kw * cg, per_group.shape[2]), per_group)  # (g, kh*kw*C/g, O/g)
+    _by_columns(columns, per_group, product, transposed=True)
+    memory.pool.give(array)
     grad_weight = memory.empty((o, cg, kh, kw), w2)
     grad_weight.view(groups, -1, cg, kh, kw).copy_(product.view(groups, kh, kw, cg, -1).permute(0, 4, 3, 1, 2))
     return grad_weight

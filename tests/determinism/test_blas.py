@@ -4,6 +4,7 @@ float32 products (the same bytes, in Python)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 from fractions import Fraction
@@ -14,7 +15,7 @@ import torch
 
 from tasks.core.errors import Refused
 from tasks.determinism import blas, kernels
-from tests.support.portable import needs_the_op
+from tests.support.portable import needs_the_op, portable_kernels
 
 # (a, b, whether each is stored row-major): the products a small CNN's convolutions make (forward,
 # weight and input gradients), a linear layer's, shapes that leave a short last chunk, edge tiles in
@@ -229,41 +230,116 @@ def test_a_failed_build_says_why_and_float32_products_are_computed_in_python(
         blas._library_loaded.cache_clear()
 
 
-@pytest.mark.parametrize(
-    ("stride", "padding", "dilation", "kernel"),
-    [
-        ((1, 1), (1, 1), (1, 1), (3, 3)),
-        ((2, 2), (0, 0), (1, 1), (3, 3)),
-        ((1, 2), (2, 1), (2, 1), (3, 2)),
-        ((3, 1), (1, 3), (1, 2), (1, 4)),
-    ],
-)
-def test_im2col_in_the_op_copies_what_the_torch_copies_do(
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    dilation: tuple[int, int],
-    kernel: tuple[int, int],
-    torch_threads: None,
-) -> None:
-    """The op's im2col (kernels._columns without groups) against the padded, strided copies it replaces:
-    the same rows, for an input in either layout, float32 and float64, on any thread count."""
-    needs_the_op()
-    blas.gemm(torch.ones(4, 4), torch.ones(4, 4), torch.empty(4, 4))  # loads the ops
+# (stride, padding, dilation, kernel, image size): 3x3 and 1x1 kernels, strides and dilations of 2, uneven
+# padding, a 7x7 stem, an image whose rows come in several blocks (40 rows), and small ones taken several at once
+GEOMETRIES = [
+    ((1, 1), (1, 1), (1, 1), (3, 3), (9, 11)),
+    ((2, 2), (1, 1), (1, 1), (3, 3), (12, 12)),
+    ((1, 2), (2, 0), (2, 1), (5, 3), (10, 9)),
+    ((1, 1), (0, 0), (1, 1), (1, 1), (8, 8)),
+    ((2, 2), (3, 3), (1, 1), (7, 7), (7, 7)),
+    ((1, 1), (1, 1), (1, 1), (3, 3), (40, 20)),
+    ((1, 1), (1, 1), (1, 1), (3, 3), (4, 4)),
+]
+
+
+def _convolution(geometry: tuple, dtype: torch.dtype, generator: torch.Generator) -> tuple:
+    """x (5, C, H, W), weights (O, C, kh, kw), their columns written out (torch's copies, kernels.py's
+    fallback) and the weights as the products take them (O, kh*kw*C)."""
+    stride, padding, dilation, kernel, size = geometry
+    x = torch.randn(5, 6, *size, generator=generator, dtype=dtype)
+    weight = torch.randn(7, 6, *kernel, generator=generator, dtype=dtype)
+    columns = kernels._copied_columns(x, weight, geometry[:3], 1, lambda shape, like: torch.empty(shape, dtype=dtype))
+    return x, weight, columns[0], kernels._weight_matrix(weight, 1)[0]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_products_of_fields_give_the_bytes_of_the_columns_written_out(geometry: tuple, torch_threads: None) -> None:
+    """A convolution's forward and weight-gradient products read its columns from the padded image
+    (`blas.Fields`, never written out): the same bytes as the products of the columns written out, float32
+    and float64, at each vector width, on 1-3 threads; x in either memory layout."""
+    stride, padding, dilation, kernel, _ = geometry
     generator = torch.Generator().manual_seed(3)
-    n, c, h, w = 3, 5, 7, 9
-    weight = torch.empty(4, c, *kernel)
-    geometry = (stride, padding, dilation)
     for dtype in (torch.float32, torch.float64):
-        x = torch.randn(n, c, h, w, generator=generator, dtype=dtype)
-        expected = kernels._copied_columns(
-            x, weight, geometry, 1, lambda shape, like: torch.empty(shape, dtype=like.dtype)
-        )
-        for threads in (1, 2, 3):
+        x, _, columns, weights = _convolution(geometry, dtype, generator)
+        grad = torch.randn(columns.shape[0], weights.shape[0], generator=generator, dtype=dtype)
+        forward = blas.gemm(columns, weights.t(), torch.empty(columns.shape[0], weights.shape[0], dtype=dtype))
+        weight_grad = blas.gemm(columns.t(), grad, torch.empty(columns.shape[1], grad.shape[1], dtype=dtype))
+        for layout in (x, x.to(memory_format=torch.channels_last)):
+            size = (x.shape[0], x.shape[2] + 2 * padding[0], x.shape[3] + 2 * padding[1], x.shape[1])
+            image = torch.full(size, float("nan"), dtype=dtype)  # the border must be written too
+            blas.padded_image_op()(layout, image, *padding)
+            fields = blas.Fields(image, kernel, stride, dilation)
+            for width, threads in itertools.product(_widths(), (1, 2, 3)):
+                torch.set_num_threads(threads)
+                out = blas.field_gemm(fields, weights.t(), torch.full_like(forward, float("nan")), width=width)
+                assert torch.equal(out, forward), (dtype, width, threads)
+                out = blas.field_gemm(fields, grad, torch.full_like(weight_grad, float("nan")), True, width=width)
+                assert torch.equal(out, weight_grad), (dtype, width, threads)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_the_input_gradient_in_one_op_gives_the_bytes_of_its_columns_gathered(
+    geometry: tuple, torch_threads: None
+) -> None:
+    """`input_gradient_op` (the columns' product and col2im at once, output rows from the last) against the
+    columns written out and added back by kernels._add_columns: equal bytes, float32 and float64, at each
+    vector width, on 1-3 threads, into an output of either layout."""
+    stride, padding, dilation, kernel, _ = geometry
+    generator = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.float64):
+        x, weight, columns, weights = _convolution(geometry, dtype, generator)
+        grad = torch.randn(columns.shape[0], weights.shape[0], generator=generator, dtype=dtype)
+        written = blas.gemm(grad, weights, torch.empty(columns.shape, dtype=dtype))
+        expected = kernels._add_columns(written.unsqueeze(0), x, weight, geometry[:3])
+        for width, threads in itertools.product(_widths(), (1, 3)):
             torch.set_num_threads(threads)
-            for image in (x, x.to(memory_format=torch.channels_last)):
-                kh, kw, oh, ow = kernels._shapes(image, weight, geometry)
-                out = torch.full((n, oh, ow, kh, kw, c), float("nan"), dtype=dtype)
-                blas.image_columns_op()(image, out, *stride, *padding, *dilation)
-                assert torch.equal(out.view(1, n * oh * ow, -1), expected), (dtype, threads)
-    with pytest.raises(RuntimeError, match="lockstep_blas: the fields' size does not follow from the geometry"):
-        blas.image_columns_op()(x, torch.empty(n, oh + 1, ow, kh, kw, c, dtype=x.dtype), *stride, *padding, *dilation)
+            for out in (
+                torch.full_like(x, float("nan")),
+                torch.full_like(x, float("nan")).to(memory_format=torch.channels_last),
+            ):
+                blas.input_gradient_op()(grad, weights, out, *kernel, *stride, *padding, *dilation, width)
+                assert torch.equal(out, expected), (dtype, width, threads)
+
+
+def test_the_convolution_ops_refuse_shapes_that_do_not_follow_from_the_geometry() -> None:
+    needs_the_op()
+    blas.gemm(torch.ones(1, 1), torch.ones(1, 1), torch.empty(1, 1))  # loads the ops
+    x, image = torch.randn(2, 3, 8, 8), torch.empty(2, 10, 10, 3)
+    with pytest.raises(RuntimeError, match="padded_image: out is not x's size with its padding, channels-last"):
+        blas.padded_image_op()(x, torch.empty(2, 10, 9, 3), 1, 1)
+    blas.padded_image_op()(x, image, 1, 1)
+    fields = blas.Fields(image, (3, 3), (1, 1), (1, 1))
+    with pytest.raises(RuntimeError, match="lockstep_blas: fields: shapes"):
+        blas.field_gemm(fields, torch.randn(26, 4), torch.empty(128, 4))
+    with pytest.raises(RuntimeError, match="input_gradient: shapes do not follow from the geometry"):
+        blas.input_gradient_op()(
+            torch.randn(127, 4), torch.randn(4, 27), torch.empty(2, 3, 8, 8), 3, 3, 1, 1, 1, 1, 1, 1, 0
+        )
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES[:3])
+def test_a_convolution_trains_the_same_bytes_with_its_columns_written_out(
+    geometry: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kernels.py end to end (forward, then both gradients): the ops that never write the columns out give
+    the bytes of the path that does (where the op cannot be built, or with groups)."""
+    needs_the_op()
+    stride, padding, dilation, kernel, size = geometry
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, *size, generator=generator)
+    weight = torch.randn(6, 4, *kernel, generator=generator)
+
+    def step() -> list[torch.Tensor]:
+        xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = torch.nn.functional.conv2d(xs, ws, None, stride, padding, dilation)
+        out.backward(torch.ones_like(out).cumsum(-1))
+        return [out.detach(), xs.grad, ws.grad]
+
+    with portable_kernels(True):
+        fused = step()
+        monkeypatch.setattr(blas, "padded_image_op", lambda: None)
+        monkeypatch.setattr(blas, "input_gradient_op", lambda: None)
+        written = step()
+    for a, b in zip(fused, written, strict=True):
+        assert torch.equal(a, b)

@@ -125,3 +125,22 @@ def test_a_library_of_another_user_or_a_link_is_refused(tmp_path: Path) -> None:
     os.chown(cache, 65534, 65534)
     with pytest.raises(Refused, match=f"{cache}: owned by uid 65534"):
         blas.build(cache)
+
+
+def test_the_cache_key_covers_every_file_the_op_is_built_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each header blas_pool.cpp includes is hashed into the library's name: a change to any of them builds
+    a new library rather than loading the old one (checked on copies of the sources)."""
+    folder = blas.SOURCE.parent
+    included = {line.split('"')[1] for line in blas.SOURCE.read_text().splitlines() if line.startswith('#include "')}
+    assert included == {path.name for path in folder.glob("*.h")} == {path.name for path in blas._HEADERS}
+    copies = tmp_path / "sources"
+    copies.mkdir()
+    for path in (blas.SOURCE, *blas._HEADERS):
+        shutil.copy(path, copies / path.name)
+    monkeypatch.setattr(blas, "SOURCE", copies / blas.SOURCE.name)
+    monkeypatch.setattr(blas, "_HEADERS", tuple(copies / path.name for path in blas._HEADERS))
+    before = blas.library_path(tmp_path)
+    for header in blas._HEADERS:
+        header.write_bytes(header.read_bytes() + b"\n")
+        assert blas.library_path(tmp_path) != before, header.name
+        before = blas.library_path(tmp_path)

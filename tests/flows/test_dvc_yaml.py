@@ -60,7 +60,12 @@ STAGE_MODULES["download"] += ("tasks.data.checks",)  # the new snapshot's profil
 
 
 # C++ a module compiles and loads (the source and what it includes): what it computes, though no import names it
-NATIVE_SOURCES = {"tasks/determinism/blas.py": ("tasks/determinism/blas_pool.cpp", "tasks/determinism/fma_chain.h")}
+NATIVE_SOURCES = {
+    "tasks/determinism/blas.py": tuple(
+        f"tasks/determinism/{name}"
+        for name in ("blas_pool.cpp", "convolution.h", "depthwise.h", "fma_chain.h", "products.h")
+    )
+}
 
 
 def _code_deps(deps: list[str]) -> set[str]:

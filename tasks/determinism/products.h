@@ -1,0 +1,182 @@
+// The portable products' blocking and their operands, included once by blas_pool.cpp (after the
+// micro-kernels, fma_chain.h, and the helpers it names: Index, Operand, avx2/avx512).
+//
+// c (m x n, row stride ldc) = a (m x k) @ b (k x n), each element the micro-kernel's chain over all of k.
+// The usual blocking (BLIS's): b in blocks of KC x NC packed into panels NR wide, so that the kernel
+// reads them in order from cache; a strip of MR rows of a at a time, from its source (below): a matrix
+// read in place, or rows gathered into a buffer. Blocks and edges decide only where the chain is
+// computed, never its order: a block of k carries each element's chain on from the value stored in c
+// (exact, in T), and edge tiles run the same kernel on zero-padded panels and a copy of c's corner. Why a
+// kernel of our own and not a BLAS: no BLAS promises an order, and OpenBLAS's own kernels do not keep
+// one from one instruction set to the next, so the bytes followed its kernel choice and held only while
+// every CPU ran its AVX2 kernels, also where AVX-512 ones are faster.
+
+template <typename T>
+using Kernel = void (*)(Index, const T*, Index, const T*, T*, Index, bool);
+
+// A panel: to[q * P + i] = from[i * across + q * along] for the `count` <= P lines i and kc steps q,
+// zeros for lines past `count` (an edge tile's). Read in whichever order is contiguous in `from`.
+template <typename T, int P>
+void pack(T* to, const T* from, Index across, Index along, Index count, Index kc) {
+  if (count < P) std::fill(to, to + kc * P, T(0));
+  if (along == 1) {
+    for (Index i = 0; i < count; ++i)
+      for (Index q = 0; q < kc; ++q) to[q * P + i] = from[i * across + q];
+  } else {
+    for (Index q = 0; q < kc; ++q)
+      for (Index i = 0; i < count; ++i) to[q * P + i] = from[i * across + q * along];
+  }
+}
+
+// MR rows of a, k from pc to pc + kc, as the kernel reads them: a[i * step + q] (`rows`) or a[q * step + i].
+template <typename T>
+struct Strip {
+  const T* a;
+  Index step;
+  bool rows;
+};
+
+// A matrix, read in place by the kernel that suits its layout (packing it cost more than it saved: a is
+// read once per NR columns of the result), or packed where a strip has fewer than MR rows.
+template <typename T>
+struct Matrix {
+  const T* a;
+  Operand sa;
+  Matrix from_row(Index start) const { return {a + start * sa.rows, sa}; }
+  template <int MR>
+  Strip<T> strip(Index ir, Index h, Index pc, Index kc, T* buffer) const {
+    const T* from = a + ir * sa.rows + pc * sa.cols;
+    if (h < MR) {
+      pack<T, MR>(buffer, from, sa.rows, sa.cols, h, kc);
+      return {buffer, MR, false};
+    }
+    return sa.cols == 1 ? Strip<T>{from, sa.rows, true} : Strip<T>{from, sa.cols, false};
+  }
+};
+
+// A convolution's fields, im2col's columns never written out: element (r, q) of the columns (r an output
+// position, q a kernel offset and channel, channels fastest) is image[position[r] + offset[q]], the image
+// padded and channels-last; offset[q] to offset[q + run[q] - 1] are consecutive (a kernel row's channels,
+// or all of its columns' when they touch). `transposed`: a is the columns' transpose (the weight
+// gradient's). Each strip is copied into a buffer that stays in cache; the values, so the products, are the
+// columns'.
+template <typename T>
+struct Fields {
+  const T* image;
+  const Index* position;
+  const Index* offset;
+  const Index* run;
+  bool transposed;
+  Fields from_row(Index start) const {
+    return transposed ? Fields{image, position, offset + start, run + start, true}
+                      : Fields{image, position + start, offset, run, false};
+  }
+  template <int MR>
+  Strip<T> strip(Index ir, Index h, Index pc, Index kc, T* buffer) const {
+    if (!transposed) {  // rows: output positions, k: offsets; each row kc values, copied run by run
+      for (Index i = 0; i < MR; ++i) {
+        T* to = buffer + i * kc;
+        if (i >= h) {
+          std::fill(to, to + kc, T(0));
+          continue;
+        }
+        const T* from = image + position[ir + i];
+        for (Index q = pc; q < pc + kc;) {
+          const Index length = std::min(run[q], pc + kc - q);
+          std::memcpy(to + (q - pc), from + offset[q], length * sizeof(T));
+          q += length;
+        }
+      }
+      return {buffer, kc, true};
+    }
+    const bool whole = h == MR && run[ir] >= MR;  // the strip's offsets consecutive: one copy per position
+    for (Index q = 0; q < kc; ++q) {  // rows: offsets, k: output positions
+      const T* from = image + position[pc + q];
+      T* to = buffer + q * MR;
+      if (whole) {
+        std::memcpy(to, from + offset[ir], MR * sizeof(T));
+        continue;
+      }
+      for (Index i = 0; i < MR; ++i) to[i] = i < h ? from[offset[ir + i]] : T(0);
+    }
+    return {buffer, MR, false};
+  }
+};
+
+template <typename T, int MR, int NR, typename Source>
+void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, const Source& a, const T* b,
+                   Operand sb, T* c, Index ldc) {
+  constexpr Index KC = 256, NC = 256;  // b's block: 256 KiB in float32, within a 512 KiB L2
+  static_assert(NC % NR == 0);
+  thread_local std::vector<T> pa, pb;
+  pa.resize(MR * KC), pb.resize(KC * NC);
+  T edge[MR * NR];
+  if (k == 0) {  // no terms: every chain is its starting zero
+    for (Index i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, T(0));
+    return;
+  }
+  for (Index jc = 0; jc < n; jc += NC) {
+    const Index nc = std::min(NC, n - jc);
+    for (Index pc = 0; pc < k; pc += KC) {
+      const Index kc = std::min(KC, k - pc);
+      for (Index jr = 0; jr < nc; jr += NR)  // b's panels: NR values per k
+        pack<T, NR>(pb.data() + jr * kc, b + pc * sb.rows + (jc + jr) * sb.cols, sb.cols, sb.rows,
+                    std::min<Index>(NR, nc - jr), kc);
+      for (Index ir = 0; ir < m; ir += MR) {
+        const Index h = std::min<Index>(MR, m - ir);
+        const Strip<T> s = a.template strip<MR>(ir, h, pc, kc, pa.data());
+        const Kernel<T> kernel = s.rows ? rows : panel;
+        for (Index jr = 0; jr < nc; jr += NR) {
+          const Index w = std::min<Index>(NR, nc - jr);
+          T* tile = c + ir * ldc + jc + jr;
+          if (h == MR && w == NR) {
+            kernel(kc, s.a, s.step, pb.data() + jr * kc, tile, ldc, pc == 0);
+            continue;
+          }
+          for (Index i = 0; i < h && pc > 0; ++i) std::memcpy(edge + i * NR, tile + i * ldc, w * sizeof(T));
+          kernel(kc, s.a, s.step, pb.data() + jr * kc, edge, NR, pc == 0);
+          for (Index i = 0; i < h; ++i) std::memcpy(tile + i * ldc, edge + i * NR, w * sizeof(T));
+        }
+      }
+    }
+  }
+}
+
+// One product (or a chunk of one) on the calling thread, with the widest kernel `width` allows.
+template <typename T, typename Source>
+void product(int64_t width, Index m, Index n, Index k, const Source& a, const T* b, Operand sb, T* c, Index ldc) {
+  if (width == 512) {
+    using L = avx512::Lanes<T>;
+    chain_product<T, L::MR, 2 * L::W>(avx512::micro_kernel<T, true>, avx512::micro_kernel<T, false>, m, n, k, a, b,
+                                      sb, c, ldc);
+  } else {
+    using L = avx2::Lanes<T>;
+    chain_product<T, L::MR, 2 * L::W>(avx2::micro_kernel<T, true>, avx2::micro_kernel<T, false>, m, n, k, a, b, sb,
+                                      c, ldc);
+  }
+}
+
+// Every group's product cut into chunks (blas.py's plan), and the (group, chunk) pairs shared out on
+// torch's pool, each computed on one thread. `source(g)`: group g's a.
+template <typename T, typename Sources>
+void run(int64_t width, Index groups, Index m, Index k, Sources source, const at::Tensor& b, Operand sb,
+         const at::Tensor& out, int64_t dim, int64_t chunk) {
+  const Index n = b.size(2);
+  const T* pb = b.data_ptr<T>();
+  T* pc = out.data_ptr<T>();
+  const Index gb = b.stride(0), gc = out.stride(0), ldc = out.stride(1);
+  const Index extent = dim == 0 ? m : n;
+  const Index chunks = (extent + chunk - 1) / chunk;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const Index g = task / chunks, start = (task % chunks) * chunk, size = std::min<Index>(chunk, extent - start);
+      const T* bg = pb + g * gb;
+      T* cg = pc + g * gc;
+      if (dim == 0) {  // rows of out: rows of a
+        product<T>(width, size, n, k, source(g).from_row(start), bg, sb, cg + start * ldc, ldc);
+      } else {  // columns of out: columns of b
+        product<T>(width, m, size, k, source(g), bg + start * sb.cols, sb, cg + start, ldc);
+      }
+    }
+  });
+}
