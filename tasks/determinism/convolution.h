@@ -173,13 +173,14 @@ void input_gradient(int64_t width, const at::Tensor& grad, const at::Tensor& wei
   const Index positions = std::clamp<Index>((Index(1) << 17) / fields, 48, 512);
   const Index rows = std::min(oh, (positions + ow - 1) / ow);                       // output rows per product
   const Index images = rows < oh ? 1 : std::max<Index>(1, positions / (oh * ow));  // small images: several
+  const std::vector<T> packed = packed_for<T>(width, pw, sw, o, fields);  // once for every product below
   at::parallel_for(0, (n + images - 1) / images, 1, [&](int64_t first, int64_t last) {
     std::vector<T> columns(images * rows * ow * fields), sums(h * wd * c);
     for (int64_t unit = first; unit < last; ++unit) {
       const Index b0 = unit * images, nb = std::min(images, n - b0);
       if (rows == oh) {  // whole images: their columns in one product
         const Matrix<T> g{pg + b0 * oh * ow * ldg, {ldg, 1}};
-        product<T>(width, nb * oh * ow, fields, o, g, pw, sw, columns.data(), fields);
+        product<T>(width, nb * oh * ow, fields, o, g, pw, sw, columns.data(), fields, packed.data());
       }
       for (Index b = b0; b < b0 + nb; ++b) {
         std::fill(sums.begin(), sums.end(), T(0));
@@ -187,7 +188,7 @@ void input_gradient(int64_t width, const at::Tensor& grad, const at::Tensor& wei
           const Index y0 = std::max<Index>(0, y1 - rows);
           if (rows < oh) {  // a block of rows, from the last
             const Matrix<T> g{pg + (b * oh + y0) * ow * ldg, {ldg, 1}};
-            product<T>(width, (y1 - y0) * ow, fields, o, g, pw, sw, columns.data(), fields);
+            product<T>(width, (y1 - y0) * ow, fields, o, g, pw, sw, columns.data(), fields, packed.data());
           }
           // the block's first row: this image's first (whole images) or row y0 (a block of rows)
           const T* block = columns.data() + (rows < oh ? 0 : (b - b0) * oh * ow * fields);

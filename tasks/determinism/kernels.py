@@ -190,13 +190,20 @@ def _weight_matrix(weight: torch.Tensor, groups: int) -> torch.Tensor:
     return weight.permute(0, 2, 3, 1).reshape(groups, o // groups, kh * kw * cg)
 
 
+# The input gradient's product and col2im run at once for outputs of at least this many positions per
+# image. Smaller ones (a resnet's last stages, 8x8 and under) have small columns, which one large product
+# writes out and col2im reads back faster than products of a few rows each.
+_FUSED_POSITIONS = 256
+
+
 def _input_gradient(per_group: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: tuple, take: Any):  # noqa: ANN202
     """The input gradient: the output gradient times the weights, as columns (g, N*oh*ow, kh*kw*C/g), added
     back onto the input positions they were read from (`_add_columns`). Without groups, where the op is
-    built, both at once (`input_gradient_op`): the same bytes, without the columns."""
+    built, both at once (`input_gradient_op`) for large outputs: the same bytes, without the columns."""
     groups = per_group.shape[0]
     weights = _weight_matrix(weight, groups)  # (g, O/g, kh*kw*C/g)
-    op = blas.input_gradient_op() if groups == 1 and x.dtype in memory.NUMPY_DTYPES else None
+    fused = groups == 1 and x.dtype in memory.NUMPY_DTYPES and per_group.shape[1] // x.shape[0] >= _FUSED_POSITIONS
+    op = blas.input_gradient_op() if fused else None
     if op is not None:
         stride, padding, dilation = geometry
         out = memory.empty(tuple(x.shape), x)

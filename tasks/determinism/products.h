@@ -103,13 +103,32 @@ struct Fields {
   }
 };
 
+constexpr Index KC = 256, NC = 256;  // b's block: 256 KiB in float32, within a 512 KiB L2
+
+// b (k x n) packed whole, block after block in the order chain_product reads them: the block of columns
+// jc and rows pc starts at jc * k + pc * (its width rounded up to NR).
+template <typename T, int NR>
+void pack_blocks(const T* b, Operand sb, Index k, Index n, T* to) {
+  for (Index jc = 0; jc < n; jc += NC) {
+    const Index nc = std::min(NC, n - jc), ncp = (nc + NR - 1) / NR * NR;
+    for (Index pc = 0; pc < k; pc += KC) {
+      const Index kc = std::min(KC, k - pc);
+      for (Index jr = 0; jr < nc; jr += NR)
+        pack<T, NR>(to + jr * kc, b + pc * sb.rows + (jc + jr) * sb.cols, sb.cols, sb.rows,
+                    std::min<Index>(NR, nc - jr), kc);
+      to += ncp * kc;
+    }
+  }
+}
+
+// `packed`: b already packed by pack_blocks (shared by the products of one call that all multiply by it),
+// or null: each block packed here as it is needed.
 template <typename T, int MR, int NR, typename Source>
 void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, const Source& a, const T* b,
-                   Operand sb, T* c, Index ldc) {
-  constexpr Index KC = 256, NC = 256;  // b's block: 256 KiB in float32, within a 512 KiB L2
+                   Operand sb, T* c, Index ldc, const T* packed) {
   static_assert(NC % NR == 0);
   thread_local std::vector<T> pa, pb;
-  pa.resize(MR * KC), pb.resize(KC * NC);
+  pa.resize(MR * KC), pb.resize(packed ? 0 : KC * NC);
   T edge[MR * NR];
   if (k == 0) {  // no terms: every chain is its starting zero
     for (Index i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, T(0));
@@ -119,7 +138,8 @@ void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, c
     const Index nc = std::min(NC, n - jc);
     for (Index pc = 0; pc < k; pc += KC) {
       const Index kc = std::min(KC, k - pc);
-      for (Index jr = 0; jr < nc; jr += NR)  // b's panels: NR values per k
+      const T* panels = packed ? packed + jc * k + pc * ((nc + NR - 1) / NR * NR) : pb.data();
+      for (Index jr = 0; jr < nc && !packed; jr += NR)  // b's panels: NR values per k
         pack<T, NR>(pb.data() + jr * kc, b + pc * sb.rows + (jc + jr) * sb.cols, sb.cols, sb.rows,
                     std::min<Index>(NR, nc - jr), kc);
       for (Index ir = 0; ir < m; ir += MR) {
@@ -130,11 +150,11 @@ void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, c
           const Index w = std::min<Index>(NR, nc - jr);
           T* tile = c + ir * ldc + jc + jr;
           if (h == MR && w == NR) {
-            kernel(kc, s.a, s.step, pb.data() + jr * kc, tile, ldc, pc == 0);
+            kernel(kc, s.a, s.step, panels + jr * kc, tile, ldc, pc == 0);
             continue;
           }
           for (Index i = 0; i < h && pc > 0; ++i) std::memcpy(edge + i * NR, tile + i * ldc, w * sizeof(T));
-          kernel(kc, s.a, s.step, pb.data() + jr * kc, edge, NR, pc == 0);
+          kernel(kc, s.a, s.step, panels + jr * kc, edge, NR, pc == 0);
           for (Index i = 0; i < h; ++i) std::memcpy(tile + i * ldc, edge + i * NR, w * sizeof(T));
         }
       }
@@ -144,16 +164,27 @@ void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, c
 
 // One product (or a chunk of one) on the calling thread, with the widest kernel `width` allows.
 template <typename T, typename Source>
-void product(int64_t width, Index m, Index n, Index k, const Source& a, const T* b, Operand sb, T* c, Index ldc) {
+void product(int64_t width, Index m, Index n, Index k, const Source& a, const T* b, Operand sb, T* c, Index ldc,
+             const T* packed = nullptr) {
   if (width == 512) {
     using L = avx512::Lanes<T>;
     chain_product<T, L::MR, 2 * L::W>(avx512::micro_kernel<T, true>, avx512::micro_kernel<T, false>, m, n, k, a, b,
-                                      sb, c, ldc);
+                                      sb, c, ldc, packed);
   } else {
     using L = avx2::Lanes<T>;
     chain_product<T, L::MR, 2 * L::W>(avx2::micro_kernel<T, true>, avx2::micro_kernel<T, false>, m, n, k, a, b, sb,
-                                      c, ldc);
+                                      c, ldc, packed);
   }
+}
+
+// b (k x n) packed for `product` at `width` (pack_blocks' layout, for that width's panels).
+template <typename T>
+std::vector<T> packed_for(int64_t width, const T* b, Operand sb, Index k, Index n) {
+  const Index nr = 2 * (width == 512 ? avx512::Lanes<T>::W : avx2::Lanes<T>::W);
+  std::vector<T> to(k * ((n + NC - 1) / NC * NC + nr));
+  width == 512 ? pack_blocks<T, 2 * avx512::Lanes<T>::W>(b, sb, k, n, to.data())
+               : pack_blocks<T, 2 * avx2::Lanes<T>::W>(b, sb, k, n, to.data());
+  return to;
 }
 
 // Every group's product cut into chunks (blas.py's plan), and the (group, chunk) pairs shared out on
