@@ -1,8 +1,9 @@
 """Which CPU code paths a run computes with: `determinism.cpu`, auto (the default), portable or native.
 
-auto is portable where the CPU supports it (x86-64 with AVX2 and FMA) and native elsewhere (Arm
-servers, Apple silicon, a GH200's Grace), said in one log line; the run's fingerprint records the
-mode that ran (`hw.cpu.mode`). portable asked for on a CPU without it is refused (exit 4).
+auto is portable where the CPU supports it (x86-64 with AVX2 and FMA) and a C++ compiler can build its
+kernels, and native elsewhere (Arm servers, Apple silicon, a GH200's Grace), said in one log line; the
+run's fingerprint records the mode that ran (`hw.cpu.mode`). portable asked for on a CPU without it is
+refused (exit 4).
 
 CPU kernels pick their code by the CPU they run on, so the same run gives other weight bytes on
 another machine (Intel vs AMD, AVX2 vs AVX-512):
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,15 +98,24 @@ def resolve(mode: str) -> str:
         return mode
     if os.environ.get(MODE_ENV) in ("portable", "native"):
         return os.environ[MODE_ENV]
-    why = portable_unsupported()
+    why = portable_unsupported() or _no_compiler()
     if why is None:
         return "portable"
     log.warning(
-        "determinism.cpu: auto computes in native mode here (%s; portable needs x86-64 with AVX2 and FMA): "
-        "the weight bytes depend on this CPU's kind, and a GPU's are unaffected",
+        "determinism.cpu: auto computes in native mode here (%s; portable needs x86-64 with AVX2 and FMA, "
+        "and a C++ compiler for its kernels): the weight bytes depend on this CPU's kind, and a GPU's are "
+        "unaffected",
         why,
     )
     return "native"
+
+
+def _no_compiler() -> str | None:
+    """Why portable's C++ op cannot be built here, or None. Without it, portable computes float32 products
+    in Python (tasks/determinism/blas.py: the same bytes, far too slow to train with), so `auto` does not
+    choose it; `portable` asked for by name still can."""
+    compiler = os.environ.get("CXX") or "g++"
+    return None if shutil.which(compiler) else f"no C++ compiler ({compiler}) to build its kernels"
 
 
 def pin_env(mode: str) -> None:

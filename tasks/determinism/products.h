@@ -128,7 +128,8 @@ void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, c
                    Operand sb, T* c, Index ldc, const T* packed) {
   static_assert(NC % NR == 0);
   thread_local std::vector<T> pa, pb;
-  pa.resize(MR * KC), pb.resize(packed ? 0 : KC * NC);
+  pa.resize(MR * KC);
+  if (!packed) pb.resize(KC * NC);  // (never shrunk: growing it again would fill it with zeros)
   T edge[MR * NR];
   if (k == 0) {  // no terms: every chain is its starting zero
     for (Index i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, T(0));

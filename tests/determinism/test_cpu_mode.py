@@ -239,6 +239,14 @@ def test_auto_is_portable_where_the_cpu_supports_it_and_native_elsewhere(
         assert cpu_mode.resolve("auto") == "native"
     (line,) = [r.getMessage() for r in caplog.records if r.name == cpu_mode.__name__]
     assert "auto computes in native mode here (this CPU is aarch64, not x86-64" in line
+    monkeypatch.undo()
+    monkeypatch.delenv(cpu_mode.MODE_ENV)
+    monkeypatch.setenv("CXX", "no-such-c++")  # an x86-64 CPU with AVX2, but nothing to build the kernels with
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=cpu_mode.__name__):
+        assert cpu_mode.resolve("auto") == "native" and cpu_mode.resolve("portable") == "portable"
+    (line,) = [r.getMessage() for r in caplog.records if r.name == cpu_mode.__name__]
+    assert "auto computes in native mode here (no C++ compiler (no-such-c++) to build its kernels" in line
 
 
 def test_portable_asked_for_on_a_cpu_without_it_is_refused_as_missing_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
