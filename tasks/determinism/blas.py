@@ -44,7 +44,8 @@ from tasks.core.errors import Refused
 SOURCE = Path(__file__).with_name("blas_pool.cpp")
 # included by SOURCE: part of what the cache key hashes
 _HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("fma_chain.h", "products.h", "convolution.h", "depthwise.h")
+    Path(__file__).with_name(name)
+    for name in ("fma_chain.h", "depthwise_taps.h", "products.h", "convolution.h", "depthwise.h")
 )
 _MIN_CHUNK = 64  # narrower chunks spend more on packing the shared operand than they gain
 _ROWS, _COLUMNS = 12, 32  # the widest kernel's tile (AVX2's, 6 x 16, divides it): chunks of whole tiles

@@ -20,7 +20,15 @@ namespace {
 
 using Index = int64_t;
 
-// The micro-kernel for each vector width (fma_chain.h): Lanes<T> names the intrinsics of one width.
+// Positions (image b, row r, column o), in that order, n x rows x cols of them, and where each lies in two
+// channels-last tensors g and x, in elements from the first: a depthwise weight gradient's terms
+// (depthwise_taps.h).
+struct Walk {
+  Index n, rows, cols, g_image, g_row, g_col, x_image, x_row, x_col;
+};
+
+// The code compiled for each vector width: the products' micro-kernel (fma_chain.h; Lanes<T> names the
+// intrinsics of one width) and channels-last depthwise loops (depthwise_taps.h).
 #define LANES(T, VEC, P, S, ROWS)                                            \
   template <>                                                                \
   struct Lanes<T> {                                                          \
@@ -41,6 +49,7 @@ struct Lanes;
 LANES(float, __m256, _mm256, ps, 6)  // 6 x 2 accumulators of the 16 registers
 LANES(double, __m256d, _mm256, pd, 6)
 #include "fma_chain.h"
+#include "depthwise_taps.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -52,6 +61,7 @@ struct Lanes;
 LANES(float, __m512, _mm512, ps, 12)  // 12 x 2 accumulators of the 32 registers
 LANES(double, __m512d, _mm512, pd, 12)
 #include "fma_chain.h"
+#include "depthwise_taps.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -184,18 +194,21 @@ void gather_columns(const at::Tensor& fields, const at::Tensor& out, int64_t sh,
 }
 
 // Which of the three a call computes (`part`): 0 the output (a = x, b = w), 1 the input gradient (a = g,
-// b = w), 2 the weight gradient (a = g, b = x); written into `out`.
+// b = w), 2 the weight gradient (a = g, b = x); written into `out`. `last`: the activations (all but w) are
+// channels-last, else contiguous.
 void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t part, int64_t sh, int64_t sw,
-               int64_t ph, int64_t pw, int64_t dh, int64_t dw) {
+               int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool last) {
   TORCH_CHECK(a.dim() == 4 && b.dim() == 4 && out.dim() == 4, "lockstep_blas: depthwise: 4-D tensors");
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && out.is_contiguous(), "lockstep_blas: depthwise: contiguous");
-  TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == out.scalar_type(), "lockstep_blas: dtypes");
-  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
   TORCH_CHECK(part >= 0 && part <= 2 && sh > 0 && sw > 0 && ph >= 0 && pw >= 0 && dh > 0 && dw > 0,
               "lockstep_blas: depthwise arguments");
   const at::Tensor& image = part == 0 ? a : (part == 1 ? out : b);  // x, or the input gradient
   const at::Tensor& small = part == 0 ? out : a;                    // the output, or its gradient
   const at::Tensor& kernel = part == 2 ? out : b;                   // w, or the weight gradient
+  const auto layout = last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  TORCH_CHECK(image.is_contiguous(layout) && small.is_contiguous(layout) && kernel.is_contiguous(),
+              "lockstep_blas: depthwise: contiguous", last ? " (activations channels-last)" : "");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == out.scalar_type(), "lockstep_blas: dtypes");
+  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
   TORCH_CHECK(image.size(0) == small.size(0) && image.size(1) == small.size(1) && kernel.size(0) == small.size(1) &&
                   kernel.size(1) == 1,
               "lockstep_blas: depthwise: shapes do not match");
@@ -204,7 +217,13 @@ void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
               "lockstep_blas: depthwise: the output's size does not follow from the geometry");
   const Geometry k{sh, sw, ph, pw, dh, dw};
   const bool single = a.scalar_type() == at::kFloat;
-  if (part == 0) {
+  if (part == 0 && last) {
+    single ? depthwise_last<float, false>(out, b, a, k) : depthwise_last<double, false>(out, b, a, k);
+  } else if (part == 1 && last) {
+    single ? depthwise_last<float, true>(a, b, out, k) : depthwise_last<double, true>(a, b, out, k);
+  } else if (part == 2 && last) {
+    single ? depthwise_weight_gradient_last<float>(a, b, out, k) : depthwise_weight_gradient_last<double>(a, b, out, k);
+  } else if (part == 0) {
     single ? depthwise_offsets<float, false>(out, b, a, k) : depthwise_offsets<double, false>(out, b, a, k);
   } else if (part == 1) {
     single ? depthwise_offsets<float, true>(a, b, out, k) : depthwise_offsets<double, true>(a, b, out, k);
@@ -230,6 +249,7 @@ TORCH_LIBRARY(lockstep_blas, m) {
   m.def("gather_columns(Tensor fields, Tensor(a!) out, int sh, int sw, int ph, int pw, int dh, int dw) -> ()",
         gather_columns);
   m.def(
-      "depthwise(Tensor a, Tensor b, Tensor(a!) out, int part, int sh, int sw, int ph, int pw, int dh, int dw) -> ()",
+      "depthwise(Tensor a, Tensor b, Tensor(a!) out, int part, int sh, int sw, int ph, int pw, int dh, int dw, "
+      "bool last=False) -> ()",
       depthwise);
 }

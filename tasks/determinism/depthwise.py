@@ -25,6 +25,10 @@ import torch
 from tasks.determinism import blas, memory
 
 _OUTPUT, _INPUT_GRADIENT, _WEIGHT_GRADIENT = 0, 1, 2  # blas_pool.cpp's `part`
+# A weight gradient sums each channel over all its output positions. Channels-last, a block of channels is
+# read once per kernel offset, from cache while the block's positions fit there; past this many positions
+# (images x rows x columns) the channels' planes, copied out, are read better.
+LAST_POSITIONS = 4096
 
 
 def is_depthwise(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
@@ -34,40 +38,71 @@ def is_depthwise(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
 
 def forward(x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> torch.Tensor:
     """The output (N, C, oh, ow) of a depthwise convolution of `x` (N, C, H, W) by `weight` (C, 1, kh, kw),
-    without bias; `geometry` is (stride, padding, dilation), each (rows, columns)."""
-    xc, w = _operands(x, x, weight)
+    without bias, in `x`'s memory layout; `geometry` is (stride, padding, dilation), each (rows, columns)."""
+    last = _channels_last(x)
+    (xc,), w = _operands(x, last, x), _weights(x, weight)
     oh, ow = (out_size(x.shape[2 + d], w.shape[2 + d], *(part[d] for part in geometry)) for d in (0, 1))
-    out = memory.empty((x.shape[0], x.shape[1], oh, ow), xc)
-    return _compute(_OUTPUT, xc, w, out, geometry).to(x.dtype)
+    out = _empty((x.shape[0], x.shape[1], oh, ow), xc, last)
+    return _compute(_OUTPUT, xc, w, out, geometry, last).to(x.dtype)
 
 
 def backward(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: tuple, mask: Sequence[bool]
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(input gradient, weight gradient) of `forward`, each if `mask` asks for it (as convolution_backward's)."""
-    g, w = _operands(x, grad, weight)
+    """(input gradient, weight gradient) of `forward`, each if `mask` asks for it (as convolution_backward's);
+    computed channels-last where `grad` or `x` is (the input gradient comes back so)."""
+    w = _weights(x, weight)
+    last = _channels_last(grad) or _channels_last(x)
     grad_input = grad_weight = None
     if mask[0]:
-        grad_input = _compute(_INPUT_GRADIENT, g, w, memory.empty(tuple(x.shape), g), geometry).to(x.dtype)
+        (g,) = _operands(x, last, grad)
+        grad_input = _compute(_INPUT_GRADIENT, g, w, _empty(tuple(x.shape), g, last), geometry, last).to(x.dtype)
     if mask[1]:
-        (xc,) = _operands(x, x)
-        grad_weight = _compute(_WEIGHT_GRADIENT, g, xc, memory.empty(tuple(w.shape), g), geometry).to(weight.dtype)
+        last = last and grad.shape[0] * grad.shape[2] * grad.shape[3] <= LAST_POSITIONS
+        g, xc = _operands(x, last, grad, x)
+        grad_weight = _compute(_WEIGHT_GRADIENT, g, xc, memory.empty(tuple(w.shape), g), geometry, last)
+        grad_weight = grad_weight.to(weight.dtype)
     return grad_input, grad_weight
 
 
-def _operands(x: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`tensors` as the kernels take them: contiguous, in float32 for half and bfloat16 `x`."""
-    compute = x.dtype if x.dtype in memory.NUMPY_DTYPES else torch.float32
-    return tuple(t.detach().to(compute).contiguous() for t in tensors)
+def _channels_last(t: torch.Tensor) -> bool:
+    """Whether `t` (N, C, H, W) is laid out channels-last (and not also contiguous, as with one channel)."""
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
-def _compute(part: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, geometry: tuple) -> torch.Tensor:
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The kernels' dtype for `x`: its own, or float32 for half and bfloat16."""
+    return x.dtype if x.dtype in memory.NUMPY_DTYPES else torch.float32
+
+
+def _operands(x: torch.Tensor, last: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Activations `tensors` as the kernels take them: contiguous (channels-last if `last`), in the compute
+    dtype of `x`."""
+    layout = torch.channels_last if last else torch.contiguous_format
+    return tuple(t.detach().to(_compute_dtype(x)).contiguous(memory_format=layout) for t in tensors)
+
+
+def _weights(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight.detach().to(_compute_dtype(x)).contiguous()
+
+
+def _empty(shape: tuple[int, ...], like: torch.Tensor, last: bool) -> torch.Tensor:
+    """New memory (N, C, H, W) for a result, channels-last if `last`."""
+    if not last:
+        return memory.empty(shape, like)
+    n, c, h, w = shape
+    return memory.empty((n, h, w, c), like).permute(0, 3, 1, 2)
+
+
+def _compute(
+    part: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, geometry: tuple, last: bool
+) -> torch.Tensor:
     """`out` (all of it written) = `part` of a depthwise convolution, by the op or, where it cannot be built,
     by the same sums in torch loops: the output (a = x, b = w), the input gradient (a = g, b = w) or the
-    weight gradient (a = g, b = x)."""
+    weight gradient (a = g, b = x). `last`: the activations are channels-last."""
     op = blas.depthwise_op()
     if op is not None:
-        op(a, b, out, part, *(value for pair in geometry for value in pair))
+        op(a, b, out, part, *(value for pair in geometry for value in pair), last)
         return out
     out.zero_()
     if part == _OUTPUT:

@@ -47,11 +47,12 @@ _REFUSED = (
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
-    product = kernels.matmul(a, b)
-    product = product if alpha == 1 else product * alpha
+    product = kernels.matmul(a, b)  # new memory: scaled and added to in place, as the same ops out of place
+    if alpha != 1:
+        product.mul_(alpha)
     if beta == 0:  # as torch: `bias` is not read (it may be uninitialised memory, NaN included)
         return product
-    return product + (bias if beta == 1 else bias * beta)
+    return product.add_(bias if beta == 1 else bias * beta)
 
 
 def _into(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,39 @@ def test_the_op_gives_the_bytes_of_the_torch_loops_on_any_thread_count(
                 assert torch.equal(got, want), (size, part)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", GEOMETRIES)
+def test_channels_last_activations_give_the_same_bytes_in_their_own_layout(
+    case, dtype, torch_threads, monkeypatch
+) -> None:  # noqa: ANN001
+    """convnext's activations come channels-last: the op sums a position's channels at once there (blocks of 64,
+    16 and single channels: 100 = 64 + 16 + 16 + 4), and a weight gradient over few positions too, over many
+    plane by plane (`LAST_POSITIONS` both ways). Each gives the torch loops' bytes, on 1-3 threads, and the
+    output and input gradient come back channels-last."""
+    needs_the_op()
+    stride, padding, dilation, kernel = case
+    geometry = (stride, padding, dilation)
+    for seed, (size, channels) in enumerate([((11, 9), 100), ((11, 9), 37), ((2, 2), 6)]):
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn(3, channels, *size, generator=generator, dtype=dtype)
+        w = torch.randn(channels, 1, *kernel, generator=generator, dtype=dtype)
+        oh, ow = (depthwise.out_size(size[d], kernel[d], stride[d], padding[d], dilation[d]) for d in (0, 1))
+        if oh < 1 or ow < 1:
+            continue
+        grad = torch.randn(3, channels, oh, ow, generator=generator, dtype=dtype)
+        with monkeypatch.context() as patch:
+            patch.setattr(blas, "depthwise_op", lambda: None)
+            loops = _all_parts(x, w, geometry, grad)
+        last = [t.contiguous(memory_format=torch.channels_last) for t in (x, grad)]
+        for threads, positions in ((1, 0), (2, 0), (3, 0), (2, 1 << 30)):
+            torch.set_num_threads(threads)
+            monkeypatch.setattr(depthwise, "LAST_POSITIONS", positions)
+            parts = _all_parts(last[0], w, geometry, last[1])
+            for part, (got, want) in enumerate(zip(parts, loops, strict=True)):
+                assert torch.equal(got, want), (size, channels, threads, positions, part)
+            assert all(t.is_contiguous(memory_format=torch.channels_last) for t in parts[:2])
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(("stride", "padding", "dilation", "kernel"), GEOMETRIES)
 def test_a_depthwise_convolution_computes_what_torch_does(stride, padding, dilation, kernel, bias) -> None:  # noqa: ANN001
@@ -115,6 +148,8 @@ def test_the_op_refuses_shapes_that_do_not_follow_from_the_geometry() -> None:
         blas.depthwise_op()(x, torch.randn(3, 1, 3, 3), torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1)
     with pytest.raises(RuntimeError, match="lockstep_blas: depthwise: contiguous"):
         blas.depthwise_op()(x.transpose(2, 3), w, torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1)
+    with pytest.raises(RuntimeError, match="lockstep_blas: depthwise: contiguous \\(activations channels-last\\)"):
+        blas.depthwise_op()(x, w, torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1, True)
 
 
 @pytest.mark.parametrize("groups", [1, 4])
