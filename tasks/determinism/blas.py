@@ -45,15 +45,17 @@ SOURCE = Path(__file__).with_name("blas_pool.cpp")
 # included by SOURCE: part of what the cache key hashes
 _HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("fma_chain.h", "depthwise_taps.h", "products.h", "convolution.h", "depthwise.h")
+    for name in ("fma_chain.h", "depthwise_taps.h", "activations.h", "products.h", "convolution.h", "depthwise.h")
 )
 _MIN_CHUNK = 64  # narrower chunks spend more on packing the shared operand than they gain
 _ROWS, _COLUMNS = 12, 32  # the widest kernel's tile (AVX2's, 6 x 16, divides it): chunks of whole tiles
 _BUILD_TIMEOUT_S = 300
 # -ffp-contract=off: no fused multiply-add but the ones the code asks for (the products' chains): the
-# depthwise loops round a product and a sum apart, as the same loops written with torch ops (depthwise.py)
-# do; without it the op's bytes would follow the compiler
-_FLAGS = ("-O3", "-ffp-contract=off", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
+# depthwise loops and the activations round a product and a sum apart, as the same code written with torch
+# ops (depthwise.py, activations.py) does; without it the op's bytes would follow the compiler.
+# -fno-trapping-math: no code reads floating-point exception flags, and without it GCC keeps the
+# activations' comparisons as branches and computes them one element at a time (the values are the same)
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-std=c++20", "-fPIC", "-shared", "-fopenmp")
 
 
 def plan(m: int, n: int, threads: int) -> tuple[int, int]:
@@ -162,6 +164,12 @@ def depthwise_op() -> Any:
     """torch.ops.lockstep_blas.depthwise (tasks/determinism/depthwise.py's loops in C++); None if the op cannot be
     built here."""
     return torch.ops.lockstep_blas.depthwise if _library_loaded() else None
+
+
+def activation_op() -> Any:
+    """torch.ops.lockstep_blas.activation (tasks/determinism/activations.py's functions in C++); None if the op
+    cannot be built here."""
+    return torch.ops.lockstep_blas.activation if _library_loaded() else None
 
 
 def padded_image_op() -> Any:

@@ -12,6 +12,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -27,8 +29,11 @@ struct Walk {
   Index n, rows, cols, g_image, g_row, g_col, x_image, x_row, x_col;
 };
 
+// The activations of activations.h (tasks/determinism/activations.py numbers them alike).
+enum Activation : int64_t { kSigmoid, kSilu, kSiluBackward, kGelu, kGeluBackward, kGeluTanh, kGeluTanhBackward };
+
 // The code compiled for each vector width: the products' micro-kernel (fma_chain.h; Lanes<T> names the
-// intrinsics of one width) and channels-last depthwise loops (depthwise_taps.h).
+// intrinsics of one width), channels-last depthwise loops (depthwise_taps.h) and activations (activations.h).
 #define LANES(T, VEC, P, S, ROWS)                                            \
   template <>                                                                \
   struct Lanes<T> {                                                          \
@@ -50,6 +55,7 @@ LANES(float, __m256, _mm256, ps, 6)  // 6 x 2 accumulators of the 16 registers
 LANES(double, __m256d, _mm256, pd, 6)
 #include "fma_chain.h"
 #include "depthwise_taps.h"
+#include "activations.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -62,6 +68,7 @@ LANES(float, __m512, _mm512, ps, 12)  // 12 x 2 accumulators of the 32 registers
 LANES(double, __m512d, _mm512, pd, 12)
 #include "fma_chain.h"
 #include "depthwise_taps.h"
+#include "activations.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -195,9 +202,9 @@ void gather_columns(const at::Tensor& fields, const at::Tensor& out, int64_t sh,
 
 // Which of the three a call computes (`part`): 0 the output (a = x, b = w), 1 the input gradient (a = g,
 // b = w), 2 the weight gradient (a = g, b = x); written into `out`. `last`: the activations (all but w) are
-// channels-last, else contiguous.
+// channels-last, else contiguous. `width`: as gemm_chunks' (the channels-last loops' vectors).
 void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t part, int64_t sh, int64_t sw,
-               int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool last) {
+               int64_t ph, int64_t pw, int64_t dh, int64_t dw, bool last, int64_t width) {
   TORCH_CHECK(a.dim() == 4 && b.dim() == 4 && out.dim() == 4, "lockstep_blas: depthwise: 4-D tensors");
   TORCH_CHECK(part >= 0 && part <= 2 && sh > 0 && sw > 0 && ph >= 0 && pw >= 0 && dh > 0 && dw > 0,
               "lockstep_blas: depthwise arguments");
@@ -216,13 +223,14 @@ void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
                   small.size(3) == out_size(image.size(3), kernel.size(3), sw, pw, dw),
               "lockstep_blas: depthwise: the output's size does not follow from the geometry");
   const Geometry k{sh, sw, ph, pw, dh, dw};
-  const bool single = a.scalar_type() == at::kFloat;
+  const bool single = a.scalar_type() == at::kFloat, wide = vector_width(width) == 512;
   if (part == 0 && last) {
-    single ? depthwise_last<float, false>(out, b, a, k) : depthwise_last<double, false>(out, b, a, k);
+    single ? depthwise_last<float, false>(out, b, a, k, wide) : depthwise_last<double, false>(out, b, a, k, wide);
   } else if (part == 1 && last) {
-    single ? depthwise_last<float, true>(a, b, out, k) : depthwise_last<double, true>(a, b, out, k);
+    single ? depthwise_last<float, true>(a, b, out, k, wide) : depthwise_last<double, true>(a, b, out, k, wide);
   } else if (part == 2 && last) {
-    single ? depthwise_weight_gradient_last<float>(a, b, out, k) : depthwise_weight_gradient_last<double>(a, b, out, k);
+    single ? depthwise_weight_gradient_last<float>(a, b, out, k, wide)
+           : depthwise_weight_gradient_last<double>(a, b, out, k, wide);
   } else if (part == 0) {
     single ? depthwise_offsets<float, false>(out, b, a, k) : depthwise_offsets<double, false>(out, b, a, k);
   } else if (part == 1) {
@@ -230,6 +238,29 @@ void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
   } else {
     single ? depthwise_weight_gradient<float>(a, b, out, k) : depthwise_weight_gradient<double>(a, b, out, k);
   }
+}
+
+// out = activation `kind` (activations.h) of x, or of a backward one, its gradient given g (the gradient of
+// its output); float32, contiguous, one shape. `width` as gemm_chunks' (the bytes do not depend on it, nor
+// on how the elements are shared out).
+void activation(const at::Tensor& x, const std::optional<at::Tensor>& g, const at::Tensor& out, int64_t kind,
+                int64_t width) {
+  TORCH_CHECK(kind >= kSigmoid && kind <= kGeluTanhBackward, "lockstep_blas: activation: no kind ", kind);
+  const bool backward = kind == kSiluBackward || kind == kGeluBackward || kind == kGeluTanhBackward;
+  TORCH_CHECK(backward == g.has_value(), "lockstep_blas: activation: a gradient for the backward kinds only");
+  for (const at::Tensor* t : {&x, &out, g ? &*g : &x}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == x.sizes(),
+                "lockstep_blas: activation: float32 tensors, contiguous, of one shape");
+  }
+  const float* px = x.data_ptr<float>();
+  const float* pg = g ? g->data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  const bool wide = vector_width(width) == 512;
+  at::parallel_for(0, x.numel(), 16384, [&](int64_t first, int64_t last) {
+    const Index n = last - first;
+    wide ? avx512::activate(kind, px + first, pg ? pg + first : nullptr, po + first, n)
+         : avx2::activate(kind, px + first, pg ? pg + first : nullptr, po + first, n);
+  });
 }
 
 }  // namespace
@@ -250,6 +281,7 @@ TORCH_LIBRARY(lockstep_blas, m) {
         gather_columns);
   m.def(
       "depthwise(Tensor a, Tensor b, Tensor(a!) out, int part, int sh, int sw, int ph, int pw, int dh, int dw, "
-      "bool last=False) -> ()",
+      "bool last=False, int width=0) -> ()",
       depthwise);
+  m.def("activation(Tensor x, Tensor? g, Tensor(a!) out, int kind, int width=0) -> ()", activation);
 }

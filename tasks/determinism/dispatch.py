@@ -2,7 +2,8 @@
 
 `install` registers tasks/determinism/kernels.py's matrix products and convolutions for their ATen ops
 (the out= and in-place forms too: an op's CPU kernel may call them, as the fused CPU attention of
-nn.MultiheadAttention's inference path writes through aten::bmm.out), and a refusal for every overload
+nn.MultiheadAttention's inference path writes through aten::bmm.out), activations.py's sigmoid, SiLU
+and GELU (whose ATen kernels' values followed the thread count), and a refusal for every overload
 of the other ops that would compute with MKL, oneDNN, NNPACK or fbgemm (matrix-vector products, LAPACK,
 FFT, fused attention, torch's convolution backends called directly, packed-weight products), rather
 than let them compute CPU-dependent bytes. `refusal` says which call would be refused, and
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tasks.determinism import kernels
+from tasks.determinism import activations, kernels
 
 # ATen ops (every overload) that compute with MKL, oneDNN, NNPACK or fbgemm on the CPU and have no
 # portable route here; a name this torch does not have is skipped.
@@ -89,6 +90,27 @@ def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_
     return kernels.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
+def _activation(kind: str, backward: bool = False, inplace: bool = False):  # noqa: ANN202
+    """The route for an overload of an activation (tasks/determinism/activations.py): forward (self) or backward
+    (grad_output, self), gelu's `approximate` naming its kind; in place, into `out` (or a backward's
+    `grad_input`), or new."""
+
+    def kernel(*args: Any, approximate: str = "none", out: Any = None, grad_input: Any = None) -> torch.Tensor:
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"aten::{kind}: approximate is 'none' or 'tanh', not {approximate!r}")
+        name = (f"{kind}_tanh" if approximate == "tanh" else kind) + ("_backward" if backward else "")
+        x = args[1] if backward else args[0]
+        if kind == "sigmoid" and not x.is_floating_point():  # as torch: integers give the default float dtype
+            x = x.to(torch.get_default_dtype())
+        result = activations.compute(name, x, args[0] if backward else None)
+        target = out if out is not None else grad_input
+        if inplace:
+            return args[0].copy_(result)
+        return result if target is None else _into(target, result)
+
+    return kernel
+
+
 def _refuse(name: str):  # noqa: ANN202
     def kernel(*args: Any, **kwargs: Any) -> Any:
         raise kernels.PortableOpError(f"determinism.cpu: portable has no CPU-independent aten::{name}; use native")
@@ -111,6 +133,17 @@ _ROUTES = {
     "convolution": kernels.convolution,
     "_convolution": _convolution,
     "convolution_backward": kernels.convolution_backward,
+    # activations whose ATen kernels compute a tensor's tail otherwise than its body (activations.py)
+    **{
+        f"{kind}{overload}": _activation(kind, inplace=overload == "_")
+        for kind in ("sigmoid", "silu", "gelu")
+        for overload in ("", "_", ".out")
+    },
+    **{
+        f"{kind}_backward{overload}": _activation(kind, backward=True)
+        for kind in ("silu", "gelu")
+        for overload in ("", ".grad_input")
+    },
 }
 _CONVOLUTIONS = {"convolution": 6, "_convolution": 6}  # -> the index of their `transposed` argument
 

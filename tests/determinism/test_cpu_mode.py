@@ -6,8 +6,9 @@ all been seen). On one machine, the three variables that changed native weights 
 oneDNN's ISA, MKL's branch) are set in every combination, on 1, 2 and 3 threads: portable bytes
 must not move, native ones do; nor may they move with MKL and oneDNN left to pick their own kernels,
 since portable computes with neither. The same holds for a bf16 training (train.amp: bf16, the one
-other precision the CPU trains in: fp16 needs CUDA), whose hash is recorded beside, and for a small
-net of depthwise convolutions (tasks/determinism/depthwise.py's kernels; float32 steps, then bf16).
+other precision the CPU trains in: fp16 needs CUDA), whose hash is recorded beside, for a small net of
+depthwise convolutions (tasks/determinism/depthwise.py's kernels; float32 steps, then bf16), and for one
+of sigmoid, SiLU and both GELUs (tasks/determinism/activations.py's; float32, then bf16).
 Record new hashes (after checking the change is meant; it starts a new record, without `seen_on`) with:
 
     LOCKSTEP_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/determinism/test_cpu_mode.py
@@ -33,7 +34,8 @@ from tests.conftest import ROOT
 from tests.support.portable import computes_what_torch_does, portable_kernels
 
 GOLDEN = Path(__file__).parent / "golden" / "portable_training.json"
-HASHES = ("sha256", "bf16_sha256", "depthwise_sha256")  # small_cnn in float32, in bf16; depthwise layers
+# small_cnn in float32, in bf16; depthwise layers; sigmoid, SiLU and GELU
+HASHES = ("sha256", "bf16_sha256", "depthwise_sha256", "activations_sha256")
 # The variables measured to change native weights, each unset or set to what another CPU would use.
 VARIABLES = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "AVX2"}
 # A process already pinned portable keeps what it finds (cpu_mode.pin_env): here, MKL and oneDNN free to
@@ -54,49 +56,56 @@ from tasks.determinism.pinning import pin_everything
 from tasks.determinism.fingerprint import fingerprint
 from tasks.train.models import build_model
 pin_everything(0, int(sys.argv[2]), True, sys.argv[1])
-if sys.argv[3] != "0":  # the products' vectors this narrow (bits): an AVX2 CPU's, on an AVX-512 one
+if sys.argv[3] != "0":  # the op's vectors this narrow (bits): an AVX2 CPU's, on an AVX-512 one
     import functools
     from tasks.determinism import blas
-    blas.gemm = functools.partial(blas.gemm, width=int(sys.argv[3]))
+    width = int(sys.argv[3])
+    blas.gemm = functools.partial(blas.gemm, width=width)
+    def narrow(get):
+        return lambda: functools.partial(get(), width=width)
+    blas.depthwise_op, blas.activation_op = narrow(blas.depthwise_op), narrow(blas.activation_op)
 generator = torch.Generator().manual_seed(1)
 images = torch.rand(4, 32, 1, 12, 12, generator=generator)
 labels = torch.randint(0, 10, (4, 32), generator=generator)
-model = build_model("small_cnn", 10, [0.5], [0.25])
-optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-for x, y in zip(images, labels):  # conv, batch norm, pooling, dropout, linear, cross-entropy, SGD
-    optimiser.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    optimiser.step()
-state = b"".join(t.numpy().tobytes() for t in model.state_dict().values())
-torch.manual_seed(0)  # the same again in bf16, as tasks/train/loop.py's autocast computes it
-model = build_model("small_cnn", 10, [0.5], [0.25])
-optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-for x, y in zip(images, labels):
-    optimiser.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    optimiser.step()
-bf16 = b"".join(t.numpy().tobytes() for t in model.state_dict().values())
-torch.manual_seed(0)  # depthwise convolutions (tasks/determinism/depthwise.py), in float32 and then bf16
 nn = torch.nn
-model = nn.Sequential(
+
+
+def trained(model, bf16_from, weight_decay=0.0):
+    # the weights' bytes after a step on each batch, in bf16 (as tasks/train/loop.py's autocast) from step
+    # `bf16_from` on
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=weight_decay)
+    for step, (x, y) in enumerate(zip(images, labels)):
+        optimiser.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step >= bf16_from):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimiser.step()
+    return b"".join(t.numpy().tobytes() for t in model.state_dict().values())
+
+
+# conv, batch norm, pooling, dropout, linear, cross-entropy, SGD
+state = trained(build_model("small_cnn", 10, [0.5], [0.25]), len(images), 5e-4)
+torch.manual_seed(0)  # the same again in bf16
+bf16 = trained(build_model("small_cnn", 10, [0.5], [0.25]), 0, 5e-4)
+torch.manual_seed(0)  # depthwise convolutions (tasks/determinism/depthwise.py), in float32 and then bf16
+depthwise = trained(nn.Sequential(
     nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
     nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8), nn.BatchNorm2d(8), nn.ReLU(),
     nn.Conv2d(8, 8, 7, padding=3, groups=8, bias=False), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
-)
-optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-for step, (x, y) in enumerate(zip(images, labels)):
-    optimiser.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step >= 2):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    optimiser.step()
-depthwise = b"".join(t.numpy().tobytes() for t in model.state_dict().values())
+), 2)
+torch.manual_seed(0)  # activations of a transcendental function (tasks/determinism/activations.py), the same
+class Gate(nn.Module):  # squeeze-and-excitation's sigmoid gate, as efficientnet's
+    def forward(self, x):
+        return x * torch.sigmoid(x.mean((2, 3), keepdim=True))
+activations = trained(nn.Sequential(
+    nn.Conv2d(1, 13, 3, padding=2), nn.SiLU(inplace=True), nn.Conv2d(13, 13, 3, padding=1), Gate(), nn.GELU(),
+    nn.Conv2d(13, 13, 1), nn.GELU(approximate="tanh"), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(13, 10),
+), 2)
 print(json.dumps({
     "sha256": hashlib.sha256(state).hexdigest(),
     "bf16_sha256": hashlib.sha256(bf16).hexdigest(),
     "depthwise_sha256": hashlib.sha256(depthwise).hexdigest(),
+    "activations_sha256": hashlib.sha256(activations).hexdigest(),
     "machine": fingerprint(),
 }))
 """
@@ -127,7 +136,8 @@ def test_portable_weights_match_the_committed_hash_under_every_cpu_variable_and_
     vector width: each element of a product is one chain of fused multiply-adds, wherever and however wide
     it is computed (tasks/determinism/blas.py), so a machine with more or fewer cores, or with AVX2 only,
     trains the same bytes. The runs take 1, 2 and 3 threads in turn (each is a process importing torch:
-    one run per combination, not three); one more computes its products with AVX2's 256-bit vectors."""
+    one run per combination, not three); one more computes its products, depthwise loops and activations
+    with AVX2's 256-bit vectors."""
     combos = [
         {name: value for name, value, on in zip(VARIABLES, VARIABLES.values(), flags, strict=True) if on}
         for flags in itertools.product((False, True), repeat=len(VARIABLES))

@@ -3,6 +3,8 @@ blas_pool.cpp's op gives the bytes of the torch loops it replaces, whatever the 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,14 @@ def _inputs(size: tuple[int, int], kernel: tuple[int, int], dtype: torch.dtype, 
     x = torch.randn(3, 6, *size, generator=generator).to(dtype)
     w = torch.randn(6, 1, *kernel, generator=generator).to(dtype)
     return x, w, generator
+
+
+_THE_OP = blas.depthwise_op
+
+
+def _with_width(width: int):  # noqa: ANN202
+    """What blas.depthwise_op gives, its vectors `width` bits wide (0: the widest this CPU has)."""
+    return functools.partial(_THE_OP(), width=width)
 
 
 def _all_parts(x: torch.Tensor, w: torch.Tensor, geometry: tuple, grad: torch.Tensor | None) -> list[torch.Tensor]:
@@ -77,8 +87,8 @@ def test_channels_last_activations_give_the_same_bytes_in_their_own_layout(
 ) -> None:  # noqa: ANN001
     """convnext's activations come channels-last: the op sums a position's channels at once there (blocks of 64,
     16 and single channels: 100 = 64 + 16 + 16 + 4), and a weight gradient over few positions too, over many
-    plane by plane (`LAST_POSITIONS` both ways). Each gives the torch loops' bytes, on 1-3 threads, and the
-    output and input gradient come back channels-last."""
+    plane by plane (`LAST_POSITIONS` both ways). Each gives the torch loops' bytes, on 1-3 threads and with
+    AVX2's 256-bit vectors, and the output and input gradient come back channels-last."""
     needs_the_op()
     stride, padding, dilation, kernel = case
     geometry = (stride, padding, dilation)
@@ -94,12 +104,15 @@ def test_channels_last_activations_give_the_same_bytes_in_their_own_layout(
             patch.setattr(blas, "depthwise_op", lambda: None)
             loops = _all_parts(x, w, geometry, grad)
         last = [t.contiguous(memory_format=torch.channels_last) for t in (x, grad)]
-        for threads, positions in ((1, 0), (2, 0), (3, 0), (2, 1 << 30)):
+        runs = [(threads, positions, 0) for threads, positions in ((1, 0), (2, 0), (3, 0), (2, 1 << 30))]
+        runs += [(2, positions, 256) for positions in (0, 1 << 30)]  # the loops an AVX2 CPU runs
+        for threads, positions, width in runs:
             torch.set_num_threads(threads)
             monkeypatch.setattr(depthwise, "LAST_POSITIONS", positions)
+            monkeypatch.setattr(blas, "depthwise_op", functools.partial(_with_width, width))
             parts = _all_parts(last[0], w, geometry, last[1])
             for part, (got, want) in enumerate(zip(parts, loops, strict=True)):
-                assert torch.equal(got, want), (size, channels, threads, positions, part)
+                assert torch.equal(got, want), (size, channels, threads, positions, width, part)
             assert all(t.is_contiguous(memory_format=torch.channels_last) for t in parts[:2])
 
 

@@ -63,7 +63,15 @@ STAGE_MODULES["download"] += ("tasks.data.checks",)  # the new snapshot's profil
 NATIVE_SOURCES = {
     "tasks/determinism/blas.py": tuple(
         f"tasks/determinism/{name}"
-        for name in ("blas_pool.cpp", "convolution.h", "depthwise.h", "depthwise_taps.h", "fma_chain.h", "products.h")
+        for name in (
+            "activations.h",
+            "blas_pool.cpp",
+            "convolution.h",
+            "depthwise.h",
+            "depthwise_taps.h",
+            "fma_chain.h",
+            "products.h",
+        )
     )
 }
 
