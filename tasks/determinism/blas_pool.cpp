@@ -100,6 +100,15 @@ Operand operand(const at::Tensor& t, const char* name) {
 #include "convolution.h"
 #include "depthwise.h"
 
+// f(T()) with T the C++ type of t's dtype: float32 or float64, refused otherwise.
+template <typename F>
+void by_dtype(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) return f(float());
+  TORCH_CHECK(t.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64, not ", t.scalar_type());
+  f(double());
+}
+
+
 // out[g] = a[g] @ b[g] for 2-D operands (one product) or 3-D (one per group: a grouped convolution's), with
 // vectors `width` bits wide (256, 512, or 0: the widest this CPU has). The bytes do not depend on it.
 void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& out2, int64_t dim, int64_t chunk,
@@ -118,16 +127,11 @@ void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& o
   const int64_t use = vector_width(width);
   const Operand sa = operand(a, "a"), sb = operand(b, "b");
   const Index groups = a.size(0), m = a.size(1), k = a.size(2);
-  if (a.scalar_type() == at::kFloat) {
-    const float* pa = a.data_ptr<float>();
-    run<float>(use, groups, m, k, [&](Index g) { return Matrix<float>{pa + g * a.stride(0), sa}; }, b, sb, out, dim,
-               chunk);
-  } else {
-    TORCH_CHECK(a.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
-    const double* pa = a.data_ptr<double>();
-    run<double>(use, groups, m, k, [&](Index g) { return Matrix<double>{pa + g * a.stride(0), sa}; }, b, sb, out,
-                dim, chunk);
-  }
+  by_dtype(a, [&](auto zero) {
+    using T = decltype(zero);
+    const T* pa = a.data_ptr<T>();
+    run<T>(use, groups, m, k, [&](Index g) { return Matrix<T>{pa + g * a.stride(0), sa}; }, b, sb, out, dim, chunk);
+  });
 }
 
 // The widest vectors gemm_chunks uses on this CPU (for the fingerprint).
@@ -152,15 +156,11 @@ void field_chunks(const at::Tensor& image, const at::Tensor& b, const at::Tensor
   const at::Tensor b3 = b.unsqueeze(0), out3 = out.unsqueeze(0);
   const Operand sb = operand(b3, "b");
   const int64_t use = vector_width(width);
-  if (image.scalar_type() == at::kFloat) {
-    const Fields<float> fields{image.data_ptr<float>(), t.position.data(), t.offset.data(), t.run.data(), transposed};
-    run<float>(use, 1, m, k, [&](Index) { return fields; }, b3, sb, out3, dim, chunk);
-  } else {
-    TORCH_CHECK(image.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
-    const Fields<double> fields{image.data_ptr<double>(), t.position.data(), t.offset.data(), t.run.data(),
-                                        transposed};
-    run<double>(use, 1, m, k, [&](Index) { return fields; }, b3, sb, out3, dim, chunk);
-  }
+  by_dtype(image, [&](auto zero) {
+    using T = decltype(zero);
+    const Fields<T> fields{image.data_ptr<T>(), t.position.data(), t.offset.data(), t.run.data(), transposed};
+    run<T>(use, 1, m, k, [&](Index) { return fields; }, b3, sb, out3, dim, chunk);
+  });
 }
 
 void padded_image(const at::Tensor& x, const at::Tensor& out, int64_t ph, int64_t pw) {
@@ -169,7 +169,7 @@ void padded_image(const at::Tensor& x, const at::Tensor& out, int64_t ph, int64_
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(3) == x.size(1) && out.size(1) == x.size(2) + 2 * ph &&
                   out.size(2) == x.size(3) + 2 * pw,
               "lockstep_blas: padded_image: out is not x's size with its padding, channels-last");
-  x.scalar_type() == at::kFloat ? pad<float>(x, out, ph, pw) : pad<double>(x, out, ph, pw);
+  by_dtype(x, [&](auto zero) { pad<decltype(zero)>(x, out, ph, pw); });
 }
 
 void input_gradient_op(const at::Tensor& grad, const at::Tensor& weight, const at::Tensor& out, int64_t kh, int64_t kw,
@@ -186,18 +186,13 @@ void input_gradient_op(const at::Tensor& grad, const at::Tensor& weight, const a
   TORCH_CHECK(grad.stride(1) == 1 && weight.stride(1) == 1, "lockstep_blas: input_gradient: row-major grad and weight");
   const int64_t use = vector_width(width);
   const Geometry k{sh, sw, ph, pw, dh, dw};
-  if (grad.scalar_type() == at::kFloat) {
-    input_gradient<float>(use, grad, weight, out, oh, ow, kh, kw, k);
-  } else {
-    TORCH_CHECK(grad.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
-    input_gradient<double>(use, grad, weight, out, oh, ow, kh, kw, k);
-  }
+  by_dtype(grad, [&](auto zero) { input_gradient<decltype(zero)>(use, grad, weight, out, oh, ow, kh, kw, k); });
 }
 
 void gather_columns(const at::Tensor& fields, const at::Tensor& out, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
                     int64_t dh, int64_t dw) {
   const Geometry k = fields_of(out, fields, sh, sw, ph, pw, dh, dw);
-  out.scalar_type() == at::kFloat ? gather_fields<float>(fields, out, k) : gather_fields<double>(fields, out, k);
+  by_dtype(out, [&](auto zero) { gather_fields<decltype(zero)>(fields, out, k); });
 }
 
 // Which of the three a call computes (`part`): 0 the output (a = x, b = w), 1 the input gradient (a = g,
@@ -215,7 +210,6 @@ void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
   TORCH_CHECK(image.is_contiguous(layout) && small.is_contiguous(layout) && kernel.is_contiguous(),
               "lockstep_blas: depthwise: contiguous", last ? " (activations channels-last)" : "");
   TORCH_CHECK(a.scalar_type() == b.scalar_type() && a.scalar_type() == out.scalar_type(), "lockstep_blas: dtypes");
-  TORCH_CHECK(a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble, "lockstep_blas: float32 or float64");
   TORCH_CHECK(image.size(0) == small.size(0) && image.size(1) == small.size(1) && kernel.size(0) == small.size(1) &&
                   kernel.size(1) == 1,
               "lockstep_blas: depthwise: shapes do not match");
@@ -223,21 +217,17 @@ void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
                   small.size(3) == out_size(image.size(3), kernel.size(3), sw, pw, dw),
               "lockstep_blas: depthwise: the output's size does not follow from the geometry");
   const Geometry k{sh, sw, ph, pw, dh, dw};
-  const bool single = a.scalar_type() == at::kFloat, wide = vector_width(width) == 512;
-  if (part == 0 && last) {
-    single ? depthwise_last<float, false>(out, b, a, k, wide) : depthwise_last<double, false>(out, b, a, k, wide);
-  } else if (part == 1 && last) {
-    single ? depthwise_last<float, true>(a, b, out, k, wide) : depthwise_last<double, true>(a, b, out, k, wide);
-  } else if (part == 2 && last) {
-    single ? depthwise_weight_gradient_last<float>(a, b, out, k, wide)
-           : depthwise_weight_gradient_last<double>(a, b, out, k, wide);
-  } else if (part == 0) {
-    single ? depthwise_offsets<float, false>(out, b, a, k) : depthwise_offsets<double, false>(out, b, a, k);
-  } else if (part == 1) {
-    single ? depthwise_offsets<float, true>(a, b, out, k) : depthwise_offsets<double, true>(a, b, out, k);
-  } else {
-    single ? depthwise_weight_gradient<float>(a, b, out, k) : depthwise_weight_gradient<double>(a, b, out, k);
-  }
+  const bool wide = vector_width(width) == 512;
+  by_dtype(a, [&](auto zero) {
+    using T = decltype(zero);
+    if (part == 0) {
+      last ? depthwise_last<T, false>(out, b, a, k, wide) : depthwise_offsets<T, false>(out, b, a, k);
+    } else if (part == 1) {
+      last ? depthwise_last<T, true>(a, b, out, k, wide) : depthwise_offsets<T, true>(a, b, out, k);
+    } else {
+      last ? depthwise_weight_gradient_last<T>(a, b, out, k, wide) : depthwise_weight_gradient<T>(a, b, out, k);
+    }
+  });
 }
 
 // out = activation `kind` (activations.h) of x, or of a backward one, its gradient given g (the gradient of

@@ -105,6 +105,14 @@ struct Fields {
 
 constexpr Index KC = 256, NC = 256;  // b's block: 256 KiB in float32, within a 512 KiB L2
 
+// b's block of rows pc to pc + kc and columns jc to jc + nc, as the kernel reads it: panels NR values wide.
+template <typename T, int NR>
+void pack_block(const T* b, Operand sb, Index pc, Index kc, Index jc, Index nc, T* to) {
+  for (Index jr = 0; jr < nc; jr += NR)
+    pack<T, NR>(to + jr * kc, b + pc * sb.rows + (jc + jr) * sb.cols, sb.cols, sb.rows, std::min<Index>(NR, nc - jr),
+                kc);
+}
+
 // b (k x n) packed whole, block after block in the order chain_product reads them: the block of columns
 // jc and rows pc starts at jc * k + pc * (its width rounded up to NR).
 template <typename T, int NR>
@@ -113,9 +121,7 @@ void pack_blocks(const T* b, Operand sb, Index k, Index n, T* to) {
     const Index nc = std::min(NC, n - jc), ncp = (nc + NR - 1) / NR * NR;
     for (Index pc = 0; pc < k; pc += KC) {
       const Index kc = std::min(KC, k - pc);
-      for (Index jr = 0; jr < nc; jr += NR)
-        pack<T, NR>(to + jr * kc, b + pc * sb.rows + (jc + jr) * sb.cols, sb.cols, sb.rows,
-                    std::min<Index>(NR, nc - jr), kc);
+      pack_block<T, NR>(b, sb, pc, kc, jc, nc, to);
       to += ncp * kc;
     }
   }
@@ -140,9 +146,7 @@ void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, c
     for (Index pc = 0; pc < k; pc += KC) {
       const Index kc = std::min(KC, k - pc);
       const T* panels = packed ? packed + jc * k + pc * ((nc + NR - 1) / NR * NR) : pb.data();
-      for (Index jr = 0; jr < nc && !packed; jr += NR)  // b's panels: NR values per k
-        pack<T, NR>(pb.data() + jr * kc, b + pc * sb.rows + (jc + jr) * sb.cols, sb.cols, sb.rows,
-                    std::min<Index>(NR, nc - jr), kc);
+      if (!packed) pack_block<T, NR>(b, sb, pc, kc, jc, nc, pb.data());
       for (Index ir = 0; ir < m; ir += MR) {
         const Index h = std::min<Index>(MR, m - ir);
         const Strip<T> s = a.template strip<MR>(ir, h, pc, kc, pa.data());
