@@ -15,6 +15,7 @@ polynomials.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,21 +35,18 @@ _ERF += (float.fromhex("0x1.04f20cp-2"),)
 
 
 @dataclass(frozen=True)
-class _Constants:
+class _Arithmetic:
+    """The constants and functions activations.h's formulas are made of, in one precision."""
+
     sqrt_half: float  # 1/sqrt(2)
     beta: float  # 1/sqrt(2 pi)
     tanh_beta: float  # sqrt(2/pi)
     kappa: float  # 0.044715
     three_kappa: float
-
-
-_KAPPA32 = float.fromhex("0x1.6e4e26p-5")
-_FLOAT32 = _Constants(
-    *(float.fromhex(h) for h in ("0x1.6a09e6p-1", "0x1.988454p-2", "0x1.988454p-1")),
-    _KAPPA32,
-    (torch.tensor(3.0) * _KAPPA32).item(),  # rounded to float32, as activations.h's constant
-)
-_FLOAT64 = _Constants(math.sqrt(0.5), 1 / math.sqrt(2 * math.pi), math.sqrt(2 / math.pi), 0.044715, 3 * 0.044715)
+    exp: Callable[[torch.Tensor], torch.Tensor]
+    gauss: Callable[[torch.Tensor], torch.Tensor]  # e^-z^2
+    erf_given: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # erf(z), given e^-z^2
+    one_plus_tanh: Callable[[torch.Tensor], torch.Tensor]
 
 
 def compute(kind: str, x: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,42 +57,40 @@ def compute(kind: str, x: torch.Tensor, grad: torch.Tensor | None = None) -> tor
             f"determinism.cpu: portable computes {kind} of floating-point tensors only, not {x.dtype}; use native"
         )
     if x.dtype == torch.float64:
-        g64 = None if grad is None else grad.detach()
-        return _formulas(kind, x.detach(), g64, _FLOAT64, torch.exp, torch.erf, lambda u: 1 + torch.tanh(u))
+        return _formulas(kind, x.detach(), None if grad is None else grad.detach(), _FLOAT64)
     x32 = x.detach().float().contiguous()
     g32 = None if grad is None else grad.detach().float().contiguous().expand_as(x32).contiguous()
     op = blas.activation_op()
     if op is None:
-        out = _formulas(kind, x32, g32, _FLOAT32, _exp, _erf, _one_plus_tanh)
+        out = _formulas(kind, x32, g32, _FLOAT32)
     else:
         out = memory.empty(tuple(x32.shape), x32)
         op(x32, g32, out, KINDS.index(kind))
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def _formulas(
-    kind: str, x: torch.Tensor, g: torch.Tensor | None, c: _Constants, exp, erf, one_plus_tanh
-) -> torch.Tensor:  # noqa: ANN001
-    """activations.h's `activate`, operation for operation, with these constants, exp, erf and 1 + tanh."""
+def _formulas(kind: str, x: torch.Tensor, g: torch.Tensor | None, c: _Arithmetic) -> torch.Tensor:
+    """activations.h's `activate`, operation for operation, in the arithmetic `c`."""
     if kind == "sigmoid":
-        return 1 / (exp(-x) + 1)
+        return 1 / (c.exp(-x) + 1)
     if kind == "silu":
-        return x / (exp(-x) + 1)
+        return x / (c.exp(-x) + 1)
     if kind == "silu_backward":
-        s = 1 / (exp(-x) + 1)
+        s = 1 / (c.exp(-x) + 1)
         return g * (s * (x * (1 - s) + 1))
-    if kind == "gelu":
-        return (x * 0.5) * (erf(x * c.sqrt_half) + 1)
-    if kind == "gelu_backward":
-        cdf = (erf(x * c.sqrt_half) + 1) * 0.5
-        pdf = exp((x * x) * -0.5) * c.beta
-        return g * (x * pdf + cdf)
+    if kind in ("gelu", "gelu_backward"):
+        z = x * c.sqrt_half
+        e = c.gauss(z)  # e^-x^2/2: for erf, and the density's own
+        if kind == "gelu":
+            return (x * 0.5) * (c.erf_given(z, e) + 1)
+        cdf = (c.erf_given(z, e) + 1) * 0.5
+        return g * (x * (e * c.beta) + cdf)
     inner = ((x * (x * x)) * c.kappa + x) * c.tanh_beta
-    plus = one_plus_tanh(inner)
+    plus = c.one_plus_tanh(inner)
     if kind == "gelu_tanh":
         return (x * 0.5) * plus
     if kind == "gelu_tanh_backward":  # 1 - tanh^2 = (1 + tanh)(1 - tanh), without cancelling
-        sech2 = plus * one_plus_tanh(-inner)
+        sech2 = plus * c.one_plus_tanh(-inner)
         right = ((x * 0.5) * sech2) * (((x * x) * c.three_kappa + 1) * c.tanh_beta)
         return g * (plus * 0.5 + torch.where(sech2 == 0, 0, right))  # (far out, x^2 overflows: 0 times infinity)
     raise ValueError(f"no activation {kind!r}; one of {KINDS}")
@@ -113,13 +109,19 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     return (y * ((low + 127) << 23).view(torch.float32)) * ((whole - low + 127) << 23).view(torch.float32)
 
 
-def _erf(z: torch.Tensor) -> torch.Tensor:
+def _gauss(z: torch.Tensor) -> torch.Tensor:
+    """e^-z^2."""
+    return _exp(-(z.abs() * z.abs()))
+
+
+def _erf_given(z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """erf(z) given e = e^-z^2."""
     a = z.abs()
     t = 1 / (a * _ERF_P + 1)
     p = torch.full_like(t, _ERF[0])
     for coefficient in _ERF[1:]:
         p = p * t + coefficient
-    return torch.copysign(1 - (p * t) * _exp(-(a * a)), z)
+    return torch.copysign(1 - (p * t) * e, z)
 
 
 def _one_plus_tanh(u: torch.Tensor) -> torch.Tensor:
@@ -127,3 +129,27 @@ def _one_plus_tanh(u: torch.Tensor) -> torch.Tensor:
     where 1/t is subnormal.)"""
     t = _exp(-(u + u)) + 1
     return torch.full_like(t, 2).div_(t)
+
+
+_KAPPA32 = float.fromhex("0x1.6e4e26p-5")
+_FLOAT32 = _Arithmetic(
+    *(float.fromhex(h) for h in ("0x1.6a09e6p-1", "0x1.988454p-2", "0x1.988454p-1")),
+    _KAPPA32,
+    (torch.tensor(3.0) * _KAPPA32).item(),  # rounded to float32, as activations.h's constant
+    _exp,
+    _gauss,
+    _erf_given,
+    _one_plus_tanh,
+)
+# float64: ATen's own exp, erf and tanh (its precision, not our float32 polynomials)
+_FLOAT64 = _Arithmetic(
+    math.sqrt(0.5),
+    1 / math.sqrt(2 * math.pi),
+    math.sqrt(2 / math.pi),
+    0.044715,
+    3 * 0.044715,
+    torch.exp,
+    lambda z: torch.exp(-(z * z)),
+    lambda z, e: torch.erf(z),
+    lambda u: 1 + torch.tanh(u),
+)

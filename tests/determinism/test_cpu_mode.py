@@ -97,9 +97,16 @@ torch.manual_seed(0)  # activations of a transcendental function (tasks/determin
 class Gate(nn.Module):  # squeeze-and-excitation's sigmoid gate, as efficientnet's
     def forward(self, x):
         return x * torch.sigmoid(x.mean((2, 3), keepdim=True))
+class Scaled(nn.Module):  # values of a few units, where the activations curve (near 0 their bytes barely show)
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+    def forward(self, x):
+        return self.inner(x) * 6
 activations = trained(nn.Sequential(
-    nn.Conv2d(1, 13, 3, padding=2), nn.SiLU(inplace=True), nn.Conv2d(13, 13, 3, padding=1), Gate(), nn.GELU(),
-    nn.Conv2d(13, 13, 1), nn.GELU(approximate="tanh"), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(13, 10),
+    Scaled(nn.Conv2d(1, 13, 3, padding=2)), nn.SiLU(inplace=True), Scaled(nn.Conv2d(13, 13, 3, padding=1)), Gate(),
+    nn.GELU(), Scaled(nn.Conv2d(13, 13, 1)), nn.GELU(approximate="tanh"), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    nn.Linear(13, 10),
 ), 2)
 print(json.dumps({
     "sha256": hashlib.sha256(state).hexdigest(),
