@@ -17,8 +17,8 @@ process). Where it cannot be built, float32 products are computed in Python (`em
 bytes, far slower, and a warning says so) and float64 ones are refused. The op also takes a grouped
 convolution's products in one call, multiplies a convolution's columns without writing them out
 (`Fields`, `field_gemm`, the image from `padded_image_op`), computes its input gradient with col2im at
-once (`input_gradient_op`), col2im alone (`columns_op`) and depthwise convolutions (`depthwise_op`,
-tasks/determinism/depthwise.py).
+once (`input_gradient_op`), col2im alone (`columns_op`), depthwise convolutions (`depthwise_op`,
+tasks/determinism/depthwise.py), and lays a large weight gradient out as its weight (`rotated_copy`).
 (torch.utils.cpp_extension.load would build it too, but it wants ninja on PATH and builds a Python
 module; g++ alone makes a torch op library.)
 """
@@ -86,6 +86,21 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, width: int = 0)
             "which could not be built here (see the warning above): install a C++ compiler, or use native"
         )
     out.copy_(emulated(a, b))
+    return out
+
+
+_ROTATED_BYTES = 2 << 20  # an L2 cache: smaller operands stay in it, and torch's copy is as fast as the op's
+
+
+def rotated_copy(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` (B, C, R1, R2) = `x` (B, R1, R2, C), element for element (any strides, no overlap): a weight
+    gradient's product laid out as the weight. torch's copy of the permuted view reads a row apart per
+    element; where x outgrows the cache at a resnet's power-of-two strides (rows a megabyte apart) that
+    thrashes it, several times slower than the op's, which copies 16 of out's rows at a time."""
+    if x.numel() * x.element_size() >= _ROTATED_BYTES and _library_loaded():
+        torch.ops.lockstep_blas.rotated_copy(x.detach(), out)
+    else:
+        out.copy_(x.permute(0, 3, 1, 2))
     return out
 
 

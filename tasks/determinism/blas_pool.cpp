@@ -5,6 +5,7 @@
 // ops' entry points: their checks, and the choice of vector width and type. tasks/determinism/blas.py
 // says why, builds this, and computes the same bytes in Python where it cannot be built (products:
 // float32 only; convolutions: kernels.py's and depthwise.py's torch code).
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -253,6 +254,24 @@ void activation(const at::Tensor& x, const std::optional<at::Tensor>& g, const a
   });
 }
 
+// out (B, C, R1, R2) = x (B, R1, R2, C) (rotate_last): any strides, any dtype, no overlap.
+void rotated_copy(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 4 && out.dim() == 4 && x.scalar_type() == out.scalar_type(),
+              "lockstep_blas: rotated_copy: 4-D tensors of one dtype");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == x.size(3) && out.size(2) == x.size(1) &&
+                  out.size(3) == x.size(2),
+              "lockstep_blas: rotated_copy: out is not (B, C, R1, R2) for x (B, R1, R2, C)");
+  at::assert_no_internal_overlap(out);
+  at::assert_no_overlap(out, x);
+  switch (x.element_size()) {
+    case 1: return rotate_last<uint8_t>(x, out);
+    case 2: return rotate_last<uint16_t>(x, out);
+    case 4: return rotate_last<uint32_t>(x, out);
+    case 8: return rotate_last<uint64_t>(x, out);
+    default: TORCH_CHECK(false, "lockstep_blas: rotated_copy: elements of 1, 2, 4 or 8 bytes");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(lockstep_blas, m) {
@@ -274,4 +293,5 @@ TORCH_LIBRARY(lockstep_blas, m) {
       "bool last=False, int width=0) -> ()",
       depthwise);
   m.def("activation(Tensor x, Tensor? g, Tensor(a!) out, int kind, int width=0) -> ()", activation);
+  m.def("rotated_copy(Tensor x, Tensor(a!) out) -> ()", rotated_copy);
 }

@@ -347,7 +347,9 @@ def _weight_gradient(
     _by_columns(columns, per_group, product, transposed=True)
     memory.pool.give(array)
     grad_weight = memory.empty((o, cg, kh, kw), w2)
-    grad_weight.view(groups, -1, cg, kh, kw).copy_(product.view(groups, kh, kw, cg, -1).permute(0, 4, 3, 1, 2))
+    # (g, kh*kw, C/g, O/g) -> (g, O/g, C/g, kh*kw)
+    by_offset = product.view(groups, kh * kw, cg, -1).transpose(1, 2)
+    blas.rotated_copy(by_offset, grad_weight.view(groups, -1, cg, kh * kw))
     return grad_weight
 
 

@@ -345,3 +345,44 @@ def test_a_convolution_trains_the_same_bytes_with_its_columns_written_out(
         written = step()
     for a, b in zip(fused, written, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.uint8])
+def test_the_rotated_copy_moves_each_element_where_torchs_permute_puts_it(
+    dtype: torch.dtype, torch_threads: None
+) -> None:
+    """rotated_copy (a weight gradient's product laid out as the weight) against torch's copy of the permuted
+    view: equal bytes for each element size, shapes with a short last strip of rows, a non-contiguous x, a
+    channel dimension of one (a 1x1 kernel's), and on 1-3 threads; the op refuses a wrong shape and an
+    out that overlaps x."""
+    needs_the_op()
+    blas.gemm(torch.ones(1, 1), torch.ones(1, 1), torch.empty(1, 1))  # loads the ops
+    op = torch.ops.lockstep_blas.rotated_copy
+    generator = torch.Generator().manual_seed(3)
+    for b, r1, r2, c in [(1, 37, 9, 70), (2, 16, 4, 33), (3, 130, 1, 5), (1, 5, 3, 1000)]:
+        product = (torch.rand(b, r2, r1, c, generator=generator) * 200).to(dtype)  # (g, kh*kw, C, O), as kernels.py
+        x = product.transpose(1, 2)
+        expected = x.permute(0, 3, 1, 2).contiguous()
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.full((b, c, r1, r2), 7).to(dtype)
+            op(x, out)
+            assert torch.equal(out, expected), ((b, r1, r2, c), threads)
+    x = torch.randn(1, 4, 3, 5)
+    with pytest.raises(RuntimeError, match="out is not"):
+        op(x, torch.empty(1, 5, 3, 4))
+    with pytest.raises(RuntimeError, match="single memory location"):
+        op(x, x.view(1, 5, 4, 3))
+
+
+def test_a_weight_gradient_larger_than_the_cache_is_rotated_by_the_op_with_torchs_bytes() -> None:
+    """A resnet's last layers' weight gradient (512 x 512 x 3 x 3, past blas._ROTATED_BYTES) goes through
+    the op, a small one through torch's copy; both give the layout torch's permute gives."""
+    needs_the_op()
+    for channels, by_op in ((512, True), (64, False)):
+        x = torch.randn(1, 9, channels, channels).transpose(1, 2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            out = blas.rotated_copy(x, torch.empty(1, channels, channels, 9))
+        assert torch.equal(out, x.permute(0, 3, 1, 2))
+        names = {event.name for event in profile.events()}
+        assert ("lockstep_blas::rotated_copy" in names) == by_op, (channels, sorted(names))
