@@ -15,7 +15,8 @@ Gates, all computed before anything is written:
 
 - fp32 parity: on the first `parity_batch` test images, the logits of the fp32 ONNX model and of
   each torch format are within `max_abs_diff` of the eager model's. A failure here is a bug in the
-  export path, never a property of the data: the stage fails.
+  export path, never a property of the data, or a diverged model whose logits are so large that
+  rounding alone exceeds the bound (the message says which): the stage fails.
 - each candidate, over the test split, against fp32: top-1 agreement on the images fp32 is
   confident about (top softmax probability >= `confidence`) >= `min_top1_agreement`, and fp32
   accuracy minus its accuracy <= `max_accuracy_drop`. fp32 itself has no such gates.
@@ -135,7 +136,7 @@ def export(
         _save_torch_programs(model, parity, staging, cfg.formats)
         gates = _parity_gates(cfg, threads, staging, parity_images, parity, eager)
         if failed := [gate for gate in gates if not gate.passed]:
-            raise GateError(f"{len(failed)} export parity gate(s) failed: " + "; ".join(g.describe() for g in failed))
+            raise GateError(_parity_failure(failed, eager))
         fp32_logits = predict(session(staging / FP32, threads), test.images)
         tried = _try_candidates(cfg, threads, compress_dir, test, fp32_logits)
         shipped = tried[-1]
@@ -277,6 +278,31 @@ def _parity_gates(
         Gate(f"{name} vs eager max |logit diff|", float(np.abs(out - eager).max()), cfg.max_abs_diff, True)
         for name, out in reloaded.items()
     ]
+
+
+# Where the files differ from the eager logits by at most this fraction of the largest logit, float32's
+# rounding explains the difference (an export bug gives differences of the logits' own size)
+_ROUNDING = 1e-3
+
+
+def _parity_failure(failed: list[Gate], eager: np.ndarray) -> str:
+    """GateError's message for failed parity gates. float32 rounds relative to a value's size, so where
+    the trained model's logits are huge (a diverged or unstable model) the files differ from them by more
+    than max_abs_diff through rounding alone: then the message says that the model, not the export, is
+    what is wrong, rather than leave the export blamed."""
+    message = f"{len(failed)} export parity gate(s) failed: " + "; ".join(g.describe() for g in failed)
+    largest = float(np.abs(eager).max()) if eager.size else 0.0
+    if not np.isfinite(largest):
+        return message + "; the trained model's own logits are not finite (it diverged): lower train.lr"
+    worst = max(gate.measured for gate in failed)
+    if largest > 1 and worst <= _ROUNDING * largest:
+        return message + (
+            f"; the trained model's own logits reach {largest:.3g}, and relative to them the files agree "
+            f"(within {worst / largest:.2g}): float32 rounding at that size, not an export fault. Logits that "
+            "large mean training diverged or is unstable: lower train.lr or add warm-up (train.warmup_epochs), "
+            "and see the evaluate stage's loss"
+        )
+    return message
 
 
 @torch.no_grad()

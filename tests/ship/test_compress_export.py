@@ -183,6 +183,7 @@ def test_a_failed_gate_fails_the_stage_and_registers_nothing(dvc_repo: dict[str,
     message = done.stderr.strip().splitlines()[-1]
     assert message.startswith("error: export: ") and "fp32 ONNX vs eager max |logit diff|" in message
     assert "> allowed 1e-12" in message  # measured and allowed values, both named
+    assert "own logits" not in message  # a sound model's logits: nothing said of the model
     assert before == _files(repo / "artifacts/export")  # outputs untouched: parity is not a candidate's fault
     failed = _stage_runs(repo, "export")[-1]
     assert failed.info.status == "FAILED" and "registry.version" not in failed.data.tags
