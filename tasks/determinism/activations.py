@@ -60,7 +60,7 @@ def compute(kind: str, x: torch.Tensor, grad: torch.Tensor | None = None) -> tor
         return _formulas(kind, x.detach(), None if grad is None else grad.detach(), _FLOAT64)
     x32 = x.detach().float().contiguous()
     g32 = None if grad is None else grad.detach().float().contiguous().expand_as(x32).contiguous()
-    op = blas.activation_op()
+    op = blas.op("activation")
     if op is None:
         out = _formulas(kind, x32, g32, _FLOAT32)
     else:

@@ -16,9 +16,10 @@ have planted it, and rebuilding in a private folder on every run would hide that
 process). Where it cannot be built, float32 products are computed in Python (`emulated`: the same
 bytes, far slower, and a warning says so) and float64 ones are refused. The op also takes a grouped
 convolution's products in one call, multiplies a convolution's columns without writing them out
-(`Fields`, `field_gemm`, the image from `padded_image_op`), computes its input gradient with col2im at
-once (`input_gradient_op`), col2im alone (`columns_op`), depthwise convolutions (`depthwise_op`,
-tasks/determinism/depthwise.py), and lays a large weight gradient out as its weight (`rotated_copy`).
+(`Fields`, `field_gemm`, the image from `padded_image`), computes its input gradient with col2im at
+once (`input_gradient`), col2im alone (`gather_columns`), depthwise convolutions (`depthwise`,
+tasks/determinism/depthwise.py), activations (`activation`, tasks/determinism/activations.py), and lays a
+large weight gradient out as its weight (`rotated_copy`): `op(name)` gives each.
 (torch.utils.cpp_extension.load would build it too, but it wants ninja on PATH and builds a Python
 module; g++ alone makes a torch op library.)
 """
@@ -76,9 +77,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, width: int = 0)
     nor transposed is copied first. `width`: the op's vectors in bits (256, 512; 0 the widest this
     CPU has), for tests: the bytes do not depend on it."""
     a, b = _operand(a), _operand(b)
-    op = _pool_op()
-    if op is not None:
-        op(a, b, out, *plan(a.shape[-2], b.shape[-1], torch.get_num_threads()), width)
+    chunks = op("gemm_chunks")
+    if chunks is not None:
+        chunks(a, b, out, *plan(a.shape[-2], b.shape[-1], torch.get_num_threads()), width)
         return out
     if a.dtype != torch.float32:
         raise Refused(
@@ -97,8 +98,9 @@ def rotated_copy(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     gradient's product laid out as the weight. torch's copy of the permuted view reads a row apart per
     element; where x outgrows the cache at a resnet's power-of-two strides (rows a megabyte apart) that
     thrashes it, several times slower than the op's, which copies 16 of out's rows at a time."""
-    if x.numel() * x.element_size() >= _ROTATED_BYTES and _library_loaded():
-        torch.ops.lockstep_blas.rotated_copy(x.detach(), out)
+    copy = op("rotated_copy") if x.numel() * x.element_size() >= _ROTATED_BYTES else None
+    if copy is not None:
+        copy(x.detach(), out)
     else:
         out.copy_(x.permute(0, 3, 1, 2))
     return out
@@ -123,7 +125,7 @@ def field_gemm(
     the bytes `gemm` gives for the columns written out, gathered strip by strip inside the op instead.
     The op must be built (kernels.py writes the columns out where it is not)."""
     where = plan(out.shape[0], out.shape[1], torch.get_num_threads())
-    torch.ops.lockstep_blas.field_chunks(
+    op("field_chunks")(
         fields.image, _operand(b), out, *fields.kernel, *fields.stride, *fields.dilation, transposed, *where, width
     )
     return out
@@ -151,10 +153,10 @@ def emulated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def backend() -> str:
     """How products run in this process (for the fingerprint; either way, the same bytes)."""
-    op = _pool_op()
-    if op is None:
+    widest = op("widest")
+    if widest is None:
         return "fma chains in Python, one thread (blas_pool.cpp not built)"
-    return f"fma chains, {torch.ops.lockstep_blas.widest()}-bit vectors, torch thread pool"
+    return f"fma chains, {widest()}-bit vectors, torch thread pool"
 
 
 def _row_major(t: torch.Tensor) -> bool:
@@ -170,39 +172,19 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if _row_major(t) or _transposed(t) else t.detach().contiguous()
 
 
-def _pool_op() -> Any:
-    """torch.ops.lockstep_blas.gemm_chunks; None if the op cannot be built here."""
-    return torch.ops.lockstep_blas.gemm_chunks if _library_loaded() else None
+# blas_pool.cpp's ops (torch.ops.lockstep_blas.<name>)
+OPS = frozenset(
+    ("gemm_chunks", "field_chunks", "padded_image", "input_gradient", "gather_columns", "depthwise", "activation")
+    + ("rotated_copy", "widest")
+)
 
 
-def depthwise_op() -> Any:
-    """torch.ops.lockstep_blas.depthwise (tasks/determinism/depthwise.py's loops in C++); None if the op cannot be
-    built here."""
-    return torch.ops.lockstep_blas.depthwise if _library_loaded() else None
-
-
-def activation_op() -> Any:
-    """torch.ops.lockstep_blas.activation (tasks/determinism/activations.py's functions in C++); None if the op
-    cannot be built here."""
-    return torch.ops.lockstep_blas.activation if _library_loaded() else None
-
-
-def padded_image_op() -> Any:
-    """torch.ops.lockstep_blas.padded_image (an image channels-last in a zero border: what `Fields` reads);
-    None if the op cannot be built here."""
-    return torch.ops.lockstep_blas.padded_image if _library_loaded() else None
-
-
-def input_gradient_op() -> Any:
-    """torch.ops.lockstep_blas.input_gradient (a convolution's input gradient without groups: its columns'
-    product and col2im at once); None if the op cannot be built here."""
-    return torch.ops.lockstep_blas.input_gradient if _library_loaded() else None
-
-
-def columns_op() -> Any:
-    """torch.ops.lockstep_blas.gather_columns (a convolution's col2im: kernels.py's loop's sums, each input
-    position's in one pass); None if the op cannot be built here."""
-    return torch.ops.lockstep_blas.gather_columns if _library_loaded() else None
+def op(name: str) -> Any:
+    """torch.ops.lockstep_blas.`name` (one of OPS); None where blas_pool.cpp cannot be built here, and the
+    caller computes the same bytes in torch (or refuses)."""
+    if name not in OPS:
+        raise KeyError(f"blas_pool.cpp has no op {name!r}")
+    return getattr(torch.ops.lockstep_blas, name) if _library_loaded() else None
 
 
 @functools.cache

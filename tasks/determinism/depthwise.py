@@ -100,7 +100,7 @@ def _compute(
     """`out` (all of it written) = `part` of a depthwise convolution, by the op or, where it cannot be built,
     by the same sums in torch loops: the output (a = x, b = w), the input gradient (a = g, b = w) or the
     weight gradient (a = g, b = x). `last`: the activations are channels-last."""
-    op = blas.depthwise_op()
+    op = blas.op("depthwise")
     if op is not None:
         op(a, b, out, part, *(value for pair in geometry for value in pair), last)
         return out

@@ -87,7 +87,7 @@ def _columns(x: torch.Tensor, weight: torch.Tensor, geometry: tuple, groups: int
     where the kernel reads it, the same values), a ninth of their size for a 3x3 kernel."""
     stride, padding, dilation = geometry
     n, c, h, w = x.shape
-    op = blas.padded_image_op() if groups == 1 and x.dtype in memory.NUMPY_DTYPES else None
+    op = blas.op("padded_image") if groups == 1 and x.dtype in memory.NUMPY_DTYPES else None
     if op is None:
         return _copied_columns(x, weight, geometry, groups, take)
     image = take((n, h + 2 * padding[0], w + 2 * padding[1], c), x)
@@ -199,11 +199,11 @@ _FUSED_POSITIONS = 256
 def _input_gradient(per_group: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: tuple, take: Any):  # noqa: ANN202
     """The input gradient: the output gradient times the weights, as columns (g, N*oh*ow, kh*kw*C/g), added
     back onto the input positions they were read from (`_add_columns`). Without groups, where the op is
-    built, both at once (`input_gradient_op`) for large outputs: the same bytes, without the columns."""
+    built, both at once (the `input_gradient` op) for large outputs: the same bytes, without the columns."""
     groups = per_group.shape[0]
     weights = _weight_matrix(weight, groups)  # (g, O/g, kh*kw*C/g)
     fused = groups == 1 and x.dtype in memory.NUMPY_DTYPES and per_group.shape[1] // x.shape[0] >= _FUSED_POSITIONS
-    op = blas.input_gradient_op() if fused else None
+    op = blas.op("input_gradient") if fused else None
     if op is not None:
         stride, padding, dilation = geometry
         out = memory.empty(tuple(x.shape), x)
@@ -224,7 +224,7 @@ def _add_columns(columns: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, g
     groups = columns.shape[0]
     fields = columns.reshape(groups, n, oh, ow, kh, kw, c // groups).permute(1, 2, 3, 4, 5, 0, 6)
     fields = fields.reshape(n, oh, ow, kh, kw, c)
-    op = blas.columns_op() if x.dtype in memory.NUMPY_DTYPES else None
+    op = blas.op("gather_columns") if x.dtype in memory.NUMPY_DTYPES else None
     if op is not None:
         out = memory.empty((n, c, h, w), x)
         op(fields, out, *stride, *padding, *dilation)

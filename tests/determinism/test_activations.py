@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tasks.determinism import activations, blas
 from tasks.determinism.kernels import PortableOpError
-from tests.support.portable import needs_the_op, portable_kernels
+from tests.support.portable import needs_the_op, portable_kernels, replace_ops
 
 # (kind, torch's function of x) for the forward kinds; a backward kind is its function's gradient
 FUNCTIONS = {
@@ -58,7 +58,7 @@ def test_the_op_gives_the_torch_formulas_bytes_on_every_width_and_thread_count(k
     x, grad = _inputs(200_003, seed=1)
     g = grad if kind.endswith("_backward") else None
     emulated = activations._formulas(kind, x, g, activations._FLOAT32)
-    op = blas.activation_op()
+    op = blas.op("activation")
     widths = (256, 512) if torch.ops.lockstep_blas.widest() == 512 else (256,)
     for width in widths:
         for threads in (1, 2, 3):
@@ -79,8 +79,9 @@ def test_values_are_as_close_to_the_function_as_torchs_own(kind, monkeypatch) ->
     g = grad if kind.endswith("_backward") else None
     want = _reference(kind, x, grad)
     scale = grad.abs().clamp(min=1).double() if g is not None else 1  # a backward's error scales with its g
-    for op in (blas.activation_op, lambda: None):
-        monkeypatch.setattr(blas, "activation_op", op)
+    for built in (True, False):
+        if not built:
+            replace_ops(monkeypatch, activation=None)
         got = activations.compute(kind, x, g).double()
         moderate = x.abs() < 30
         assert ((got - want) / scale)[moderate].abs().max() < 1.5e-6, kind

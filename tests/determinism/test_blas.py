@@ -15,7 +15,7 @@ import torch
 
 from tasks.core.errors import Refused
 from tasks.determinism import blas, kernels
-from tests.support.portable import needs_the_op, portable_kernels
+from tests.support.portable import needs_the_op, portable_kernels, replace_ops
 
 # (a, b, whether each is stored row-major): the products a small CNN's convolutions make (forward,
 # weight and input gradients), a linear layer's, shapes that leave a short last chunk, edge tiles in
@@ -155,10 +155,10 @@ def test_col2im_in_the_op_adds_in_the_order_of_the_python_loop(
             out = (
                 torch.full((n, h, w, c), float("nan")).permute(0, 3, 1, 2) if channels_last else torch.empty(n, c, h, w)
             )
-            blas.columns_op()(fields, out, *stride, *padding, *dilation)
+            blas.op("gather_columns")(fields, out, *stride, *padding, *dilation)
             assert torch.equal(out, expected), (fields.is_contiguous(), threads)
     with pytest.raises(RuntimeError, match="lockstep_blas: the fields' size does not follow from the geometry"):
-        blas.columns_op()(whole, torch.empty(n, c, h + stride[0], w), *stride, *padding, *dilation)
+        blas.op("gather_columns")(whole, torch.empty(n, c, h + stride[0], w), *stride, *padding, *dilation)
 
 
 def test_the_cut_follows_the_longer_side_and_the_threads_in_whole_tiles() -> None:
@@ -268,7 +268,7 @@ def test_products_of_fields_give_the_bytes_of_the_columns_written_out(geometry: 
         for layout in (x, x.to(memory_format=torch.channels_last)):
             size = (x.shape[0], x.shape[2] + 2 * padding[0], x.shape[3] + 2 * padding[1], x.shape[1])
             image = torch.full(size, float("nan"), dtype=dtype)  # the border must be written too
-            blas.padded_image_op()(layout, image, *padding)
+            blas.op("padded_image")(layout, image, *padding)
             fields = blas.Fields(image, kernel, stride, dilation)
             for width, threads in itertools.product(_widths(), (1, 2, 3)):
                 torch.set_num_threads(threads)
@@ -282,7 +282,7 @@ def test_products_of_fields_give_the_bytes_of_the_columns_written_out(geometry: 
 def test_the_input_gradient_in_one_op_gives_the_bytes_of_its_columns_gathered(
     geometry: tuple, torch_threads: None
 ) -> None:
-    """`input_gradient_op` (the columns' product and col2im at once, output rows from the last) against the
+    """The `input_gradient` op (the columns' product and col2im at once, output rows from the last) against the
     columns written out and added back by kernels._add_columns: equal bytes, float32 and float64, at each
     vector width, on 1-3 threads, into an output of either layout."""
     stride, padding, dilation, kernel, _ = geometry
@@ -298,7 +298,7 @@ def test_the_input_gradient_in_one_op_gives_the_bytes_of_its_columns_gathered(
                 torch.full_like(x, float("nan")),
                 torch.full_like(x, float("nan")).to(memory_format=torch.channels_last),
             ):
-                blas.input_gradient_op()(grad, weights, out, *kernel, *stride, *padding, *dilation, width)
+                blas.op("input_gradient")(grad, weights, out, *kernel, *stride, *padding, *dilation, width)
                 assert torch.equal(out, expected), (dtype, width, threads)
 
 
@@ -307,13 +307,13 @@ def test_the_convolution_ops_refuse_shapes_that_do_not_follow_from_the_geometry(
     blas.gemm(torch.ones(1, 1), torch.ones(1, 1), torch.empty(1, 1))  # loads the ops
     x, image = torch.randn(2, 3, 8, 8), torch.empty(2, 10, 10, 3)
     with pytest.raises(RuntimeError, match="padded_image: out is not x's size with its padding, channels-last"):
-        blas.padded_image_op()(x, torch.empty(2, 10, 9, 3), 1, 1)
-    blas.padded_image_op()(x, image, 1, 1)
+        blas.op("padded_image")(x, torch.empty(2, 10, 9, 3), 1, 1)
+    blas.op("padded_image")(x, image, 1, 1)
     fields = blas.Fields(image, (3, 3), (1, 1), (1, 1))
     with pytest.raises(RuntimeError, match="lockstep_blas: fields: shapes"):
         blas.field_gemm(fields, torch.randn(26, 4), torch.empty(128, 4))
     with pytest.raises(RuntimeError, match="input_gradient: shapes do not follow from the geometry"):
-        blas.input_gradient_op()(
+        blas.op("input_gradient")(
             torch.randn(127, 4), torch.randn(4, 27), torch.empty(2, 3, 8, 8), 3, 3, 1, 1, 1, 1, 1, 1, 0
         )
 
@@ -340,8 +340,7 @@ def test_a_convolution_trains_the_same_bytes_with_its_columns_written_out(
     assert (size[0] * size[1] >= kernels._FUSED_POSITIONS) == (size == (40, 20))
     with portable_kernels(True):
         fused = step()
-        monkeypatch.setattr(blas, "padded_image_op", lambda: None)
-        monkeypatch.setattr(blas, "input_gradient_op", lambda: None)
+        replace_ops(monkeypatch, padded_image=None, input_gradient=None)
         written = step()
     for a, b in zip(fused, written, strict=True):
         assert torch.equal(a, b)
@@ -357,7 +356,7 @@ def test_the_rotated_copy_moves_each_element_where_torchs_permute_puts_it(
     out that overlaps x."""
     needs_the_op()
     blas.gemm(torch.ones(1, 1), torch.ones(1, 1), torch.empty(1, 1))  # loads the ops
-    op = torch.ops.lockstep_blas.rotated_copy
+    op = blas.op("rotated_copy")
     generator = torch.Generator().manual_seed(3)
     for b, r1, r2, c in [(1, 37, 9, 70), (2, 16, 4, 33), (3, 130, 1, 5), (1, 5, 3, 1000)]:
         product = (torch.rand(b, r2, r1, c, generator=generator) * 200).to(dtype)  # (g, kh*kw, C, O), as kernels.py
@@ -368,6 +367,8 @@ def test_the_rotated_copy_moves_each_element_where_torchs_permute_puts_it(
             out = torch.full((b, c, r1, r2), 7).to(dtype)
             op(x, out)
             assert torch.equal(out, expected), ((b, r1, r2, c), threads)
+    with pytest.raises(KeyError, match="blas_pool.cpp has no op 'rotated'"):
+        blas.op("rotated")
     x = torch.randn(1, 4, 3, 5)
     with pytest.raises(RuntimeError, match="out is not"):
         op(x, torch.empty(1, 5, 3, 4))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tasks.determinism import blas, depthwise
 from tasks.determinism.kernels import PortableOpError
-from tests.support.portable import computes_what_torch_does, needs_the_op, portable_kernels
+from tests.support.portable import computes_what_torch_does, needs_the_op, portable_kernels, replace_ops
 
 # (stride, padding, dilation, kernel): mobilenet's and efficientnet's (3x3 and 5x5, stride 1 and 2),
 # convnext's (7x7, padding 3: on a 2x2 map most offsets meet only padding), dilated and uneven ones,
@@ -34,12 +34,9 @@ def _inputs(size: tuple[int, int], kernel: tuple[int, int], dtype: torch.dtype, 
     return x, w, generator
 
 
-_THE_OP = blas.depthwise_op
-
-
-def _with_width(width: int):  # noqa: ANN202
-    """What blas.depthwise_op gives, its vectors `width` bits wide (0: the widest this CPU has)."""
-    return functools.partial(_THE_OP(), width=width)
+def _at_width(width: int):  # noqa: ANN202
+    """The depthwise op with its vectors `width` bits wide (0: the widest this CPU has), for replace_ops."""
+    return lambda real: functools.partial(real, width=width)
 
 
 def _all_parts(x: torch.Tensor, w: torch.Tensor, geometry: tuple, grad: torch.Tensor | None) -> list[torch.Tensor]:
@@ -72,7 +69,7 @@ def test_the_op_gives_the_bytes_of_the_torch_loops_on_any_thread_count(
             torch.set_num_threads(threads)
             made.append(_all_parts(x, w, geometry, grad))
         with monkeypatch.context() as patch:
-            patch.setattr(blas, "depthwise_op", lambda: None)
+            replace_ops(patch, depthwise=None)
             loops = _all_parts(x, w, geometry, grad)
         for parts in made:
             for part, (got, want) in enumerate(zip(parts, loops, strict=True)):
@@ -101,7 +98,7 @@ def test_channels_last_activations_give_the_same_bytes_in_their_own_layout(
             continue
         grad = torch.randn(3, channels, oh, ow, generator=generator, dtype=dtype)
         with monkeypatch.context() as patch:
-            patch.setattr(blas, "depthwise_op", lambda: None)
+            replace_ops(patch, depthwise=None)
             loops = _all_parts(x, w, geometry, grad)
         last = [t.contiguous(memory_format=torch.channels_last) for t in (x, grad)]
         runs = [(threads, positions, 0) for threads, positions in ((1, 0), (2, 0), (3, 0), (2, 1 << 30))]
@@ -109,8 +106,9 @@ def test_channels_last_activations_give_the_same_bytes_in_their_own_layout(
         for threads, positions, width in runs:
             torch.set_num_threads(threads)
             monkeypatch.setattr(depthwise, "LAST_POSITIONS", positions)
-            monkeypatch.setattr(blas, "depthwise_op", functools.partial(_with_width, width))
-            parts = _all_parts(last[0], w, geometry, last[1])
+            with monkeypatch.context() as patch:
+                replace_ops(patch, depthwise=_at_width(width))
+                parts = _all_parts(last[0], w, geometry, last[1])
             for part, (got, want) in enumerate(zip(parts, loops, strict=True)):
                 assert torch.equal(got, want), (size, channels, threads, positions, width, part)
             assert all(t.is_contiguous(memory_format=torch.channels_last) for t in parts[:2])
@@ -156,13 +154,13 @@ def test_the_op_refuses_shapes_that_do_not_follow_from_the_geometry() -> None:
     needs_the_op()
     x, w = torch.randn(1, 4, 6, 6), torch.randn(4, 1, 3, 3)
     with pytest.raises(RuntimeError, match="lockstep_blas: depthwise: the output's size does not follow"):
-        blas.depthwise_op()(x, w, torch.empty(1, 4, 5, 5), 0, 1, 1, 1, 1, 1, 1)
+        blas.op("depthwise")(x, w, torch.empty(1, 4, 5, 5), 0, 1, 1, 1, 1, 1, 1)
     with pytest.raises(RuntimeError, match="lockstep_blas: depthwise: shapes do not match"):
-        blas.depthwise_op()(x, torch.randn(3, 1, 3, 3), torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1)
+        blas.op("depthwise")(x, torch.randn(3, 1, 3, 3), torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1)
     with pytest.raises(RuntimeError, match="lockstep_blas: depthwise: contiguous"):
-        blas.depthwise_op()(x.transpose(2, 3), w, torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1)
+        blas.op("depthwise")(x.transpose(2, 3), w, torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1)
     with pytest.raises(RuntimeError, match="lockstep_blas: depthwise: contiguous \\(activations channels-last\\)"):
-        blas.depthwise_op()(x, w, torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1, True)
+        blas.op("depthwise")(x, w, torch.empty(1, 4, 6, 6), 0, 1, 1, 1, 1, 1, 1, True)
 
 
 @pytest.mark.parametrize("groups", [1, 4])

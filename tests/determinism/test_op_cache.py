@@ -48,7 +48,7 @@ def _load_op(xdg: Path) -> subprocess.CompletedProcess[str]:
     """Load the pool op as training does (portable mode), in a fresh process with XDG_CACHE_HOME=xdg."""
     code = (
         "import sys; from tasks.core.cli import exit_code; from tasks.determinism import blas\n"
-        "sys.exit(exit_code(lambda: 0 if blas._pool_op() is not None else 0))\n"
+        "sys.exit(exit_code(lambda: 0 if blas.op('gemm_chunks') is not None else 0))\n"
     )
     return subprocess.run(
         [sys.executable, "-c", code],

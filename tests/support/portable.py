@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,20 @@ def portable_kernels(on: bool) -> Iterator[None]:
         yield
     finally:
         dispatch.install() if was else dispatch.uninstall()
+
+
+def replace_ops(patch: pytest.MonkeyPatch, **how: Callable[[Any], Any] | None) -> None:
+    """blas.op for the rest of the test (or of `patch`'s context) with the named ops replaced: None, an op
+    that cannot be built here; or a function of the real op that gives its stand-in (at a narrower width)."""
+    real = blas.op
+
+    def op(name: str) -> Any:
+        if name not in how:
+            return real(name)
+        replace = how[name]
+        return None if replace is None else replace(real(name))
+
+    patch.setattr(blas, "op", op)
 
 
 def needs_the_op() -> None:
