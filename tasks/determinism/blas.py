@@ -172,10 +172,19 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if _row_major(t) or _transposed(t) else t.detach().contiguous()
 
 
-# blas_pool.cpp's ops (torch.ops.lockstep_blas.<name>)
+# blas_pool.cpp's ops (torch.ops.lockstep_blas.<name>), as its TORCH_LIBRARY block defines them
 OPS = frozenset(
-    ("gemm_chunks", "field_chunks", "padded_image", "input_gradient", "gather_columns", "depthwise", "activation")
-    + ("rotated_copy", "widest")
+    {
+        "gemm_chunks",
+        "widest",
+        "field_chunks",
+        "padded_image",
+        "input_gradient",
+        "gather_columns",
+        "depthwise",
+        "activation",
+        "rotated_copy",
+    }
 )
 
 

@@ -387,3 +387,9 @@ def test_a_weight_gradient_larger_than_the_cache_is_rotated_by_the_op_with_torch
         assert torch.equal(out, x.permute(0, 3, 1, 2))
         names = {event.name for event in profile.events()}
         assert ("lockstep_blas::rotated_copy" in names) == by_op, (channels, sorted(names))
+
+
+def test_every_op_blas_names_is_one_the_library_defines() -> None:
+    needs_the_op()
+    for name in blas.OPS:
+        assert callable(blas.op(name)), name
