@@ -202,7 +202,10 @@ void input_gradient(int64_t width, const at::Tensor& grad, const at::Tensor& wei
   // enough that the columns (positions x fields) stay in cache: at least 48 (whole strips of 12 or 6 rows)
   const Index positions = std::clamp<Index>((Index(1) << 17) / fields, 48, 512);
   const Index rows = std::min(oh, (positions + ow - 1) / ow);                       // output rows per product
-  const Index images = rows < oh ? 1 : std::max<Index>(1, positions / (oh * ow));  // small images: several
+  // small images: several per product, but no fewer units than two per thread (a batch of small images in one
+  // unit would leave the other threads idle); how the images are grouped changes no sum's order
+  const Index threads = at::get_num_threads();
+  const Index images = rows < oh ? 1 : std::clamp<Index>(positions / (oh * ow), 1, std::max<Index>(1, n / (2 * threads)));
   const std::vector<T> packed = packed_for<T>(width, pw, sw, o, fields);  // once for every product below
   at::parallel_for(0, (n + images - 1) / images, 1, [&](int64_t first, int64_t last) {
     std::vector<T> columns(images * rows * ow * fields), sums(h * wd * c);

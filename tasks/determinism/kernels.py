@@ -190,20 +190,31 @@ def _weight_matrix(weight: torch.Tensor, groups: int) -> torch.Tensor:
     return weight.permute(0, 2, 3, 1).reshape(groups, o // groups, kh * kw * cg)
 
 
-# The input gradient's product and col2im run at once for outputs of at least this many positions per
-# image. Smaller ones (a resnet's last stages, 8x8 and under) have small columns, which one large product
-# writes out and col2im reads back faster than products of a few rows each.
-_FUSED_POSITIONS = 256
+# The input gradient's product and col2im run at once (the `input_gradient` op) where the weights take at
+# most _FUSED_WEIGHT_BYTES: the op multiplies each strip of output positions by all of them, so larger ones
+# (a resnet's 256 and 512 channels) are read from further out than the L2 cache once per strip, where the
+# columns' product blocks them and is faster. And where an image has _FUSED_POSITIONS at least: on a 1x1
+# map (a squeeze-excitation's) the op's products are a few rows each.
+_FUSED_WEIGHT_BYTES = 768 << 10
+_FUSED_POSITIONS = 8
+
+
+def _fused(per_group: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the input gradient takes the `input_gradient` op (see above)."""
+    if per_group.shape[0] != 1 or x.dtype not in memory.NUMPY_DTYPES:
+        return False
+    small = weight.numel() * weight.element_size() <= _FUSED_WEIGHT_BYTES
+    return small and per_group.shape[1] // x.shape[0] >= _FUSED_POSITIONS
 
 
 def _input_gradient(per_group: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, geometry: tuple, take: Any):  # noqa: ANN202
     """The input gradient: the output gradient times the weights, as columns (g, N*oh*ow, kh*kw*C/g), added
     back onto the input positions they were read from (`_add_columns`). Without groups, where the op is
-    built, both at once (the `input_gradient` op) for large outputs: the same bytes, without the columns."""
+    built, both at once (the `input_gradient` op) for small weights (`_fused`): the same bytes, without the
+    columns."""
     groups = per_group.shape[0]
     weights = _weight_matrix(weight, groups)  # (g, O/g, kh*kw*C/g)
-    fused = groups == 1 and x.dtype in memory.NUMPY_DTYPES and per_group.shape[1] // x.shape[0] >= _FUSED_POSITIONS
-    op = blas.op("input_gradient") if fused else None
+    op = blas.op("input_gradient") if _fused(per_group, x, weight) else None
     if op is not None:
         stride, padding, dilation = geometry
         out = memory.empty(tuple(x.shape), x)

@@ -318,14 +318,18 @@ def test_the_convolution_ops_refuse_shapes_that_do_not_follow_from_the_geometry(
         )
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "columns"])
 @pytest.mark.parametrize("geometry", [GEOMETRIES[0], GEOMETRIES[2], GEOMETRIES[5]])
 def test_a_convolution_trains_the_same_bytes_with_its_columns_written_out(
-    geometry: tuple, monkeypatch: pytest.MonkeyPatch
+    geometry: tuple, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """kernels.py end to end (forward, then both gradients): the ops that never write the columns out give
-    the bytes of the path that does (where the op cannot be built, or with groups); the 40 x 20 image's
-    input gradient takes the fused op (kernels._FUSED_POSITIONS), the others write their columns out."""
+    the bytes of the path that does (where the op cannot be built, or with groups); the input gradient
+    takes the fused op (small weights, kernels._fused) or, with the weights' bound set to nothing, writes
+    its columns out and gathers them in the op."""
     needs_the_op()
+    if not fused:
+        monkeypatch.setattr(kernels, "_FUSED_WEIGHT_BYTES", 0)
     stride, padding, dilation, kernel, size = geometry
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(3, 4, *size, generator=generator)
@@ -337,7 +341,9 @@ def test_a_convolution_trains_the_same_bytes_with_its_columns_written_out(
         out.backward(torch.ones_like(out).cumsum(-1))
         return [out.detach(), xs.grad, ws.grad]
 
-    assert (size[0] * size[1] >= kernels._FUSED_POSITIONS) == (size == (40, 20))
+    _, _, oh, ow = kernels._shapes(x, weight, (stride, padding, dilation))
+    grad = torch.empty(1, x.shape[0] * oh * ow, weight.shape[0])  # the output gradient, as _input_gradient sees it
+    assert kernels._fused(grad, x, weight) == fused
     with portable_kernels(True):
         fused = step()
         replace_ops(monkeypatch, padded_image=None, input_gradient=None)
