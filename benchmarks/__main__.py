@@ -62,7 +62,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B5": lambda work: [stats_loop.b5(work, rounds=5)],
         "B6": lambda work: compression.b6(work, rounds=5, runs=50),
         "B7": lambda work: scaling.b7(work),
-        "B9": lambda work: cpu_mode.b9(work, rounds=3, epochs=4, steps=6),
+        "B9": lambda work: cpu_mode.b9(work, rounds=3, epochs=4, steps=6, epoch_rounds=8),
         "B10": lambda work: sweeps.b10(work),
         "B11": lambda work: contention.b11(rounds=3, steps=4),
         "B12": lambda work: large_split.b12(work),

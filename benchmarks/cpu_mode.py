@@ -111,24 +111,33 @@ def b9(
     batch: int = 32,
     one_process: bool = False,
     models: tuple[str, ...] = STEP_MODELS,
+    epoch_rounds: int | None = None,
 ) -> list[Figure]:
-    """B9 (the stage's epoch) and a B9-<model> row per `models` (`steps` steps of `batch` images),
-    each model in a fresh process, or all in one per mode (`one_process`: the smoke run's, cheaper)."""
+    """B9 (the stage's epoch, in `epoch_rounds` processes per mode, `rounds` by default) and a B9-<model>
+    row per `models` (`steps` steps of `batch` images), each model in a fresh process, or all in one per
+    mode (`one_process`: the smoke run's, cheaper). The epoch's rounds are cheap, and a process's speed
+    varies more than its epochs do (where on the host it lands): more of them steady the median, and each
+    round's ratio goes in the figure's details, so that the spread is on record."""
     p = params()
     threads = resolve(p.determinism.num_threads)
     fixed_threads(threads)
     pre = prepared(work)
     runs: dict[str, list[float]] = {"portable": [], "native": []}
+    round_ratios: list[float] = []
+    for _ in range(epoch_rounds or rounds):
+        epoch_seconds = {mode: _timed(_EPOCHS, mode, pre, epochs) for mode in runs}
+        for mode in runs:
+            runs[mode] += epoch_seconds[mode]
+        round_ratios.append(round(median(epoch_seconds["portable"]) / median(epoch_seconds["native"]), 3))
     rgb = {model: {"portable": [], "native": []} for model in models}
     for _ in range(rounds):
         for mode in runs:
-            runs[mode] += _timed(_EPOCHS, mode, pre, epochs)
             groups = [list(models)] if one_process else [[model] for model in models]
             for group in groups:
                 for model, seconds in steps_seconds(mode, threads, steps, group, batch).items():
                     rgb[model][mode] += seconds
     epoch = _figure("B9", "train epoch: determinism.cpu portable (same bytes on any AVX2 CPU) vs native", runs)
-    epoch.details.update(model=p.train.model)
+    epoch.details.update(model=p.train.model, round_ratios=round_ratios)
     figures = [epoch]
     for model in models:
         measure = f"{model} train step, {batch} RGB images of 32x32: portable vs native"
