@@ -323,10 +323,10 @@ def test_the_convolution_ops_refuse_shapes_that_do_not_follow_from_the_geometry(
 def test_a_convolution_trains_the_same_bytes_with_its_columns_written_out(
     geometry: tuple, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """kernels.py end to end (forward, then both gradients): the ops that never write the columns out give
-    the bytes of the path that does (where the op cannot be built, or with groups); the input gradient
-    takes the fused op (small weights, kernels._fused) or, with the weights' bound set to nothing, writes
-    its columns out and gathers them in the op."""
+    """kernels.py end to end (forward with a bias, then the gradients): the ops that never write the columns
+    out give the bytes of the path that does (where the op cannot be built, or with groups); the input
+    gradient takes the fused op (small weights, kernels._fused) or, with the weights' bound set to nothing,
+    writes its columns out and gathers them in the op."""
     needs_the_op()
     if not fused:
         monkeypatch.setattr(kernels, "_FUSED_WEIGHT_BYTES", 0)
@@ -334,12 +334,13 @@ def test_a_convolution_trains_the_same_bytes_with_its_columns_written_out(
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(3, 4, *size, generator=generator)
     weight = torch.randn(6, 4, *kernel, generator=generator)
+    bias = torch.randn(6, generator=generator)
 
     def step() -> list[torch.Tensor]:
-        xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = torch.nn.functional.conv2d(xs, ws, None, stride, padding, dilation)
+        xs, ws, bs = x.clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        out = torch.nn.functional.conv2d(xs, ws, bs, stride, padding, dilation)
         out.backward(torch.ones_like(out).cumsum(-1))
-        return [out.detach(), xs.grad, ws.grad]
+        return [out.detach(), xs.grad, ws.grad, bs.grad]
 
     _, _, oh, ow = kernels._shapes(x, weight, (stride, padding, dilation))
     grad = torch.empty(1, x.shape[0] * oh * ow, weight.shape[0])  # the output gradient, as _input_gradient sees it
