@@ -204,8 +204,8 @@ void input_gradient(int64_t width, const at::Tensor& grad, const at::Tensor& wei
   const Index rows = std::min(oh, (positions + ow - 1) / ow);                       // output rows per product
   // small images: several per product, but no fewer units than two per thread (a batch of small images in one
   // unit would leave the other threads idle); how the images are grouped changes no sum's order
-  const Index threads = at::get_num_threads();
-  const Index images = rows < oh ? 1 : std::clamp<Index>(positions / (oh * ow), 1, std::max<Index>(1, n / (2 * threads)));
+  const Index most = std::max<Index>(1, n / (2 * at::get_num_threads()));
+  const Index images = rows < oh ? 1 : std::clamp<Index>(positions / (oh * ow), 1, most);
   const std::vector<T> packed = packed_for<T>(width, pw, sw, o, fields);  // once for every product below
   at::parallel_for(0, (n + images - 1) / images, 1, [&](int64_t first, int64_t last) {
     std::vector<T> columns(images * rows * ow * fields), sums(h * wd * c);
