@@ -117,36 +117,51 @@ def b9(
     row per `models` (`steps` steps of `batch` images), each model in a fresh process, or all in one per
     mode (`one_process`: the smoke run's, cheaper). The epoch's rounds are cheap, and a process's speed
     varies more than its epochs do (where on the host it lands): more of them steady the median, and each
-    round's ratio goes in the figure's details, so that the spread is on record."""
+    round's ratio goes in the figure's details, so that the spread is on record. Within a round a
+    model's two modes run one right after the other, the first of them alternating from round to round:
+    the host's speed drifts over minutes, so two modes a model apart would be compared at two speeds."""
     p = params()
     threads = resolve(p.determinism.num_threads)
     fixed_threads(threads)
     pre = prepared(work)
     runs: dict[str, list[float]] = {"portable": [], "native": []}
     round_ratios: list[float] = []
-    for _ in range(epoch_rounds or rounds):
-        epoch_seconds = {mode: _timed(_EPOCHS, mode, pre, epochs) for mode in runs}
+    for turn in range(epoch_rounds or rounds):
+        epoch_seconds = {mode: _timed(_EPOCHS, mode, pre, epochs) for mode in _modes(turn)}
         for mode in runs:
             runs[mode] += epoch_seconds[mode]
-        round_ratios.append(round(median(epoch_seconds["portable"]) / median(epoch_seconds["native"]), 3))
+        round_ratios.append(_ratio(epoch_seconds))
     rgb = {model: {"portable": [], "native": []} for model in models}
-    for _ in range(rounds):
-        for mode in runs:
-            groups = [list(models)] if one_process else [[model] for model in models]
-            for group in groups:
-                for model, seconds in steps_seconds(mode, threads, steps, group, batch).items():
-                    rgb[model][mode] += seconds
+    rgb_ratios: dict[str, list[float]] = {model: [] for model in models}
+    for turn in range(rounds):
+        for group in [list(models)] if one_process else [[model] for model in models]:
+            seconds = {mode: steps_seconds(mode, threads, steps, group, batch) for mode in _modes(turn)}
+            for model in group:
+                for mode in runs:
+                    rgb[model][mode] += seconds[mode][model]
+                rgb_ratios[model].append(_ratio({mode: seconds[mode][model] for mode in runs}))
     epoch = _figure("B9", "train epoch: determinism.cpu portable (same bytes on any AVX2 CPU) vs native", runs)
     epoch.details.update(model=p.train.model, round_ratios=round_ratios)
     figures = [epoch]
     for model in models:
         measure = f"{model} train step, {batch} RGB images of 32x32: portable vs native"
         figures.append(_figure(f"B9-{model}", measure, rgb[model]))
+        figures[-1].details.update(round_ratios=rgb_ratios[model])
     for figure in figures:
         figure.details.update(threads=threads)
         figure.target = f"<= {TARGET}x"
         figure.met = figure.ratio <= TARGET
     return figures
+
+
+def _modes(turn: int) -> tuple[str, str]:
+    """The two modes in the order they run in round `turn`: portable first in even rounds."""
+    return ("portable", "native") if turn % 2 == 0 else ("native", "portable")
+
+
+def _ratio(seconds: dict[str, list[float]]) -> float:
+    """One round's portable/native ratio, of its medians."""
+    return round(median(seconds["portable"]) / median(seconds["native"]), 3)
 
 
 def _figure(name: str, measure: str, runs: dict[str, list[float]]) -> Figure:

@@ -56,6 +56,8 @@ def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     assert expected | {f"B9-{model}" for model in SMOKE_STEP_MODELS} <= set(figures)
     for name in (n for n in figures if n.startswith("B7")):
         assert figures[name]["details"]["rows"], name
+    for name in ["B9", *(f"B9-{model}" for model in SMOKE_STEP_MODELS)]:  # one round: its ratio, on record
+        assert len(figures[name]["details"]["round_ratios"]) == 1 and figures[name]["details"]["round_ratios"][0] > 0
     assert {row["variant"] for row in figures["B6-size"]["details"]["rows"]} >= {"fp32", "static_int8", "pruned_l1"}
     assert "| B1 |" in table
     streamed = figures["B12"]["details"]  # one epoch, then a scoring pass, over a split streamed from its file
