@@ -46,7 +46,15 @@ SOURCE = Path(__file__).with_name("blas_pool.cpp")
 # included by SOURCE: part of what the cache key hashes
 _HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("fma_chain.h", "depthwise_taps.h", "activations.h", "products.h", "convolution.h", "depthwise.h")
+    for name in (
+        "fma_chain.h",
+        "depthwise_taps.h",
+        "activations.h",
+        "normalization.h",
+        "products.h",
+        "convolution.h",
+        "depthwise.h",
+    )
 )
 _MIN_CHUNK = 64  # narrower chunks spend more on packing the shared operand than they gain
 _ROWS, _COLUMNS = 12, 32  # the widest kernel's tile (AVX2's, 6 x 16, divides it): chunks of whole tiles
@@ -184,6 +192,8 @@ OPS = frozenset(
         "depthwise",
         "activation",
         "rotated_copy",
+        "layer_norm_backward",
+        "softmax_backward",
     }
 )
 

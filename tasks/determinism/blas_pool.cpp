@@ -1,7 +1,8 @@
 // The portable kernels' C++ ops, on torch's own thread pool: matrix products whose every element is one
 // chain of fused multiply-adds (fma_chain.h, products.h), also of a convolution's columns read from its
 // padded image without writing them out; a convolution's input gradient, its columns' product and col2im
-// at once, and col2im alone (convolution.h); depthwise convolutions (depthwise.h). This file holds the
+// at once, and col2im alone (convolution.h); depthwise convolutions (depthwise.h); activations
+// (activations.h); layer norm's and softmax's backward (normalization.h). This file holds the
 // ops' entry points: their checks, and the choice of vector width and type. tasks/determinism/blas.py
 // says why, builds this, and computes the same bytes in Python where it cannot be built (products:
 // float32 only; convolutions: kernels.py's and depthwise.py's torch code).
@@ -57,6 +58,7 @@ LANES(double, __m256d, _mm256, pd, 6)
 #include "fma_chain.h"
 #include "depthwise_taps.h"
 #include "activations.h"
+#include "normalization.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -70,6 +72,7 @@ LANES(double, __m512d, _mm512, pd, 12)
 #include "fma_chain.h"
 #include "depthwise_taps.h"
 #include "activations.h"
+#include "normalization.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -254,6 +257,71 @@ void activation(const at::Tensor& x, const std::optional<at::Tensor>& g, const a
   });
 }
 
+// Rows per block of layer norm's column sums (normalization.h; normalization.py's BLOCK_ROWS): the blocks are
+// shared among the threads, their sums added in order after.
+constexpr Index kBlockRows = 64;
+
+// t is float32, contiguous, with `count` elements: the checks of the ops below, whose shapes the caller made.
+void check_floats(const at::Tensor& t, Index count, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == count, "lockstep_blas: ", what,
+              ": float32 tensors, contiguous, of the sizes documented");
+}
+
+// Layer norm's backward (normalization.h) of (rows, n) float32 tensors dy and x, contiguous, given each row's
+// mean and rstd (rows): its input gradient into dx, its weight's (the sum over the rows of dy x-hat) into dw
+// and its bias's (of dy) into db, each only if given; w (n), the weight, or none. `width` as gemm_chunks'
+// (the bytes depend on neither it nor the thread count).
+void layer_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+                         const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& dx,
+                         const std::optional<at::Tensor>& dw, const std::optional<at::Tensor>& db, int64_t width) {
+  TORCH_CHECK(x.dim() == 2, "lockstep_blas: layer_norm_backward: x is (rows, n)");
+  const Index rows = x.size(0), n = x.size(1), blocks = (rows + kBlockRows - 1) / kBlockRows;
+  for (const at::Tensor* t : {&x, &dy, dx ? &*dx : &x}) check_floats(*t, rows * n, "layer_norm_backward");
+  for (const at::Tensor* t : {&mean, &rstd}) check_floats(*t, rows, "layer_norm_backward");
+  for (const auto* t : {&w, &dw, &db}) {
+    if (t->has_value()) check_floats(**t, n, "layer_norm_backward");
+  }
+  std::vector<float> sums_w(dw ? blocks * n : 0, 0.0f), sums_b(db ? blocks * n : 0, 0.0f);
+  const bool wide = vector_width(width) == 512;
+  const float* pw = w ? w->data_ptr<float>() : nullptr;
+  float* pdx = dx ? dx->data_ptr<float>() : nullptr;
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (Index k = first; k < last; ++k) {
+      const Index top = k * kBlockRows, end = std::min(rows, top + kBlockRows);
+      float* bw = dw ? sums_w.data() + k * n : nullptr;
+      float* bb = db ? sums_b.data() + k * n : nullptr;
+      (wide ? avx512::layer_norm_rows : avx2::layer_norm_rows)(dy.data_ptr<float>(), x.data_ptr<float>(),
+                                                               mean.data_ptr<float>(), rstd.data_ptr<float>(), pw,
+                                                               pdx, bw, bb, top, end, n);
+      for (Index j = 0; end - top < kBlockRows && j < n; ++j) {  // a short block: as if padded with zero rows
+        if (bw) bw[j] = bw[j] + 0.0f;
+        if (bb) bb[j] = bb[j] + 0.0f;
+      }
+    }
+  });
+  for (auto [out, sums] : {std::pair{&dw, &sums_w}, std::pair{&db, &sums_b}}) {
+    if (!out->has_value()) continue;
+    float* o = (*out)->data_ptr<float>();
+    std::fill(o, o + n, 0.0f);
+    for (Index k = 0; k < blocks; ++k) {
+      for (Index j = 0; j < n; ++j) o[j] = o[j] + (*sums)[k * n + j];
+    }
+  }
+}
+
+// Softmax's input gradient (normalization.h) along the last dimension of (rows, n) float32 tensors, contiguous:
+// out = y (dy - the row's sum of dy y). `width` as gemm_chunks'.
+void softmax_backward(const at::Tensor& dy, const at::Tensor& y, const at::Tensor& out, int64_t width) {
+  TORCH_CHECK(y.dim() == 2, "lockstep_blas: softmax_backward: y is (rows, n)");
+  for (const at::Tensor* t : {&y, &dy, &out}) check_floats(*t, y.numel(), "softmax_backward");
+  const Index n = y.size(1);
+  const bool wide = vector_width(width) == 512;
+  at::parallel_for(0, y.size(0), std::max<Index>(1, 16384 / std::max<Index>(1, n)), [&](int64_t first, int64_t last) {
+    (wide ? avx512::softmax_backward_rows : avx2::softmax_backward_rows)(
+        dy.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(), first, last, n);
+  });
+}
+
 // out (B, C, R1, R2) = x (B, R1, R2, C) (rotate_last): any strides, any dtype, no overlap.
 void rotated_copy(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 4 && out.dim() == 4 && x.scalar_type() == out.scalar_type(),
@@ -294,4 +362,9 @@ TORCH_LIBRARY(lockstep_blas, m) {
       depthwise);
   m.def("activation(Tensor x, Tensor? g, Tensor(a!) out, int kind, int width=0) -> ()", activation);
   m.def("rotated_copy(Tensor x, Tensor(a!) out) -> ()", rotated_copy);
+  m.def(
+      "layer_norm_backward(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? w, Tensor(a!)? dx, Tensor(b!)? dw, "
+      "Tensor(c!)? db, int width=0) -> ()",
+      layer_norm_backward);
+  m.def("softmax_backward(Tensor dy, Tensor y, Tensor(a!) out, int width=0) -> ()", softmax_backward);
 }

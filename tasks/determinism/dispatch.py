@@ -3,7 +3,8 @@
 `install` registers tasks/determinism/kernels.py's matrix products and convolutions for their ATen ops
 (the out= and in-place forms too: an op's CPU kernel may call them, as the fused CPU attention of
 nn.MultiheadAttention's inference path writes through aten::bmm.out), activations.py's sigmoid, SiLU
-and GELU (whose ATen kernels' values followed the thread count), and a refusal for every overload
+and GELU and normalization.py's layer norm and softmax backward (whose ATen kernels' values followed the
+thread count), and a refusal for every overload
 of the other ops that would compute with MKL, oneDNN, NNPACK or fbgemm (matrix-vector products, LAPACK,
 FFT, fused attention, torch's convolution backends called directly, packed-weight products), rather
 than let them compute CPU-dependent bytes. `refusal` says which call would be refused, and
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tasks.determinism import activations, kernels
+from tasks.determinism import activations, kernels, normalization
 
 # ATen ops (every overload) that compute with MKL, oneDNN, NNPACK or fbgemm on the CPU and have no
 # portable route here; a name this torch does not have is skipped.
@@ -133,6 +134,11 @@ _ROUTES = {
     "convolution": kernels.convolution,
     "_convolution": _convolution,
     "convolution_backward": kernels.convolution_backward,
+    # backward passes whose ATen kernels' sums followed the thread count (normalization.py)
+    "native_layer_norm_backward": normalization.layer_norm_backward,
+    "native_layer_norm_backward.out": normalization.layer_norm_backward_out,
+    "_softmax_backward_data": normalization.softmax_backward,
+    "_softmax_backward_data.out": normalization.softmax_backward_out,
     # activations whose ATen kernels compute a tensor's tail otherwise than its body (activations.py)
     **{
         f"{kind}{overload}": _activation(kind, inplace=overload == "_")

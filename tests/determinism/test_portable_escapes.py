@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -28,11 +25,10 @@ from torch import nn
 from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExitCode
 from tasks.data.preprocess import Preprocessed
-from tasks.determinism import cpu_mode, escapes, kernels
+from tasks.determinism import escapes, kernels
 from tasks.train import models
 from tasks.train.loop import build_training
-from tests.conftest import ROOT
-from tests.support.portable import portable_kernels
+from tests.support.portable import portable_kernels, run_script
 
 # One model of each family, and the project's own; bf16 (train.amp) for two of them.
 ZOO = [
@@ -119,21 +115,11 @@ print("REPORT " + json.dumps(report))
 
 def _run_zoo() -> tuple[dict, dict[str, list[str]]]:
     """The step report, and the library lines printed in each section of the process's output."""
-    env = cpu_mode.clean_env({k: v for k, v in os.environ.items() if not k.startswith(("OPENBLAS", "OMP_"))})
-    env.update(MKL_VERBOSE="1", ONEDNN_VERBOSE="1")
-    done = subprocess.run(
-        [sys.executable, "-c", STEPS, json.dumps(ZOO), str(SIZE), str(BATCH)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    stdout = run_script(STEPS, json.dumps(ZOO), str(SIZE), str(BATCH), MKL_VERBOSE="1", ONEDNN_VERBOSE="1")
     calls: dict[str, list[str]] = {}
     section = "start"
     report = {}
-    for line in done.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("@@ "):
             section = line[3:]
         elif line.startswith("REPORT "):

@@ -1,9 +1,12 @@
 """The portable kernels inside a test process: switched on or off whatever an earlier test left, their C++ op
-built, and a convolution checked against torch's own kernels."""
+built, and a convolution checked against torch's own kernels; and a script run in a process of its own as a
+stage runs (`run_script`)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -11,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from tasks.determinism import blas, dispatch
+from tasks.determinism import blas, cpu_mode, dispatch
+from tests.conftest import ROOT
 
 
 @contextmanager
@@ -65,3 +69,20 @@ def computes_what_torch_does(
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want)
     return made, grads, upstream
+
+
+def run_script(script: str, *args: str, **env: str) -> str:
+    """The standard output of `python -c script args` in the repository, started as a stage is: without the
+    CPU variables and thread settings this process has (the script pins its own mode), with `env` added;
+    asserted to succeed."""
+    clean = cpu_mode.clean_env({k: v for k, v in os.environ.items() if not k.startswith(("OPENBLAS", "OMP_"))})
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
