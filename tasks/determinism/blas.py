@@ -79,15 +79,19 @@ def plan(m: int, n: int, threads: int) -> tuple[int, int]:
     return dim, -(-chunk // align) * align
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, width: int = 0) -> torch.Tensor:
+def gemm(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, bias: torch.Tensor | None = None, width: int = 0
+) -> torch.Tensor:
     """`out` = a @ b for float32/float64 tensors: 2-D, or 3-D for one product per group (a grouped
     convolution's), made in one call; `out` row-major. An operand whose matrices are neither row-major
-    nor transposed is copied first. `width`: the op's vectors in bits (256, 512; 0 the widest this
-    CPU has), for tests: the bytes do not depend on it."""
+    nor transposed is copied first. `bias` (2-D only: one value per column of out, contiguous) is added
+    to the product as torch's addmm adds it, one rounding, as the op stores it (no pass of its own).
+    `width`: the op's vectors in bits (256, 512; 0 the widest this CPU has), for tests: the bytes do
+    not depend on it."""
     a, b = _operand(a), _operand(b)
     chunks = op("gemm_chunks")
     if chunks is not None:
-        chunks(a, b, out, *plan(a.shape[-2], b.shape[-1], torch.get_num_threads()), width)
+        chunks(a, b, out, *plan(a.shape[-2], b.shape[-1], torch.get_num_threads()), width, bias)
         return out
     if a.dtype != torch.float32:
         raise Refused(
@@ -95,7 +99,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, width: int = 0)
             "which could not be built here (see the warning above): install a C++ compiler, or use native"
         )
     out.copy_(emulated(a, b))
-    return out
+    return out if bias is None else out.add_(bias)
 
 
 _ROTATED_BYTES = 2 << 20  # an L2 cache: smaller operands stay in it, and torch's copy is as fast as the op's

@@ -46,6 +46,7 @@ enum Activation : int64_t { kSigmoid, kSilu, kSiluBackward, kGelu, kGeluBackward
     static void store(T* p, V v) { P##_storeu_##S(p, v); }                   \
     static V set1(T x) { return P##_set1_##S(x); }                           \
     static V fma(V a, V b, V c) { return P##_fmadd_##S(a, b, c); }           \
+    static V add(V a, V b) { return P##_add_##S(a, b); }                     \
   };
 
 #pragma GCC push_options
@@ -115,8 +116,9 @@ void by_dtype(const at::Tensor& t, F&& f) {
 
 // out[g] = a[g] @ b[g] for 2-D operands (one product) or 3-D (one per group: a grouped convolution's), with
 // vectors `width` bits wide (256, 512, or 0: the widest this CPU has). The bytes do not depend on it.
+// `bias`: a value per column of out, added to each of its elements after the product (addmm's bias).
 void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& out2, int64_t dim, int64_t chunk,
-                 int64_t width) {
+                 int64_t width, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(a2.dim() == b2.dim() && a2.dim() == out2.dim() && (a2.dim() == 2 || a2.dim() == 3),
               "lockstep_blas: 2-D or 3-D operands");
   const bool flat = a2.dim() == 2;
@@ -131,10 +133,14 @@ void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& o
   const int64_t use = vector_width(width);
   const Operand sa = operand(a, "a"), sb = operand(b, "b");
   const Index groups = a.size(0), m = a.size(1), k = a.size(2);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == out.size(2) && bias->is_contiguous() &&
+                        bias->scalar_type() == a.scalar_type()),
+              "lockstep_blas: bias: one contiguous value per column of out, in its dtype");
   by_dtype(a, [&](auto zero) {
     using T = decltype(zero);
     const T* pa = a.data_ptr<T>();
-    run<T>(use, groups, m, k, [&](Index g) { return Matrix<T>{pa + g * a.stride(0), sa}; }, b, sb, out, dim, chunk);
+    run<T>(use, groups, m, k, [&](Index g) { return Matrix<T>{pa + g * a.stride(0), sa}; }, b, sb, out, dim, chunk,
+           bias ? bias->data_ptr<T>() : nullptr);
   });
 }
 
@@ -343,7 +349,8 @@ void rotated_copy(const at::Tensor& x, const at::Tensor& out) {
 }  // namespace
 
 TORCH_LIBRARY(lockstep_blas, m) {
-  m.def("gemm_chunks(Tensor a, Tensor b, Tensor(a!) out, int dim, int chunk, int width=0) -> ()", gemm_chunks);
+  m.def("gemm_chunks(Tensor a, Tensor b, Tensor(a!) out, int dim, int chunk, int width=0, Tensor? bias=None) -> ()",
+        gemm_chunks);
   m.def("widest() -> int", widest);
   m.def(
       "field_chunks(Tensor image, Tensor b, Tensor(a!) out, int kh, int kw, int sh, int sw, int dh, int dw, "

@@ -49,6 +49,8 @@ _REFUSED = (
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+    if alpha == 1 and beta == 1 and (row := kernels.fusable_bias(bias, a, b)) is not None:
+        return kernels.matmul(a, b, row)  # (a linear layer's: the bias added as the product is stored)
     product = kernels.matmul(a, b)  # new memory: scaled and added to in place, as the same ops out of place
     if alpha != 1:
         product.mul_(alpha)

@@ -42,19 +42,35 @@ class PortableOpError(Refused):
     portable mode: one line naming the op and the way out (exit 3 at the entry points)."""
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """mm and bmm (2-D or 3-D operands): one `blas.gemm`; half and bfloat16 are multiplied in
-    float32, the same way on every CPU."""
+    float32, the same way on every CPU. `bias`: `fusable_bias`'s, added as the product is stored."""
     if a.dtype not in FLOATS or b.dtype not in FLOATS:
         raise PortableOpError(
             f"determinism.cpu: portable multiplies floating-point matrices only, not {a.dtype} by {b.dtype}; use native"
         )
+    if bias is not None:  # (fusable_bias: 2-D operands of bias's dtype, computed in it)
+        return blas.gemm(a.detach(), b.detach(), memory.empty((a.shape[0], b.shape[1]), a), bias=bias)
     compute = torch.float32 if a.dtype in _NO_NUMPY else a.dtype
     a3, b3 = a.detach().to(compute), b.detach().to(compute)
     a3, b3 = (a3, b3) if a.dim() == 3 else (a3.unsqueeze(0), b3.unsqueeze(0))
     out = _product(a3, b3, memory.empty((a3.shape[0], a3.shape[1], b3.shape[2]), a3))
     out = out if a.dim() == 3 else out[0]
     return out if compute == a.dtype else out.to(a.dtype)
+
+
+def fusable_bias(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """addmm's `bias` as the product's op adds it (one value per column of a @ b, contiguous), where
+    that gives the bytes of the product's own add: 2-D float32 or float64 operands and bias of one dtype,
+    the bias a row broadcast down the columns (a linear layer's). None otherwise: added after."""
+    dtype = a.dtype
+    if a.dim() != 2 or b.dim() != 2 or dtype not in memory.NUMPY_DTYPES or b.dtype != dtype or bias.dtype != dtype:
+        return None
+    broadcast = bias.dim() == 2 and (bias.shape[0] == 1 or bias.stride(0) == 0)  # one row for every row
+    row = bias if bias.dim() == 1 else (bias[0] if broadcast else None)
+    if row is None or row.shape != (b.shape[1],):
+        return None
+    return row.detach().contiguous()
 
 
 def _shapes(x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> tuple[int, int, int, int]:

@@ -12,7 +12,7 @@
 // every CPU ran its AVX2 kernels, also where AVX-512 ones are faster.
 
 template <typename T>
-using Kernel = void (*)(Index, const T*, Index, const T*, T*, Index, bool);
+using Kernel = void (*)(Index, const T*, Index, const T*, T*, Index, bool, const T*);
 
 // A panel: to[q * P + i] = from[i * across + q * along] for the `count` <= P lines i and kc steps q,
 // zeros for lines past `count` (an edge tile's). Read in whichever order is contiguous in `from`.
@@ -105,6 +105,16 @@ struct Fields {
 
 constexpr Index KC = 256, NC = 256;  // b's block: 256 KiB in float32, within a 512 KiB L2
 
+// The length of k's blocks for a b of n columns (panels NR wide): KC, or longer where b is narrower than NC,
+// up to the same block size. Each block after the first reads c back and stores it again, and a tall
+// product's c (a convnext stage's 32768 x 96) is out of cache by then: a narrow b cut at KC would pass over
+// it twice where once suffices. At most twice KC: a strip of a (MR x the length) must stay in L1.
+template <int NR>
+Index depth(Index n) {
+  const Index width = (std::min(n, NC) + NR - 1) / NR * NR;
+  return std::clamp<Index>(KC * NC / std::max<Index>(width, 1), KC, 2 * KC);
+}
+
 // b's block of rows pc to pc + kc and columns jc to jc + nc, as the kernel reads it: panels NR values wide.
 template <typename T, int NR>
 void pack_block(const T* b, Operand sb, Index pc, Index kc, Index jc, Index nc, T* to) {
@@ -117,10 +127,11 @@ void pack_block(const T* b, Operand sb, Index pc, Index kc, Index jc, Index nc, 
 // jc and rows pc starts at jc * k + pc * (its width rounded up to NR).
 template <typename T, int NR>
 void pack_blocks(const T* b, Operand sb, Index k, Index n, T* to) {
+  const Index kb = depth<NR>(n);
   for (Index jc = 0; jc < n; jc += NC) {
     const Index nc = std::min(NC, n - jc), ncp = (nc + NR - 1) / NR * NR;
-    for (Index pc = 0; pc < k; pc += KC) {
-      const Index kc = std::min(KC, k - pc);
+    for (Index pc = 0; pc < k; pc += kb) {
+      const Index kc = std::min(kb, k - pc);
       pack_block<T, NR>(b, sb, pc, kc, jc, nc, to);
       to += ncp * kc;
     }
@@ -128,39 +139,52 @@ void pack_blocks(const T* b, Operand sb, Index k, Index n, T* to) {
 }
 
 // `packed`: b already packed by pack_blocks (shared by the products of one call that all multiply by it),
-// or null: each block packed here as it is needed.
+// or null: each block packed here as it is needed. `bias` (n values, or null): added to every row once its
+// chains are complete (addmm's), in the pass that stores them rather than in another over c.
 template <typename T, int MR, int NR, typename Source>
 void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, const Source& a, const T* b,
-                   Operand sb, T* c, Index ldc, const T* packed) {
+                   Operand sb, T* c, Index ldc, const T* packed, const T* bias) {
   static_assert(NC % NR == 0);
   thread_local std::vector<T> pa, pb;
-  pa.resize(MR * KC);
+  const Index kb = depth<NR>(n);  // (pack_blocks' too, for the same n)
+  pa.resize(MR * 2 * KC);
   if (!packed) pb.resize(KC * NC);  // (never shrunk: growing it again would fill it with zeros)
   T edge[MR * NR];
   if (k == 0) {  // no terms: every chain is its starting zero
-    for (Index i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, T(0));
+    for (Index i = 0; i < m; ++i) {
+      if (bias) std::copy(bias, bias + n, c + i * ldc);  // (0 + bias: bias, also for -0)
+      else std::fill(c + i * ldc, c + i * ldc + n, T(0));
+    }
     return;
   }
   for (Index jc = 0; jc < n; jc += NC) {
     const Index nc = std::min(NC, n - jc);
-    for (Index pc = 0; pc < k; pc += KC) {
-      const Index kc = std::min(KC, k - pc);
+    for (Index pc = 0; pc < k; pc += kb) {
+      const Index kc = std::min(kb, k - pc);
       const T* panels = packed ? packed + jc * k + pc * ((nc + NR - 1) / NR * NR) : pb.data();
       if (!packed) pack_block<T, NR>(b, sb, pc, kc, jc, nc, pb.data());
       for (Index ir = 0; ir < m; ir += MR) {
         const Index h = std::min<Index>(MR, m - ir);
         const Strip<T> s = a.template strip<MR>(ir, h, pc, kc, pa.data());
         const Kernel<T> kernel = s.rows ? rows : panel;
+        const bool last = pc + kc == k;
         for (Index jr = 0; jr < nc; jr += NR) {
           const Index w = std::min<Index>(NR, nc - jr);
           T* tile = c + ir * ldc + jc + jr;
+          const T* add = bias && last ? bias + jc + jr : nullptr;
           if (h == MR && w == NR) {
-            kernel(kc, s.a, s.step, panels + jr * kc, tile, ldc, pc == 0);
+            kernel(kc, s.a, s.step, panels + jr * kc, tile, ldc, pc == 0, add);
             continue;
           }
           for (Index i = 0; i < h && pc > 0; ++i) std::memcpy(edge + i * NR, tile + i * ldc, w * sizeof(T));
-          kernel(kc, s.a, s.step, panels + jr * kc, edge, NR, pc == 0);
-          for (Index i = 0; i < h; ++i) std::memcpy(tile + i * ldc, edge + i * NR, w * sizeof(T));
+          kernel(kc, s.a, s.step, panels + jr * kc, edge, NR, pc == 0, nullptr);  // (bias: w values, not NR)
+          for (Index i = 0; i < h; ++i) {
+            if (!add) {
+              std::memcpy(tile + i * ldc, edge + i * NR, w * sizeof(T));
+              continue;
+            }
+            for (Index j = 0; j < w; ++j) tile[i * ldc + j] = edge[i * NR + j] + add[j];
+          }
         }
       }
     }
@@ -170,15 +194,15 @@ void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, c
 // One product (or a chunk of one) on the calling thread, with the widest kernel `width` allows.
 template <typename T, typename Source>
 void product(int64_t width, Index m, Index n, Index k, const Source& a, const T* b, Operand sb, T* c, Index ldc,
-             const T* packed = nullptr) {
+             const T* packed = nullptr, const T* bias = nullptr) {
   if (width == 512) {
     using L = avx512::Lanes<T>;
     chain_product<T, L::MR, 2 * L::W>(avx512::micro_kernel<T, true>, avx512::micro_kernel<T, false>, m, n, k, a, b,
-                                      sb, c, ldc, packed);
+                                      sb, c, ldc, packed, bias);
   } else {
     using L = avx2::Lanes<T>;
     chain_product<T, L::MR, 2 * L::W>(avx2::micro_kernel<T, true>, avx2::micro_kernel<T, false>, m, n, k, a, b, sb,
-                                      c, ldc, packed);
+                                      c, ldc, packed, bias);
   }
 }
 
@@ -193,10 +217,11 @@ std::vector<T> packed_for(int64_t width, const T* b, Operand sb, Index k, Index 
 }
 
 // Every group's product cut into chunks (blas.py's plan), and the (group, chunk) pairs shared out on
-// torch's pool, each computed on one thread. `source(g)`: group g's a.
+// torch's pool, each computed on one thread. `source(g)`: group g's a. `bias`: n values added to each row
+// of every group's product, or null.
 template <typename T, typename Sources>
 void run(int64_t width, Index groups, Index m, Index k, Sources source, const at::Tensor& b, Operand sb,
-         const at::Tensor& out, int64_t dim, int64_t chunk) {
+         const at::Tensor& out, int64_t dim, int64_t chunk, const T* bias = nullptr) {
   const Index n = b.size(2);
   const T* pb = b.data_ptr<T>();
   T* pc = out.data_ptr<T>();
@@ -209,9 +234,10 @@ void run(int64_t width, Index groups, Index m, Index k, Sources source, const at
       const T* bg = pb + g * gb;
       T* cg = pc + g * gc;
       if (dim == 0) {  // rows of out: rows of a
-        product<T>(width, size, n, k, source(g).from_row(start), bg, sb, cg + start * ldc, ldc);
+        product<T>(width, size, n, k, source(g).from_row(start), bg, sb, cg + start * ldc, ldc, nullptr, bias);
       } else {  // columns of out: columns of b
-        product<T>(width, m, size, k, source(g), bg + start * sb.cols, sb, cg + start, ldc);
+        product<T>(width, m, size, k, source(g), bg + start * sb.cols, sb, cg + start, ldc, nullptr,
+                   bias ? bias + start : nullptr);
       }
     }
   });

@@ -19,7 +19,8 @@ from tests.support.portable import needs_the_op, portable_kernels, replace_ops
 
 # (a, b, whether each is stored row-major): the products a small CNN's convolutions make (forward,
 # weight and input gradients), a linear layer's, shapes that leave a short last chunk, edge tiles in
-# both directions, an inner dimension across several blocks of 256, and an empty one
+# both directions, an inner dimension across several blocks of 256 (and, b being narrow, of 512: the
+# longer blocks of products.h's `depth`), and an empty one
 SHAPES = [
     ((4096, 288), (288, 64), True, True),
     ((288, 4096), (4096, 64), False, True),
@@ -28,6 +29,7 @@ SHAPES = [
     ((64, 128), (128, 10), True, False),
     ((1001, 77), (77, 333), False, False),
     ((37, 700), (700, 45), True, True),
+    ((150, 1300), (1300, 96), False, False),
     ((3, 5), (5, 2), True, True),
     ((5, 0), (0, 3), True, True),
 ]
@@ -61,6 +63,45 @@ def test_each_element_is_one_chain_of_fused_multiply_adds_at_every_width_and_thr
                 torch.set_num_threads(threads)
                 out = blas.gemm(a, b, torch.full_like(expected, float("nan")), width=width)
                 assert torch.equal(out, expected), (a_shape, b_shape, a_rows, b_rows, width, threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_bias_added_as_the_product_is_stored_gives_the_bytes_of_adding_it_after(
+    dtype: torch.dtype, torch_threads: None
+) -> None:
+    """addmm's bias (a linear layer's), which the op adds to each element once its chain is complete: the
+    bytes of the product and then torch's add, on every shape (edge tiles, k in several blocks or none),
+    at each vector width and on 1-3 threads (a chunk of columns takes its part of the bias)."""
+    generator = torch.Generator().manual_seed(5)
+    for a_shape, b_shape, a_rows, b_rows in SHAPES:
+        a, b = _operand(a_shape, a_rows, dtype, generator), _operand(b_shape, b_rows, dtype, generator)
+        bias = torch.randn(b_shape[1], generator=generator, dtype=dtype)
+        expected = blas.gemm(a, b, torch.empty(a_shape[0], b_shape[1], dtype=dtype)) + bias
+        for width in _widths():
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                out = blas.gemm(a, b, torch.full_like(expected, float("nan")), bias=bias, width=width)
+                assert torch.equal(out, expected), (a_shape, b_shape, a_rows, b_rows, width, threads)
+
+
+def test_a_linear_layers_bias_is_added_by_the_product_only_where_that_keeps_torchs_bytes() -> None:
+    """dispatch's addmm gives the op the bias of a linear layer (one row for every row, as 1-D, expanded or
+    1 x n; float32 or float64, alpha and beta 1): the bytes of the product, then the add. Any other addmm
+    (scaled, a full matrix, bfloat16 rounded after its float32 product) keeps the product and the add apart."""
+    generator = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(50, 300, generator=generator), torch.randn(70, 300, generator=generator)
+    bias = torch.randn(70, generator=generator)
+    fusable = [bias, bias.expand(50, 70), bias[None]]
+    assert all(kernels.fusable_bias(row, x, weight.t()) is not None for row in fusable)
+    assert kernels.fusable_bias(torch.randn(50, 70), x, weight.t()) is None
+    assert kernels.fusable_bias(bias.bfloat16(), x.bfloat16(), weight.t().bfloat16()) is None
+    assert kernels.fusable_bias(bias.double(), x, weight.t()) is None
+    product = kernels.matmul(x, weight.t())
+    with portable_kernels(True):
+        for row in fusable:
+            assert torch.equal(torch.addmm(row, x, weight.t()), product + bias)
+        assert torch.equal(torch.nn.functional.linear(x, weight, bias), product + bias)
+        assert torch.equal(torch.addmm(bias, x, weight.t(), beta=0.5), product + 0.5 * bias)
 
 
 def test_the_chain_rounds_once_per_term_in_order() -> None:
