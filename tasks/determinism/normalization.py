@@ -11,7 +11,8 @@ on torch's threads; where they cannot be built, the functions below compute the 
 elementwise ops (tested), as they do for float64. Half and bfloat16 are computed in float32, as ATen does.
 
 The forward passes stay ATen's: each row is one thread's (layer norm; softmax and log-softmax along the
-last dimension), so their bytes never followed the count (tested).
+last dimension), so their bytes never followed the count (tests/determinism/test_zoo_threads.py trains
+convnext and swin on 1-3 threads).
 """
 
 from __future__ import annotations
