@@ -70,6 +70,7 @@ NATIVE_SOURCES = {
             "depthwise.h",
             "depthwise_taps.h",
             "fma_chain.h",
+            "normalization.h",
             "products.h",
         )
     )
