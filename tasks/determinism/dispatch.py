@@ -88,6 +88,18 @@ def _addmm_activation_out(bias, a, b, *, beta=1, alpha=1, use_gelu=False, out): 
     return _into(out, _addmm_activation(bias, a, b, beta=beta, alpha=alpha, use_gelu=use_gelu))
 
 
+def _layer_norm_backward_out(*args: Any, out0: torch.Tensor, out1: torch.Tensor, out2: torch.Tensor) -> tuple:
+    results = normalization.layer_norm_backward(*args)
+    for out, result in zip((out0, out1, out2), results, strict=True):
+        if result is not None:  # (a gradient the output mask did not ask for: its out= tensor untouched)
+            _into(out, result)
+    return out0, out1, out2
+
+
+def _softmax_backward_out(grad_output, output, dim, input_dtype, *, grad_input):  # noqa: ANN001, ANN202
+    return _into(grad_input, normalization.softmax_backward(grad_output, output, dim, input_dtype))
+
+
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, *backend_flags):  # noqa: ANN001, ANN201
     """aten::_convolution (aten::convolution's inner entry, with flags for torch's backends): `convolution`."""
     return kernels.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
@@ -138,9 +150,9 @@ _ROUTES = {
     "convolution_backward": kernels.convolution_backward,
     # backward passes whose ATen kernels' sums followed the thread count (normalization.py)
     "native_layer_norm_backward": normalization.layer_norm_backward,
-    "native_layer_norm_backward.out": normalization.layer_norm_backward_out,
+    "native_layer_norm_backward.out": _layer_norm_backward_out,
     "_softmax_backward_data": normalization.softmax_backward,
-    "_softmax_backward_data.out": normalization.softmax_backward_out,
+    "_softmax_backward_data.out": _softmax_backward_out,
     # activations whose ATen kernels compute a tensor's tail otherwise than its body (activations.py)
     **{
         f"{kind}{overload}": _activation(kind, inplace=overload == "_")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,47 +109,22 @@ def _column_sums(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def layer_norm_backward_out(
-    *args: Any, out0: torch.Tensor, out1: torch.Tensor, out2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """aten::native_layer_norm_backward.out: `layer_norm_backward` into the out= tensors asked for."""
-    results = layer_norm_backward(*args)
-    for out, result in zip((out0, out1, out2), results, strict=True):
-        if result is not None:
-            _into(out, result)
-    return out0, out1, out2
-
-
 def softmax_backward(
     grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype
 ) -> torch.Tensor:
     """aten::_softmax_backward_data: the input's gradient, output * (grad - the sum of grad * output along
     `dim`), in `input_dtype`."""
+    if output.dim() == 0:  # one element: a row of one
+        return softmax_backward(grad_output.view(1), output.view(1), 0, input_dtype).view(())
     compute = torch.float32 if output.dtype in _REDUCED else output.dtype
-    moved = output.detach().movedim(dim, -1) if output.dim() else output.detach().view(1)
-    columns = moved.shape[-1]
-    y = moved.reshape(-1, columns).to(compute).contiguous()
-    dy = grad_output.detach().movedim(dim, -1) if output.dim() else grad_output.detach().view(1)
-    dy = dy.reshape(-1, columns).to(compute).contiguous()
+    moved = output.detach().movedim(dim, -1)
+    y = moved.reshape(-1, moved.shape[-1]).to(compute).contiguous()
+    dy = grad_output.detach().movedim(dim, -1).reshape(y.shape).to(compute).contiguous()
     op = blas.op("softmax_backward") if compute == torch.float32 else None
     if op is not None:
         grad = memory.empty(tuple(y.shape), y)
         op(dy, y, grad)
     else:
         grad = y * (dy - _row_sums(dy * y))
-    grad = grad.view(moved.shape)
-    grad = grad.movedim(-1, dim).contiguous() if output.dim() else grad.view(output.shape)
+    grad = grad.view(moved.shape).movedim(-1, dim).contiguous()
     return grad.to(input_dtype)
-
-
-def softmax_backward_out(
-    grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype, *, grad_input: torch.Tensor
-) -> torch.Tensor:
-    """aten::_softmax_backward_data.out."""
-    return _into(grad_input, softmax_backward(grad_output, output, dim, input_dtype))
-
-
-def _into(out: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    if out.shape != result.shape:
-        out.resize_(result.shape)
-    return out.copy_(result)
