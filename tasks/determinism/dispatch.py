@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tasks.determinism import activations, kernels, normalization
+from tasks.determinism import activations, kernels, normalization, thread_invariant
 
 # ATen ops (every overload) that compute with MKL, oneDNN, NNPACK or fbgemm on the CPU and have no
 # portable route here; a name this torch does not have is skipped.
@@ -153,6 +153,14 @@ _ROUTES = {
     "native_layer_norm_backward.out": _layer_norm_backward_out,
     "_softmax_backward_data": normalization.softmax_backward,
     "_softmax_backward_data.out": _softmax_backward_out,
+    # kernels whose values followed the thread count, run so that they cannot (thread_invariant.py)
+    "mish": thread_invariant.mish,
+    "mish_": thread_invariant.mish_,
+    "mish_backward": thread_invariant.mish_backward,
+    "softplus": thread_invariant.softplus,
+    "softplus_backward": thread_invariant.softplus_backward,
+    "elu_backward": thread_invariant.elu_backward,
+    "_softmax": thread_invariant.softmax,
     # activations whose ATen kernels compute a tensor's tail otherwise than its body (activations.py)
     **{
         f"{kind}{overload}": _activation(kind, inplace=overload == "_")

@@ -1,0 +1,85 @@
+"""Mish, softplus, ELU's backward and softmax along any dimension in portable mode
+(tasks/determinism/thread_invariant.py): torch's values and gradients, the same bytes on 1, 2 and 3 threads
+where ATen's own kernels move with the count, and (float32) ATen's one-thread bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tasks.determinism import dispatch, thread_invariant
+from tests.support.portable import computes_what_torch_does, portable_kernels
+
+# name -> (the op, the input's shape): sizes over several pieces, with an end that is not a whole vector
+CASES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], tuple[int, ...]]] = {
+    "mish": (F.mish, (100_003,)),
+    "mish, transposed input": (lambda x: F.mish(x.t()), (301, 333)),
+    "softplus": (F.softplus, (100_003,)),
+    "softplus, beta and threshold": (lambda x: F.softplus(x, 2.0, 5.0), (64, 3, 77, 13)),
+    "elu": (F.elu, (100_003,)),
+    "elu in place": (lambda x: F.elu(x * 1, inplace=True), (100_003,)),
+    "selu": (F.selu, (100_003,)),
+    "softmax along dim 1": (lambda x: F.softmax(x, 1), (16, 16, 49, 49)),
+    "softmax along dim 0": (lambda x: F.softmax(x, 0), (64, 16, 7, 49)),
+}
+
+
+@pytest.mark.parametrize("case", [*CASES, "softmax of a vector", "softmax of a scalar", "mish in place"])
+def test_values_and_gradients_are_torchs(case: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    special = {
+        "softmax of a vector": (lambda x: F.softmax(x, 0), (300,)),
+        "softmax of a scalar": (lambda x: F.softmax(x, 0), ()),
+        "mish in place": (lambda x: F.mish(x * 1, inplace=True), (5, 7)),
+    }
+    op, shape = CASES.get(case) or special[case]
+    x = (torch.randn(shape, dtype=torch.float64, generator=generator) * 8).requires_grad_()
+    computes_what_torch_does(lambda: op(x), [x], generator)
+
+
+def _made(threads: int, dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+    """Each case's output and input gradient on `threads` threads."""
+    torch.set_num_threads(threads)
+    made = {}
+    for name, (op, shape) in CASES.items():
+        generator = torch.Generator().manual_seed(1)
+        x = (torch.randn(shape, generator=generator) * 8).to(dtype).requires_grad_()
+        out = op(x)
+        (grad,) = torch.autograd.grad(out, [x], torch.randn(out.shape, generator=generator).to(dtype))
+        made[name] = [out.detach(), grad]
+    return made
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bytes_do_not_follow_the_thread_count(dtype: torch.dtype, torch_threads: None) -> None:
+    with portable_kernels(False):  # ATen's move with the count (float32): the test is not vacuous
+        native = {threads: _made(threads, torch.float32) for threads in (1, 3)}
+    moved = {name for name in CASES if not all(map(torch.equal, native[1][name], native[3][name]))}
+    assert {"mish", "softplus", "elu", "softmax along dim 1"} <= moved, moved
+    with portable_kernels(True):
+        made = {threads: _made(threads, dtype) for threads in (1, 2, 3)}
+    for threads in (2, 3):
+        for name in CASES:
+            assert all(map(torch.equal, made[threads][name], made[1][name])), (name, threads, dtype)
+    # float32: ATen's own one-thread bytes where the pieces are of a contiguous input (mish's gradient: a formula)
+    if dtype == torch.float32:
+        differ = {name for name in CASES if not all(map(torch.equal, made[3][name], native[1][name]))}
+        assert differ == {"mish", "mish, transposed input", "softmax along dim 0", "softmax along dim 1"}, differ
+        assert all(torch.equal(made[3][name][0], native[1][name][0]) for name in differ if name == "mish")
+        for name in differ:  # softmax: along the last dimension of a moved copy, in another order
+            for got, want in zip(made[3][name], native[1][name], strict=True):
+                torch.testing.assert_close(got, want)
+
+
+def test_the_pieces_are_under_the_grain_and_whole_vectors() -> None:
+    grain = 32768  # ATen's internal::GRAIN_SIZE: TensorIterator computes fewer elements on one thread
+    widest = 2 * 64  # two vectors of 512 bits of the narrowest dtype (bytes)
+    assert thread_invariant.PIECE < grain and thread_invariant.PIECE % widest == 0
+
+
+def test_the_routes_are_installed_for_the_ops_that_moved() -> None:
+    for op in ("mish", "mish_", "mish_backward", "softplus", "softplus_backward", "elu_backward", "_softmax"):
+        assert dispatch.handles(getattr(torch.ops.aten, op).default), op
