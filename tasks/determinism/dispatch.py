@@ -3,8 +3,9 @@
 `install` registers tasks/determinism/kernels.py's matrix products and convolutions for their ATen ops
 (the out= and in-place forms too: an op's CPU kernel may call them, as the fused CPU attention of
 nn.MultiheadAttention's inference path writes through aten::bmm.out), activations.py's sigmoid, SiLU
-and GELU and normalization.py's layer norm and softmax backward (whose ATen kernels' values followed the
-thread count), and a refusal for every overload
+and GELU, normalization.py's layer norm and softmax backward and thread_invariant.py's mish, softplus,
+ELU backward, softmax and batch norm (whose ATen kernels' values followed the thread count), and a
+refusal for every overload
 of the other ops that would compute with MKL, oneDNN, NNPACK or fbgemm (matrix-vector products, LAPACK,
 FFT, fused attention, torch's convolution backends called directly, packed-weight products), rather
 than let them compute CPU-dependent bytes. `refusal` says which call would be refused, and
@@ -161,6 +162,8 @@ _ROUTES = {
     "softplus_backward": thread_invariant.softplus_backward,
     "elu_backward": thread_invariant.elu_backward,
     "_softmax": thread_invariant.softmax,
+    "native_batch_norm": thread_invariant.batch_norm,
+    "native_batch_norm_backward": thread_invariant.batch_norm_backward,
     # activations whose ATen kernels compute a tensor's tail otherwise than its body (activations.py)
     **{
         f"{kind}{overload}": _activation(kind, inplace=overload == "_")

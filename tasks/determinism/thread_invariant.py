@@ -11,15 +11,18 @@ given), and hashing every op's output on 1, 2 and 3 threads found these that mov
   Mish's backward has no out= kernel: torch's formula for it (math_mish_backward) over the routed ops.
 - softmax along a dimension other than the last: computed along the last of a copy with that dimension
   moved there (ATen's kernel for the last dimension gives each row to one thread).
-These call the ops' out= forms, which stay ATen's (tasks/determinism/dispatch.py routes the others here):
-an out= call of one of them with a large tensor, rare in a model, still follows the thread count, as does
-batch norm of a channels-last tensor (its out= kernel calls the op itself, so it cannot be routed this
-way); no model of the zoo reaches either (docs/reproducibility.md).
+- batch norm of a channels-last tensor, forward and backward: computed on contiguous copies (ATen's
+  per-channel sums of a contiguous tensor do not follow the thread count), the gradient and output laid
+  out as the input again.
+
+These call the ops' out= forms (and batch_norm_backward, since native_batch_norm_backward's out= kernel
+calls the op itself), which stay ATen's: tasks/determinism/dispatch.py routes the others here. An out= call
+of one of them with a large tensor, rare in a model, still follows the thread count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -88,3 +91,56 @@ def softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     out = torch.empty(source.shape, dtype=dtype)
     aten._softmax.out(source, -1 if moved else dim, half_to_float, out=out)
     return out.movedim(-1, dim).contiguous() if moved else out
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    """A 4-D tensor laid out channels-last (and not contiguous as well, as with one channel or 1x1 images)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _laid_out_as(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`t` (contiguous) laid out as ATen lays out its result for `x`: channels-last where x is."""
+    return t.contiguous(memory_format=torch.channels_last) if _channels_last(x) else t
+
+
+def batch_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """aten::native_batch_norm over a contiguous copy of x (the running statistics updated in place, as
+    torch's); the output laid out as x."""
+    stats = weight.dtype if weight is not None else x.dtype  # (half and bfloat16 inputs keep float32 statistics)
+    out, mean, invstd = aten.native_batch_norm.out(
+        x.contiguous(), weight, bias, running_mean, running_var, training, momentum, eps,
+        out=torch.empty(0, dtype=x.dtype), save_mean=torch.empty(0, dtype=stats),
+        save_invstd=torch.empty(0, dtype=stats),
+    )  # fmt: skip
+    return _laid_out_as(out, x), mean, invstd
+
+
+def batch_norm_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    save_mean: torch.Tensor | None,
+    save_invstd: torch.Tensor | None,
+    train: bool,
+    eps: float,
+    mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """aten::native_batch_norm_backward over contiguous copies (by aten::batch_norm_backward, the same CPU
+    kernel); the input gradient laid out as x."""
+    no_reserve = torch.empty(0, dtype=torch.uint8)
+    grad_input, grad_weight, grad_bias = aten.batch_norm_backward.default(
+        grad.contiguous(), x.contiguous(), weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+        list(mask), no_reserve,
+    )  # fmt: skip
+    return (None if grad_input is None else _laid_out_as(grad_input, x)), grad_weight, grad_bias

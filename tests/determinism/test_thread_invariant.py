@@ -1,4 +1,4 @@
-"""Mish, softplus, ELU's backward and softmax along any dimension in portable mode
+"""Mish, softplus, ELU's backward, softmax along any dimension and batch norm in portable mode
 (tasks/determinism/thread_invariant.py): torch's values and gradients, the same bytes on 1, 2 and 3 threads
 where ATen's own kernels move with the count, and (float32) ATen's one-thread bytes."""
 
@@ -24,7 +24,21 @@ CASES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], tuple[int, ...]]]
     "selu": (F.selu, (100_003,)),
     "softmax along dim 1": (lambda x: F.softmax(x, 1), (16, 16, 49, 49)),
     "softmax along dim 0": (lambda x: F.softmax(x, 0), (64, 16, 7, 49)),
+    "batch norm, channels-last": (
+        lambda x: _batch_norm(x.contiguous(memory_format=torch.channels_last)),
+        (64, 32, 16, 16),
+    ),
+    "batch norm": (lambda x: _batch_norm(x), (64, 32, 16, 16)),
 }
+
+
+def _batch_norm(x: torch.Tensor, training: bool = True) -> torch.Tensor:
+    """Batch norm of x with fixed affine weights and running statistics, float32 (float64 for float64 x: a
+    bfloat16 x has them float32, as a model under autocast has)."""
+    channels, dtype = x.shape[1], torch.float64 if x.dtype == torch.float64 else torch.float32
+    weight, bias = torch.linspace(0.5, 2, channels, dtype=dtype), torch.linspace(-1, 1, channels, dtype=dtype)
+    mean, var = torch.zeros(channels, dtype=dtype), torch.ones(channels, dtype=dtype)
+    return F.batch_norm(x, mean, var, weight, bias, training=training)
 
 
 @pytest.mark.parametrize("case", [*CASES, "softmax of a vector", "softmax of a scalar", "mish in place"])
@@ -38,6 +52,29 @@ def test_values_and_gradients_are_torchs(case: str) -> None:
     op, shape = CASES.get(case) or special[case]
     x = (torch.randn(shape, dtype=torch.float64, generator=generator) * 8).requires_grad_()
     computes_what_torch_does(lambda: op(x), [x], generator)
+
+
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norms_values_gradients_running_statistics_and_layout_are_torchs(
+    layout: torch.memory_format, training: bool
+) -> None:
+    generator = torch.Generator().manual_seed(2)
+    made = {}
+    for portable in (False, True):
+        x = torch.randn(6, 5, 7, 3, dtype=torch.float64, generator=generator).to(memory_format=layout)
+        x.requires_grad_()
+        weight = torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True)
+        bias = torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True)
+        mean, var = torch.zeros(5, dtype=torch.float64), torch.ones(5, dtype=torch.float64)
+        with portable_kernels(portable):
+            out = F.batch_norm(x, mean, var, weight, bias, training=training, momentum=0.3)
+            grads = torch.autograd.grad(out, [x, weight, bias], x.detach().sin())
+        assert out.is_contiguous(memory_format=layout) and grads[0].is_contiguous(memory_format=layout)
+        made[portable] = [out, *grads, mean, var]
+        generator.manual_seed(2)
+    for got, want in zip(made[True], made[False], strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def _made(threads: int, dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
@@ -58,7 +95,7 @@ def test_the_bytes_do_not_follow_the_thread_count(dtype: torch.dtype, torch_thre
     with portable_kernels(False):  # ATen's move with the count (float32): the test is not vacuous
         native = {threads: _made(threads, torch.float32) for threads in (1, 3)}
     moved = {name for name in CASES if not all(map(torch.equal, native[1][name], native[3][name]))}
-    assert {"mish", "softplus", "elu", "softmax along dim 1"} <= moved, moved
+    assert {"mish", "softplus", "elu", "softmax along dim 1", "batch norm, channels-last"} <= moved, moved
     with portable_kernels(True):
         made = {threads: _made(threads, dtype) for threads in (1, 2, 3)}
     for threads in (2, 3):
@@ -67,9 +104,10 @@ def test_the_bytes_do_not_follow_the_thread_count(dtype: torch.dtype, torch_thre
     # float32: ATen's own one-thread bytes where the pieces are of a contiguous input (mish's gradient: a formula)
     if dtype == torch.float32:
         differ = {name for name in CASES if not all(map(torch.equal, made[3][name], native[1][name]))}
-        assert differ == {"mish", "mish, transposed input", "softmax along dim 0", "softmax along dim 1"}, differ
+        moved_copies = {"softmax along dim 0", "softmax along dim 1", "batch norm, channels-last"}
+        assert differ == {"mish", "mish, transposed input", *moved_copies}, differ
         assert all(torch.equal(made[3][name][0], native[1][name][0]) for name in differ if name == "mish")
-        for name in differ:  # softmax: along the last dimension of a moved copy, in another order
+        for name in differ:  # the others computed on a moved or contiguous copy, in another order
             for got, want in zip(made[3][name], native[1][name], strict=True):
                 torch.testing.assert_close(got, want)
 
@@ -81,5 +119,15 @@ def test_the_pieces_are_under_the_grain_and_whole_vectors() -> None:
 
 
 def test_the_routes_are_installed_for_the_ops_that_moved() -> None:
-    for op in ("mish", "mish_", "mish_backward", "softplus", "softplus_backward", "elu_backward", "_softmax"):
+    for op in (
+        "mish",
+        "mish_",
+        "mish_backward",
+        "softplus",
+        "softplus_backward",
+        "elu_backward",
+        "_softmax",
+        "native_batch_norm",
+        "native_batch_norm_backward",
+    ):
         assert dispatch.handles(getattr(torch.ops.aten, op).default), op
