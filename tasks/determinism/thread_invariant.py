@@ -115,7 +115,8 @@ def batch_norm(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """aten::native_batch_norm over a contiguous copy of x (the running statistics updated in place, as
     torch's); the output laid out as x."""
-    stats = weight.dtype if weight is not None else x.dtype  # (half and bfloat16 inputs keep float32 statistics)
+    # the statistics in the parameters' dtype, as ATen's: float32 for a half or bfloat16 x under autocast
+    stats = next((t.dtype for t in (weight, bias, running_mean, running_var) if t is not None), x.dtype)
     out, mean, invstd = aten.native_batch_norm.out(
         x.contiguous(), weight, bias, running_mean, running_var, training, momentum, eps,
         out=torch.empty(0, dtype=x.dtype), save_mean=torch.empty(0, dtype=stats),

@@ -77,6 +77,25 @@ def test_batch_norms_values_gradients_running_statistics_and_layout_are_torchs(
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("running", [True, False])
+def test_a_bfloat16_batch_norm_keeps_float32_parameters_and_statistics(affine: bool, running: bool) -> None:
+    """As under autocast: a bfloat16 input, float32 weights and running statistics (or none of either)."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 4, 5, 5, generator=generator).bfloat16().requires_grad_()
+    made = {}
+    for portable in (False, True):
+        weight, bias = (torch.linspace(0.5, 2, 4), torch.linspace(-1, 1, 4)) if affine else (None, None)
+        mean, var = (torch.zeros(4), torch.ones(4)) if running else (None, None)
+        with portable_kernels(portable):
+            out = F.batch_norm(x, mean, var, weight, bias, training=True)
+            (grad,) = torch.autograd.grad(out, [x], torch.ones_like(out))
+        made[portable] = [out, grad, *([mean, var] if running else [])]
+    for got, want in zip(made[True], made[False], strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+
+
 def _made(threads: int, dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
     """Each case's output and input gradient on `threads` threads."""
     torch.set_num_threads(threads)
