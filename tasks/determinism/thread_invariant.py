@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tasks.determinism import activations
+from tasks.determinism import activations, memory
 
 # Elements per piece: under TensorIterator's grain size (32768, below which one thread computes the whole),
 # and a multiple of twice the widest vector of every dtype (ATen's loops take two vectors at a time).
@@ -38,9 +38,9 @@ aten = torch.ops.aten
 
 def _in_pieces(compute: Callable[..., Any], *tensors: torch.Tensor) -> torch.Tensor:
     """`compute(*pieces, out=piece of the result)` over `PIECE`-element pieces of `tensors` (all of one
-    shape, read contiguous); the result contiguous, of the first tensor's shape and dtype."""
+    shape, read contiguous); the result new memory (`memory.empty`), of the first tensor's shape and dtype."""
     flat = [t.contiguous().view(-1) for t in tensors]
-    result = torch.empty(tensors[0].shape, dtype=tensors[0].dtype)
+    result = memory.empty(tuple(tensors[0].shape), tensors[0])
     out = result.view(-1)
     for start in range(0, out.numel(), PIECE):
         compute(*(f[start : start + PIECE] for f in flat), out=out[start : start + PIECE])
@@ -88,7 +88,7 @@ def softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     dim = dim % max(x.dim(), 1)
     moved = x.dim() > 1 and dim != x.dim() - 1
     source = x.movedim(dim, -1).contiguous() if moved else x.contiguous()
-    out = torch.empty(source.shape, dtype=dtype)
+    out = memory.empty(tuple(source.shape), source if dtype == source.dtype else source.new_empty(0, dtype=dtype))
     aten._softmax.out(source, -1 if moved else dim, half_to_float, out=out)
     return out.movedim(-1, dim).contiguous() if moved else out
 
@@ -117,9 +117,10 @@ def batch_norm(
     torch's); the output laid out as x."""
     # the statistics in the parameters' dtype, as ATen's: float32 for a half or bfloat16 x under autocast
     stats = next((t.dtype for t in (weight, bias, running_mean, running_var) if t is not None), x.dtype)
+    contiguous = x.contiguous()
     out, mean, invstd = aten.native_batch_norm.out(
-        x.contiguous(), weight, bias, running_mean, running_var, training, momentum, eps,
-        out=torch.empty(0, dtype=x.dtype), save_mean=torch.empty(0, dtype=stats),
+        contiguous, weight, bias, running_mean, running_var, training, momentum, eps,
+        out=memory.empty(tuple(x.shape), contiguous), save_mean=torch.empty(0, dtype=stats),
         save_invstd=torch.empty(0, dtype=stats),
     )  # fmt: skip
     return _laid_out_as(out, x), mean, invstd
