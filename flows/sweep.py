@@ -25,7 +25,6 @@ run the same command again and it resumes, without repeating a finished trial.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -65,6 +64,7 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
     from flows.pipeline import STAGE_TASKS
     from tasks.core.lock import pipeline_lock
     from tasks.tools import sweep as search
+    from tasks.tools.sweep_results import summarise
     from tasks.tracking.runs import pipeline_run
     from tasks.tracking.store import tracking_uri
 
@@ -89,7 +89,7 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
             client.run(warm_up)  # every worker has what a trial needs: the clock starts with the trials
             started = time.monotonic()
             search.run_study(study, cfg, print_fp, lambda specs: run_batch(specs, context, cfg.retries))
-            summary = _summary(study, cfg, round(time.monotonic() - started, 2))
+            summary = summarise(study, cfg, round(time.monotonic() - started, 2))
             _record(study, summary, study_dir, parent_id, params)
     logger.info("sweep %s: %s", cfg.name, summary["line"])
     if apply:  # a thread count fixed for native trials goes with their values
@@ -125,56 +125,16 @@ def _dask_client() -> Any:
     return context.task_runner.client
 
 
-def _summary(study: Any, cfg: Any, seconds: float) -> dict[str, Any]:
-    from tasks.tools.sweep import best_trial, derived_seed, table
-
-    best = best_trial(study, cfg)  # every trial read back is checked first: --apply writes the best's params
-    rows = table(study)
-    states = {state: sum(row["state"] == state for row in rows) for state in ("complete", "pruned", "fail")}
-    summary: dict[str, Any] = {
-        "study": cfg.name,
-        "trials": rows,
-        "states": states,
-        "seconds": seconds,
-        "best": None,
-    }
-    if best is None:
-        summary["line"] = f"{len(rows)} trials, none complete ({states['pruned']} pruned, {states['fail']} failed)"
-        return summary
-    summary["best"] = {
-        "trial": best.number,
-        "value": best.value,
-        "params": dict(best.params),
-        "seed": derived_seed(cfg.seed, best.number, "train"),  # derived, not read back from the storage
-        "run_id": best.user_attrs.get("run_id"),
-        "best_sha256": best.user_attrs.get("best_sha256"),
-    }
-    values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items())
-    summary["line"] = (
-        f"best trial {best.number}: {cfg.metric} {best.value:.4f} ({values}); "
-        f"{states['complete']} complete, {states['pruned']} pruned, {states['fail']} failed"
-    )
-    return summary
-
-
 def _record(study: Any, summary: dict[str, Any], study_dir: Path, parent_id: str | None, params: Params) -> None:
     """The study on disk (artifacts/sweep/<name>/study/) and on the sweep's MLflow run."""
-    from tasks.core.atomic import write_text
-    from tasks.tools.sweep import plots
+    from tasks.tools.sweep_results import write_study
 
-    out = study_dir / "study"
-    out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "sweep.json", json.dumps(summary, indent=2, sort_keys=True, default=str))
-    with open(out / "trials.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=sorted({k for row in summary["trials"] for k in row}))
-        writer.writeheader()
-        writer.writerows(summary["trials"])
-    drawn = plots(study, out)
+    written = write_study(study, summary, study_dir / "study")
     if parent_id is not None:
-        _record_in_mlflow(parent_id, summary, out, drawn, params)
+        _record_in_mlflow(parent_id, summary, written, params)
 
 
-def _record_in_mlflow(run_id: str, summary: dict[str, Any], out: Path, drawn: dict[str, str], params: Params) -> None:
+def _record_in_mlflow(run_id: str, summary: dict[str, Any], files: list[Path], params: Params) -> None:
     from mlflow import MlflowClient
 
     from tasks.core.redact import redact_mapping
@@ -198,8 +158,8 @@ def _record_in_mlflow(run_id: str, summary: dict[str, Any], out: Path, drawn: di
     for state, count in summary["states"].items():
         client.log_metric(run_id, f"trials_{state}", count)
     client.log_metric(run_id, "sweep_seconds", summary["seconds"])
-    for name in ("sweep.json", "trials.csv", *(f"{n}.png" for n, p in drawn.items() if p.endswith(".png"))):
-        client.log_artifact(run_id, str(out / name), "sweep")
+    for path in files:
+        client.log_artifact(run_id, str(path), "sweep")
 
 
 def _apply(params_file: str, summary: dict[str, Any], study: str, threads: int | str | None = None) -> None:

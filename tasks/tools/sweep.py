@@ -17,7 +17,8 @@ The cost against Optuna's own parallel mode: a worker that finishes early waits 
 batch is as slow as its slowest trial), and the sampler learns from a result one batch later.
 
 This module computes; flows/sweep.py runs the trials (Prefect tasks, on Dask) and records the study
-in MLflow; tasks/stages.py's `train_trial` is the train stage for one trial.
+(tasks/tools/sweep_results.py: its summary and files) in MLflow; tasks/stages.py's `train_trial` is
+the train stage for one trial.
 """
 
 from __future__ import annotations
@@ -350,6 +351,23 @@ def run_study(
     return study
 
 
+def best_trial(study: Any, cfg: SweepConfig | None = None) -> Any | None:
+    """The best complete trial; a tie goes to the lower trial number (Optuna's own pick is storage order).
+    With `cfg`, every trial read back is checked first (`check_stored_trial`): what --apply writes."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    if cfg is not None:
+        space = distributions(cfg.space)
+        for trial in trials:
+            check_stored_trial(trial, cfg, space)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    if not complete:
+        return None
+    sign = 1 if study.direction.name == "MAXIMIZE" else -1
+    return min(complete, key=lambda t: (-sign * t.value, t.number))
+
+
 def progress(study: Any, cfg: SweepConfig, outcome: TrialOutcome) -> str:
     """One line for a person watching: which trial ended and how, how far the study is, the best so far."""
     from optuna.trial import TrialState
@@ -406,74 +424,3 @@ def best_value(history: Sequence[dict[str, float]], metric: str, direction: str)
     if not values:
         return None
     return max(values) if direction == "maximize" else min(values)
-
-
-# --------------------------------------------------------------------------- the result
-
-
-def best_trial(study: Any, cfg: SweepConfig | None = None) -> Any | None:
-    """The best complete trial; a tie goes to the lower trial number (Optuna's own pick is storage order).
-    With `cfg`, every trial read back is checked first (`check_stored_trial`): what --apply writes."""
-    from optuna.trial import TrialState
-
-    trials = study.get_trials(deepcopy=False)
-    if cfg is not None:
-        space = distributions(cfg.space)
-        for trial in trials:
-            check_stored_trial(trial, cfg, space)
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    if not complete:
-        return None
-    sign = 1 if study.direction.name == "MAXIMIZE" else -1
-    return min(complete, key=lambda t: (-sign * t.value, t.number))
-
-
-def table(study: Any) -> list[dict[str, Any]]:
-    """One row per trial: number, state, value, epochs run, seed, params, MLflow run, weights."""
-    rows = []
-    for t in study.get_trials(deepcopy=False):
-        rows.append(
-            {
-                "trial": t.number,
-                "state": t.state.name.lower(),
-                "value": t.value,
-                "epochs": len(t.intermediate_values),
-                "seed": t.user_attrs.get("seed"),
-                **t.params,
-                "run_id": t.user_attrs.get("run_id"),
-                "best_sha256": t.user_attrs.get("best_sha256"),
-                "seconds": t.user_attrs.get("seconds"),
-                "error": t.user_attrs.get("error"),
-            }
-        )
-    return rows
-
-
-def plots(study: Any, out_dir: Path) -> dict[str, str]:
-    """The optimisation history and the parameter importances as PNGs; {name: path or why not}."""
-    import warnings
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from optuna.visualization.matplotlib import plot_optimization_history, plot_param_importances
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    made: dict[str, str] = {}
-    for name, plot in (
-        ("optimization_history", plot_optimization_history),
-        ("param_importances", plot_param_importances),
-    ):
-        path = out_dir / f"{name}.png"
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "experimental" on every call
-                axes = plot(study)
-            axes.figure.savefig(path, dpi=100, bbox_inches="tight")
-            plt.close(axes.figure)
-            made[name] = str(path)
-        except (ValueError, RuntimeError) as exc:  # e.g. importances need two complete trials that differ
-            log.warning("sweep: no %s plot: %s", name, exc)
-            made[name] = f"not drawn: {exc}"
-    return made

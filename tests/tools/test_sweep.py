@@ -21,6 +21,7 @@ from tasks.core.config.base import ConfigError
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import load_params
 from tasks.tools import sweep as search
+from tasks.tools import sweep_results as results
 from tests.conftest import write_params
 
 SPACE = {
@@ -76,7 +77,7 @@ class Trainer:
 def _run(params: Params, study_dir: Path, trainer: Trainer, storage: str | None = None) -> list[dict[str, Any]]:
     study = search.open_study(params.sweep, storage, study_dir, "fp")
     search.run_study(study, params.sweep, "fp", trainer)
-    return search.table(study)
+    return results.table(study)
 
 
 def test_results_do_not_depend_on_the_order_trials_finish_in(tmp_path: Path) -> None:
@@ -159,7 +160,7 @@ def test_a_failed_trial_is_a_result(tmp_path: Path) -> None:
 
     study = search.open_study(params.sweep, None, tmp_path / "study", "fp")
     search.run_study(study, params.sweep, "fp", crashing)
-    rows = search.table(study)
+    rows = results.table(study)
     assert [row["state"] for row in rows] == ["fail"] * 3
     assert rows[0]["error"] == "RuntimeError: boom"
     assert search.best_trial(study) is None

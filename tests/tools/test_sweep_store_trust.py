@@ -15,10 +15,11 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from flows.sweep import _apply, _summary
+from flows.sweep import _apply
 from tasks.core.cli import exit_code
 from tasks.core.config.yaml_io import load_params
 from tasks.tools import sweep as search
+from tasks.tools.sweep_results import summarise
 from tests.conftest import write_params
 
 SPACE = {
@@ -110,7 +111,7 @@ def test_a_forged_complete_trial_is_neither_learnt_from_nor_applied(
     # the study looks finished (1 of 1 trials): resuming it, then --apply
     err = _refused(lambda: search.run_study(study, cfg, "fp", NoTraining()), capsys)
     assert "trial 0: data.url reaches the network or other machines" in err, err
-    err = _refused(lambda: _apply(str(params_file), _summary(study, cfg, 0.0), cfg.name), capsys)
+    err = _refused(lambda: _apply(str(params_file), summarise(study, cfg, 0.0), cfg.name), capsys)
     assert "trial 0: data.url" in err and "params.yaml untouched" in err, err
     assert params_file.read_bytes() == before
 
@@ -156,7 +157,7 @@ def test_the_sweeps_own_trials_pass_and_apply(tmp_path: Path) -> None:
     trainer = NoTraining()
     search.run_study(study, cfg, "fp", trainer)
     assert trainer.ran == [0, 1, 2]
-    summary = _summary(study, cfg, 0.0)
+    summary = summarise(study, cfg, 0.0)
     summary["best"]["run_id"] = RUN_ID
     _apply(str(params_file), summary, cfg.name)
     applied = load_params(params_file)
