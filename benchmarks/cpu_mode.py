@@ -3,8 +3,9 @@
 
 Each mode runs in a fresh process (the mode is fixed when torch and numpy load), on the same
 prepared data with the default params and thread count; one untimed epoch (or two steps) first,
-then the median of the timed ones, the two modes taking turns round by round. The RGB steps time
-random pixels: the kernels' cost does not depend on what the images show.
+then the median of the timed ones, the two modes taking turns round by round. A row's ratio is the
+median of the rounds' own ratios (`Figure.round_ratios`). The RGB steps time random pixels: the
+kernels' cost does not depend on what the images show.
 """
 
 from __future__ import annotations
@@ -116,10 +117,10 @@ def b9(
     """B9 (the stage's epoch, in `epoch_rounds` processes per mode, `rounds` by default) and a B9-<model>
     row per `models` (`steps` steps of `batch` images), each model in a fresh process, or all in one per
     mode (`one_process`: the smoke run's, cheaper). The epoch's rounds are cheap, and a process's speed
-    varies more than its epochs do (where on the host it lands): more of them steady the median, and each
-    round's ratio goes in the figure's details, so that the spread is on record. Within a round a
-    model's two modes run one right after the other, the first of them alternating from round to round:
-    the host's speed drifts over minutes, so two modes a model apart would be compared at two speeds."""
+    varies more than its epochs do (where on the host it lands): more of them steady the median. Within a
+    round a model's two modes run one right after the other, the first of them alternating from round to
+    round: the host's speed drifts over minutes, so two modes a model apart would be compared at two
+    speeds. Each round's ratio goes in the figure, and the row's ratio is their median."""
     p = params()
     threads = resolve(p.determinism.num_threads)
     fixed_threads(threads)
@@ -141,12 +142,13 @@ def b9(
                     rgb[model][mode] += seconds[mode][model]
                 rgb_ratios[model].append(_ratio({mode: seconds[mode][model] for mode in runs}))
     epoch = _figure("B9", "train epoch: determinism.cpu portable (same bytes on any AVX2 CPU) vs native", runs)
-    epoch.details.update(model=p.train.model, round_ratios=round_ratios)
+    epoch.details.update(model=p.train.model)
+    epoch.round_ratios = round_ratios
     figures = [epoch]
     for model in models:
         measure = f"{model} train step, {batch} RGB images of 32x32: portable vs native"
         figures.append(_figure(f"B9-{model}", measure, rgb[model]))
-        figures[-1].details.update(round_ratios=rgb_ratios[model])
+        figures[-1].round_ratios = rgb_ratios[model]
     for figure in figures:
         figure.details.update(threads=threads)
         figure.target = f"<= {TARGET}x"
@@ -165,6 +167,7 @@ def _ratio(seconds: dict[str, list[float]]) -> float:
 
 
 def _figure(name: str, measure: str, runs: dict[str, list[float]]) -> Figure:
-    """Portable's median against native's, reported only (the caller sets a target)."""
+    """Portable's median against native's, reported only (the caller sets the rounds' ratios, which
+    make the row's ratio, and a target)."""
     portable, native = median(runs["portable"]), median(runs["native"])
     return Figure(name, measure, portable, native, "report", None, details={"runs": runs})

@@ -39,9 +39,15 @@ class Figure:
     # A missed target the same run shows to be out of reach (why, with its numbers); the table
     # prints it and the run does not fail on it. Set only from measurements, never by hand.
     argued: str | None = None
+    # Paired rounds (the two sides measured back to back, round by round): each round's ratio. The
+    # row's ratio is then their median, not the ratio of the medians: the host's speed drifts between
+    # rounds, so times pooled over rounds compare the sides at different speeds, a round's pair at one.
+    round_ratios: list[float] | None = None
 
     @property
     def ratio(self) -> float:
+        if self.round_ratios:
+            return statistics.median(self.round_ratios)
         return self.lockstep / self.baseline if self.baseline else float("inf")
 
     def row(self) -> dict[str, Any]:

@@ -29,6 +29,16 @@ def test_a_missed_target_fails_the_run_unless_the_run_measured_it_out_of_reach()
     assert "1. B1: the model alone takes 0.57x" in table
 
 
+def test_a_paired_row_is_the_median_of_its_rounds_ratios_not_the_ratio_of_its_medians() -> None:
+    # The host's speed moved between rounds: the medians of the times pooled over them compare 2.0 s
+    # with 1.0 s, while each round measured the two sides at one speed and found 1.25x, 1.2x and 1.25x.
+    pooled = Figure("B9-x", "step", 2.0, 1.0, "<= 1.3x", None)
+    assert pooled.ratio == 2.0
+    pooled.round_ratios = [1.25, 1.2, 1.25]
+    assert pooled.ratio == 1.25 and pooled.row()["ratio"] == 1.25
+    assert "| 1.250x |" in markdown([pooled], {"cpu": "x", "cores": 2, "python": "3.11", "torch": "2"})
+
+
 def smoke_run(tmp_path: Path, suites: list[str]) -> tuple[dict[str, dict], str]:
     """`python -m benchmarks --smoke --only SUITES`: the figures by id, checked for what every figure
     must have; and the Markdown table. (Two tests share the suites, so that the two xdist workers
@@ -57,7 +67,9 @@ def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     for name in (n for n in figures if n.startswith("B7")):
         assert figures[name]["details"]["rows"], name
     for name in ["B9", *(f"B9-{model}" for model in SMOKE_STEP_MODELS)]:  # one round: its ratio, on record
-        assert len(figures[name]["details"]["round_ratios"]) == 1 and figures[name]["details"]["round_ratios"][0] > 0
+        assert (
+            len(figures[name]["round_ratios"]) == 1 and figures[name]["ratio"] == figures[name]["round_ratios"][0] > 0
+        )
     assert {row["variant"] for row in figures["B6-size"]["details"]["rows"]} >= {"fp32", "static_int8", "pruned_l1"}
     assert "| B1 |" in table
     streamed = figures["B12"]["details"]  # one epoch, then a scoring pass, over a split streamed from its file
