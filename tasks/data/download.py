@@ -12,7 +12,7 @@ Downloads land in a cache outside data/ (`cache_dir`); data/ is replaced in one 
 after everything was fetched, verified and decoded, so a failure at any point leaves it as it was.
 Every download, archive and image is held to the limits in `data` (size, deadline, extracted size,
 ratio and member count, pixels per image, decoded bytes); credentials come from the environment
-or ~/.netrc (tasks/data/fetch.py), so that params.yaml and dvc.lock need not hold them.
+or ~/.netrc (tasks/data/credentials.py), so that params.yaml and dvc.lock need not hold them.
 Train and test parts of the published datasets are concatenated (train first) and their row ranges
 recorded in meta.json (`published_splits`), so that the split stage can keep the published test set.
 """
@@ -36,7 +36,8 @@ from tasks.core.config.data import DataConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import SECRET_NAME, redact
 from tasks.data.archive import ArchiveLimits, extract, is_archive
-from tasks.data.fetch import AUTH_ENV, TOKEN_ENV, Auth, Checksum, Retry, fetch, verify
+from tasks.data.credentials import AUTH_ENV, TOKEN_ENV, Auth
+from tasks.data.fetch import Checksum, Retry, fetch, verify
 from tasks.data.folders import ImageLimits, ingest_folder
 from tasks.data.formats import PublishedSplits, RawDataset, RawSnapshot, open_raw, read_raw, write_raw
 

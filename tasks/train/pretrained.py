@@ -35,7 +35,8 @@ from safetensors.torch import load as load_safetensors
 from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import redact
-from tasks.data.fetch import NO_AUTH, Auth, Checksum, Retry, fetch
+from tasks.data.credentials import NO_AUTH, Auth
+from tasks.data.fetch import Checksum, Retry, fetch
 from tasks.train.models import Classifier, head_name, stem_name
 
 SHOWN = 5  # keys named in an error, of each kind
