@@ -141,14 +141,13 @@ def b9(
                 for mode in runs:
                     rgb[model][mode] += seconds[mode][model]
                 rgb_ratios[model].append(_ratio({mode: seconds[mode][model] for mode in runs}))
-    epoch = _figure("B9", "train epoch: determinism.cpu portable (same bytes on any AVX2 CPU) vs native", runs)
+    measure = "train epoch: determinism.cpu portable (same bytes on any AVX2 CPU) vs native"
+    epoch = _figure("B9", measure, runs, round_ratios)
     epoch.details.update(model=p.train.model)
-    epoch.round_ratios = round_ratios
     figures = [epoch]
     for model in models:
         measure = f"{model} train step, {batch} RGB images of 32x32: portable vs native"
-        figures.append(_figure(f"B9-{model}", measure, rgb[model]))
-        figures[-1].round_ratios = rgb_ratios[model]
+        figures.append(_figure(f"B9-{model}", measure, rgb[model], rgb_ratios[model]))
     for figure in figures:
         figure.details.update(threads=threads)
         figure.target = f"<= {TARGET}x"
@@ -166,8 +165,8 @@ def _ratio(seconds: dict[str, list[float]]) -> float:
     return round(median(seconds["portable"]) / median(seconds["native"]), 3)
 
 
-def _figure(name: str, measure: str, runs: dict[str, list[float]]) -> Figure:
-    """Portable's median against native's, reported only (the caller sets the rounds' ratios, which
-    make the row's ratio, and a target)."""
+def _figure(name: str, measure: str, runs: dict[str, list[float]], round_ratios: list[float]) -> Figure:
+    """Portable's median against native's, the row's ratio the median of the rounds' ratios; reported
+    only (the caller sets a target)."""
     portable, native = median(runs["portable"]), median(runs["native"])
-    return Figure(name, measure, portable, native, "report", None, details={"runs": runs})
+    return Figure(name, measure, portable, native, "report", None, details={"runs": runs}, round_ratios=round_ratios)

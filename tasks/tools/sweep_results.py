@@ -21,7 +21,6 @@ from tasks.tools.sweep import best_trial, derived_seed
 log = logging.getLogger(__name__)
 
 SUMMARY, TRIALS = "sweep.json", "trials.csv"
-PLOTS = ("optimization_history", "param_importances")
 
 
 def table(study: Any) -> list[dict[str, Any]]:
@@ -95,7 +94,10 @@ def plots(study: Any, out_dir: Path) -> list[Path]:
     from optuna.visualization.matplotlib import plot_optimization_history, plot_param_importances
 
     drawn = []
-    for name, plot in zip(PLOTS, (plot_optimization_history, plot_param_importances), strict=True):
+    for name, plot in (
+        ("optimization_history", plot_optimization_history),
+        ("param_importances", plot_param_importances),
+    ):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "experimental" on every call
