@@ -110,7 +110,8 @@ reproduce: $(if $(ARGS),$(STAMP))  ## re-run a past run's training and compare w
 schedule: $(STAMP)  ## scheduled retraining: Prefect server on http://127.0.0.1:4200 + deployment 'lockstep-pipeline/nightly'
 	$(VENV)/bin/python -m flows.deployments serve --host $(PREFECT_HOST) --port $(PREFECT_PORT) $(ARGS)
 
-# `mlflow ui` itself, its first page leading to the training runs table (tasks/tracking/ui.py says why)
+# `mlflow ui` itself, its first page leading to the training runs table (tasks/tracking/ui.py says why),
+# taking no artifact uploads: any local user reaches it, and they would land in the checkout (mlartifacts/)
 # One uvicorn worker (MLflow's default is four processes, each with its own MLflow): the UI is one
 # person's; ARGS="--workers 4" after it wins.
 ui: $(STAMP)  ## MLflow UI on the results, opening on the training runs: http://127.0.0.1:5000

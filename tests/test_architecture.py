@@ -101,3 +101,40 @@ def test_nothing_outside_tests_imports_from_tests() -> None:
                 )
                 importers += [(module, name) for name in names if name.split(".")[0] == "tests"]
     assert not importers, f"imports from tests/: {importers}"
+
+
+# The one reviewed place that reads a pickle: an unpickler that resolves numpy's array builders and
+# nothing else (the CIFAR batches; docs/trust-model.md). Anywhere else, a pickle from a file or a peer
+# could name any function to call.
+PICKLE_READER = "tasks.core.plain_pickle"
+_PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib"}
+_PICKLE_LOADERS = {"load", "loads", "Unpickler"}
+
+
+def _unpickles(node: ast.AST) -> str | None:
+    """What in `node` reads a pickle (`pickle.loads`, `from pickle import Unpickler`, numpy's
+    `allow_pickle=True`, `torch.load(weights_only=False)`), or None."""
+    if isinstance(node, ast.Attribute) and node.attr in _PICKLE_LOADERS:
+        if isinstance(node.value, ast.Name) and node.value.id in _PICKLE_MODULES:
+            return f"{node.value.id}.{node.attr}"
+    if isinstance(node, ast.ImportFrom) and (node.module or "") in _PICKLE_MODULES:
+        loaders = [alias.name for alias in node.names if alias.name in _PICKLE_LOADERS | {"*"}]
+        if loaders:
+            return f"from {node.module} import {', '.join(loaders)}"
+    if isinstance(node, ast.keyword) and node.arg in ("allow_pickle", "weights_only"):
+        unsafe = node.value.value if isinstance(node.value, ast.Constant) else None
+        if unsafe is not (node.arg == "weights_only"):
+            return f"{node.arg}={ast.unparse(node.value)}"
+    return None
+
+
+def test_no_module_but_the_plain_pickle_reader_unpickles() -> None:
+    found = [
+        f"{module_path(module).relative_to(ROOT)}:{node.lineno} {what}"
+        for package in PACKAGES
+        for module in project_modules(package)
+        if module != PICKLE_READER
+        for node in ast.walk(ast.parse(module_path(module).read_text()))
+        if (what := _unpickles(node)) is not None
+    ]
+    assert not found, "pickles read outside tasks/core/plain_pickle.py: " + ", ".join(found)

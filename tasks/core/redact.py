@@ -8,9 +8,13 @@ Masked, wherever they appear in a string:
 - credentials in URLs: user info (`https://user:pass@host` -> `https://***@host`), query and
   fragment parameters named like a secret (`?token=`, `&sig=`, `?auth=`, `?jwt=`, `?session=`,
   `#access_token=`), and path segments that are credentials: the one after a segment named like a
-  secret (`/token/<x>`), a Telegram-style `bot<digits>:<x>`, and random-looking strings (20+
-  characters of upper case, lower case and digits mixed, as base64 tokens are; hex digests and
-  run ids, which are one case, stay readable);
+  secret (`/token/<x>`), a Telegram-style `bot<digits>:<x>`, the part of the path where a known host
+  keeps its secret (`PATH_SECRETS`: Slack and Discord webhooks...), tokens by their shape (`ghp_...`,
+  `glpat-...`: `TOKEN_SHAPE`, anywhere in the text) and random-looking strings (20+ characters of
+  upper case, lower case and digits mixed, as base64 tokens are; hex digests and run ids, which are
+  one case, stay readable). Names and paths are read as a server reads them: percent-escapes
+  decoded until none is left (`?pass%77ord=` is psycopg's `password`, `?%74oken=` a web server's
+  `token`);
 - header values: `Bearer <x>`, `Authorization: <scheme> <x>`;
 - the whole value of a param or tag whose name is secret-like.
 
@@ -27,6 +31,7 @@ import re
 import sys
 import traceback
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 MASK = "***"
 # names of variables, params and tags that hold secrets
@@ -35,17 +40,63 @@ SECRET_NAME = re.compile(r"token|passw|secret|key|auth|credential|jwt|cookie", r
 # URLs holding one (tasks/core/config/base.py `url_credentials`)
 SECRET_URL_WORDS = r"token|passw|secret|key|auth|credential|jwt|cookie|session|sig"
 _MIN_SECRET_LENGTH = 6  # shorter values ("1", "true", "us-east") would mask ordinary text
+# Hosts whose URLs keep a credential in the path, and where (group 1 of the pattern, matched on the path
+# with its escapes decoded): the URL is the secret. One list for the log masking here and for params.yaml,
+# which refuses a URL-valued key holding one (tasks/core/config/base.py `url_credentials`).
+PATH_SECRETS: tuple[tuple[str, re.Pattern[str], re.Pattern[str]], ...] = (
+    ("a Slack webhook", re.compile(r"hooks\.slack\.com"), re.compile(r"^/(?:services|workflows|triggers)/(.+)", re.S)),
+    (
+        "a Discord webhook",
+        re.compile(r"(?:[\w-]+\.)?discord(?:app)?\.com"),
+        re.compile(r"^/api/(?:v\d+/)?webhooks/[^/]+/([^/]+)"),
+    ),
+    ("a Telegram bot token", re.compile(r"api\.telegram\.org"), re.compile(r"^/(?:file/)?bot([^/]+)")),
+    (
+        "a Microsoft Teams webhook",
+        re.compile(r"[\w-]+\.webhook\.office\.com|outlook\.office(?:365)?\.com"),
+        re.compile(r"^/webhook\w*/(.+)", re.S),
+    ),
+)
+# Tokens that say what they are by their prefix (GitHub, GitLab, Slack, Hugging Face), wherever they sit.
+TOKEN_SHAPE = re.compile(
+    r"(?<![A-Za-z0-9])(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{30,}|glpat-[\w-]{20,}|xox[abeprs]-[\w-]{10,}"
+    r"|hf_[A-Za-z0-9]{30,})"
+)
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+_URL_PARTS = re.compile(r"([^:]+://[^/?#]*)([^?#]*)(.*)", re.S)  # scheme and authority, path, the rest
 _USERINFO = re.compile(r"(?<=://)[^/@\s'\"]+@")
-_SECRET_PARAM = re.compile(rf"([?&#;][^=&#\s]*(?:{SECRET_URL_WORDS})[^=&#\s]*=)[^&#\s'\"]+", re.IGNORECASE)
-_SEGMENT_AFTER_SECRET = re.compile(rf"(/[^/?#]*(?:{SECRET_URL_WORDS})[^/?#]*/)[^/?#]+", re.IGNORECASE)
-_BOT_TOKEN = re.compile(r"(/bot)\d+:[^/?#]+")
+_PARAM = re.compile(r"([?&#;])([^=&#;?/\s]*)=([^&#\s'\"]*)")
+_BOT_TOKEN = re.compile(r"^(bot)\d+:.+", re.S)
 _RANDOM_SEGMENT = re.compile(
     r"(?<=/)(?=[A-Za-z0-9_\-]*[a-z])(?=[A-Za-z0-9_\-]*[A-Z])(?=[A-Za-z0-9_\-]*\d)[A-Za-z0-9_\-]{20,}"
 )
 _AUTH_HEADER = re.compile(
     r"(\bBearer\s+|Authorization[\"']?\s*[:=]\s*[\"']?(?:[A-Za-z]+\s+)?)[A-Za-z0-9._~+/=*\-]{6,}", re.IGNORECASE
 )
+_SHOWN_AS_IS = "/:@!$&'()*+,;=-._~"  # what a masked path keeps unescaped
+
+
+def unquoted(text: str) -> str:
+    """`text` with its percent-escapes decoded until none is left (`%2577` -> `%77` -> `w`): a server
+    may decode a name more than once, so a check must see what the last decoding gives."""
+    while (decoded := unquote(text)) != text:  # each pass shortens it: this ends
+        text = decoded
+    return text
+
+
+def secret_named(name: str, words: str = SECRET_URL_WORDS) -> bool:
+    """Whether a URL parameter or path segment `name`, decoded, is named like a secret (any case)."""
+    return re.search(words, unquoted(name), re.IGNORECASE) is not None
+
+
+def path_secret(host: str | None, path: str) -> tuple[str, re.Match[str]] | None:
+    """Where a known host (`PATH_SECRETS`) keeps a secret in `path`: what it is, and its match on the
+    decoded path (group 1); None for other hosts and paths."""
+    host, path = unquoted(host or "").lower().rstrip("."), unquoted(path)
+    for what, hosts, where in PATH_SECRETS:
+        if hosts.fullmatch(host) and (found := where.search(path)):
+            return what, found
+    return None
 
 
 def secret_values() -> list[str]:
@@ -56,11 +107,43 @@ def secret_values() -> list[str]:
     return sorted(values, key=len, reverse=True)
 
 
+def _mask_param(match: re.Match[str]) -> str:
+    separator, name, value = match.groups()
+    if secret_named(name):
+        return f"{separator}{name}={MASK}" if value else match.group(0)
+    return f"{separator}{name}={_PARAM.sub(_mask_param, value)}"  # `a=1;token=x`: the value holds another
+
+
+def _mask_segment(segment: str, after_secret: bool) -> str:
+    if after_secret and segment:
+        return MASK
+    plain = unquoted(segment)
+    masked = TOKEN_SHAPE.sub(MASK, _BOT_TOKEN.sub(rf"\g<1>{MASK}", plain))
+    return segment if masked == plain else quote(masked, safe=_SHOWN_AS_IS)
+
+
+def _redact_path(head: str, path: str) -> str:
+    try:
+        host = urlsplit(head).hostname
+    except ValueError:
+        host = None
+    known = path_secret(host, path)
+    if known is not None:
+        plain, found = unquoted(path), known[1]
+        return quote(plain[: found.start(1)] + MASK + plain[found.end(1) :], safe=_SHOWN_AS_IS)
+    segments = path.split("/")
+    return "/".join(
+        _mask_segment(segment, i > 1 and secret_named(segments[i - 1])) for i, segment in enumerate(segments)
+    )
+
+
 def _redact_url(match: re.Match[str]) -> str:
     url = _USERINFO.sub(f"{MASK}@", match.group(0))
-    url = _SECRET_PARAM.sub(rf"\g<1>{MASK}", url)
-    url = _SEGMENT_AFTER_SECRET.sub(rf"\g<1>{MASK}", url)
-    url = _BOT_TOKEN.sub(rf"\g<1>{MASK}", url)
+    parts = _URL_PARTS.fullmatch(url)
+    if parts is not None:
+        head, path, rest = parts.groups()
+        url = head + _redact_path(head, path) + rest
+    url = _PARAM.sub(_mask_param, url)
     return _RANDOM_SEGMENT.sub(MASK, url)
 
 
@@ -69,7 +152,8 @@ def redact(text: str) -> str:
     for value in secret_values():
         text = text.replace(value, MASK)
     text = _URL.sub(_redact_url, text)
-    text = _SECRET_PARAM.sub(rf"\g<1>{MASK}", text)  # query strings outside a full URL ("?token=...")
+    text = _PARAM.sub(_mask_param, text)  # query strings outside a full URL ("?token=...")
+    text = TOKEN_SHAPE.sub(MASK, text)
     return _AUTH_HEADER.sub(rf"\g<1>{MASK}", text)
 
 

@@ -11,10 +11,12 @@ threads; the cut changes where an element is computed, never its chain, so the b
 thread or 64. The op is built once per machine with its C++ compiler and kept in a cache
 ($XDG_CACHE_HOME/lockstep, created 0700). Loading a library runs its code in this process, and its name
 is computable by anyone, so a cache folder or library that is not this user's, is a link, or is writable
-by group or others, is refused in one line (exit 3), not rebuilt elsewhere: whoever could write there may
-have planted it, and rebuilding in a private folder on every run would hide that (and cost a compile per
-process). Where it cannot be built, float32 products are computed in Python (`emulated`: the same
-bytes, far slower, and a warning says so) and float64 ones are refused. The op also takes a grouped
+by group or others, is refused in one line (exit 3), as is a cache below a folder another user owns or
+could write (~/.cache and every folder above it are checked; root's, and sticky ones like /tmp, are
+fine), not rebuilt elsewhere: whoever could write there may have planted it, and rebuilding in a
+private folder on every run would hide that (and cost a compile per process). Where it cannot be
+built, float32 products are computed in Python (`emulated`: the same bytes, far slower, and a warning
+says so) and float64 ones are refused. The op also takes a grouped
 convolution's products in one call, multiplies a convolution's columns without writing them out
 (`Fields`, `field_gemm`, the image from `padded_image`), computes its input gradient with col2im at
 once (`input_gradient`), col2im alone (`gather_columns`), depthwise convolutions (`depthwise`,
@@ -252,13 +254,40 @@ def _check_private(path: Path, folder: bool) -> None:
     info = os.lstat(path)
     if not (stat.S_ISDIR(info.st_mode) if folder else stat.S_ISREG(info.st_mode)):
         problem = "a link or special file" if not stat.S_ISDIR(info.st_mode) else "a folder"
-    elif info.st_uid != os.getuid():
-        problem = f"owned by uid {info.st_uid}, not by this user ({os.getuid()})"
-    elif info.st_mode & 0o022:
-        problem = f"writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
     else:
-        return
-    fix = f"chmod 700 {path}" if folder and problem.startswith("writable") else f"remove {path}"
+        problem = _unsafe(info, owners={os.getuid()}, sticky_ok=False)
+    if problem is not None:
+        fix = f"chmod 700 {path}" if folder and problem.startswith("writable") else f"remove {path}"
+        _refuse(path, problem, fix)
+
+
+def _check_parents(cache: Path) -> None:
+    """Refuse a cache below a folder someone else owns or could write (a sticky one like /tmp aside):
+    they could rename the private cache folder away and put theirs, library and all, in its place.
+    Every folder above it is checked, on its path as given and with links resolved (root's are fine)."""
+    cache = Path(os.path.abspath(cache))
+    for chain in (cache, cache.resolve()):
+        for folder in chain.parents:
+            try:
+                info = os.stat(folder)
+            except FileNotFoundError:  # made below, 0700, by this process
+                continue
+            problem = _unsafe(info, owners={0, os.getuid()}, sticky_ok=True)
+            if problem is not None:
+                fix = f"chmod go-w {folder}" if problem.startswith("writable") else "move the cache"
+                _refuse(folder, f"{problem}, above the op cache {cache}", fix)
+
+
+def _unsafe(info: os.stat_result, owners: set[int], sticky_ok: bool) -> str | None:
+    """What makes a file or folder writable by someone else than this user, or None."""
+    if info.st_uid not in owners:
+        return f"owned by uid {info.st_uid}, not by this user ({os.getuid()})"
+    if info.st_mode & 0o022 and not (sticky_ok and info.st_mode & stat.S_ISVTX):
+        return f"writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _refuse(path: Path, problem: str, fix: str) -> None:
     raise Refused(
         f"{path}: {problem}; the op compiled there would run inside this process, so it is not loaded: {fix}, "
         "or set XDG_CACHE_HOME to a folder only you can write"
@@ -274,6 +303,7 @@ def build(cache: Path | None = None, compiler: str | None = None) -> Path:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     target = library_path(cache, compiler)
     cache = target.parent
+    _check_parents(cache)
     if os.path.lexists(cache):
         _check_private(cache, folder=True)
     if os.path.lexists(target):

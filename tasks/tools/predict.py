@@ -13,7 +13,7 @@ the extraction folder). The CSV (`--out`, written whole or not at all) has one r
 `path,class,probability,top_k,error`, `top_k` as "7:0.9912 1:0.0051 9:0.0013"; a cell that a
 spreadsheet would run as a formula (one starting = + - @, a tab or a carriage return: a class name
 from the registry, a folder or archive member name) is written with a leading ' (OWASP's advice for
-CSV injection), so that it shows as text. An image that does
+CSV injection, tasks/core/spreadsheet.py), so that it shows as text. An image that does
 not decode is a row with its error (and a line on stderr), not the end of the run; exit 1, the CSV
 left as it was, when none could be scored or the model cannot be had; 2 on bad arguments. The
 registered model's file comes from a tracking server others write to: it is size-bounded
@@ -39,6 +39,7 @@ from tasks.core.cli import configure_logging, exit_code, one_line
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import PARAMS_FILE, load_params
 from tasks.core.errors import ExpectedFailure
+from tasks.core.spreadsheet import cell
 from tasks.data.archive import ArchiveLimits, extract, is_archive
 from tasks.data.images import IMG_EXTENSIONS, decode, mode_of
 from tasks.determinism.threads import resolve
@@ -109,17 +110,6 @@ def _under(folder: Path) -> Iterator[str]:
             path = os.path.join(root, name)
             if os.path.splitext(name)[1].lower() in IMG_EXTENSIONS and not os.path.islink(path):
                 yield path
-
-
-# What makes Excel, LibreOffice and Google Sheets read a cell as a formula (OWASP, "CSV Injection").
-FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-
-
-def cell(text: str) -> str:
-    """`text` as a CSV cell no spreadsheet runs: a leading ' before a formula's first character. A
-    carriage return is written as the two characters \\r: Python's csv writer does not quote it (with
-    "\\n" line ends), and readers would start a new row there, one the name could forge."""
-    return ("'" + text if text.startswith(FORMULA_START) else text).replace("\r", "\\r")
 
 
 def write_csv(rows: list[Scored], out: Path) -> None:

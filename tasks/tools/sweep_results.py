@@ -1,5 +1,7 @@
 """What a finished (or interrupted) study amounts to: its best trial, a row per trial, a summary, and the
-files a person reads (artifacts/sweep/<name>/study/: sweep.json, trials.csv, the plots).
+files a person reads (artifacts/sweep/<name>/study/: sweep.json, trials.csv, the plots). trials.csv's
+cells come from the study's storage, which others may write: each is neutralised as predictions.csv's are
+(tasks/core/spreadsheet.py), numbers left as numbers.
 
 tasks/tools/sweep.py runs the study; flows/sweep.py calls `summarise` and `write_study` once its
 batches are done, then puts the files on the sweep's MLflow run. Every file is written to a temporary
@@ -16,6 +18,7 @@ from typing import Any
 
 from tasks.core.atomic import atomic_file, write_text
 from tasks.core.config.sweep import SweepConfig
+from tasks.core.spreadsheet import value_cell
 from tasks.tools.sweep import best_trial, derived_seed
 
 log = logging.getLogger(__name__)
@@ -77,9 +80,11 @@ def write_study(study: Any, summary: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / SUMMARY, json.dumps(summary, indent=2, sort_keys=True, default=str))
     with atomic_file(out / TRIALS) as tmp, open(tmp, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=sorted({k for row in summary["trials"] for k in row}))
-        writer.writeheader()
-        writer.writerows(summary["trials"])
+        # every cell as predictions.csv's: the storage's trial attributes and param names are others' text
+        columns = sorted({k for row in summary["trials"] for k in row})
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerow([value_cell(name) for name in columns])
+        writer.writerows([value_cell(row.get(name)) for name in columns] for row in summary["trials"])
     return [out / SUMMARY, out / TRIALS, *plots(study, out)]
 
 

@@ -21,6 +21,15 @@ per version of the view, so that columns a person picks afterwards stay (and so 
 switch). Everything else is `mlflow ui` as it is, with all its options, its store set-up and its
 security middleware: the wrapper changes only the app its uvicorn serves (MLflow's default server;
 `--gunicorn-opts` and `--waitress-opts` would serve MLflow's app unchanged).
+
+It takes no files. Any local user can reach the port, and MLflow's defaults would write what they send
+into the checkout: its artifact proxy (`PUT /api/2.0/mlflow-artifacts/artifacts/...`, on by default,
+into ./mlartifacts) and its UI's upload (`POST /ajax-api/2.0/mlflow/upload-artifact`, into the run's
+artifact folder, <checkout>/mlartifacts/... for the pipeline's runs): a way to plant a params file. So
+the proxy is off (`--no-serve-artifacts`, before ARGS) and the upload answers 403. What the UI shows is
+unchanged: the pipeline logs its artifacts itself, beside the store (file://, tasks/tracking/runs.py),
+and the UI reads them from there (`/get-artifact`). A server that takes uploads is `make mlflow-server`,
+its artifacts outside the checkout.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from tasks.tracking.dashboard import VIEW_TAG
 
 MLFLOW_APP = "mlflow.server.fastapi_app:app"  # what `mlflow ui` hands uvicorn
 FACTORY = "tasks.tracking.ui:create_app"  # (not __name__: "__main__" under python -m)
+UPLOAD_VIEW = "serve_upload_artifact"  # POST /ajax-api/2.0/mlflow/upload-artifact (mlflow/server/__init__.py)
 # The browser storage MLflow 3.17's UI reads (its useLocalStorage and LocalStorageUtils keys; values
 # JSON), as a browser that has not chosen gets it here: the model-training pages, and the assistant
 # panel as if MLflow had opened it once already (it opens itself on the first page otherwise, over a
@@ -105,10 +115,21 @@ def create_app() -> Any:
     from mlflow.server import app as flask_app
     from mlflow.server.fastapi_app import app
 
-    if "serve" not in flask_app.view_functions:
-        raise RuntimeError("MLflow's UI app has no 'serve' view for its page at /: check tasks/tracking/ui.py")
+    for view in ("serve", UPLOAD_VIEW):
+        if view not in flask_app.view_functions:
+            raise RuntimeError(f"MLflow's UI app has no {view!r} view: check tasks/tracking/ui.py")
     flask_app.view_functions["serve"] = _index
+    flask_app.view_functions[UPLOAD_VIEW] = _no_uploads
     return app
+
+
+def _no_uploads() -> Any:
+    """The UI's artifact upload, refused: it would write into the checkout (the module's docstring)."""
+    from mlflow.server import app as flask_app
+
+    message = "make ui takes no artifact uploads (they would land in the checkout): use make mlflow-server"
+    body = json.dumps({"error_code": "PERMISSION_DENIED", "message": message})
+    return flask_app.response_class(body, status=403, mimetype="application/json")
 
 
 def main(argv: list[str]) -> None:
@@ -129,7 +150,8 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     # uvicorn's workers import this module from the project, wherever the command starts
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    cli.main(["ui", *argv], prog_name="mlflow ui")
+    # no artifact proxy: it would take any local user's uploads into ./mlartifacts (the module's docstring)
+    cli.main(["ui", "--no-serve-artifacts", *argv], prog_name="mlflow ui")
 
 
 if __name__ == "__main__":

@@ -123,3 +123,66 @@ def test_a_sweep_storage_with_a_password_anywhere_is_refused(tmp_path: Path, sto
 )
 def test_a_sweep_storage_without_a_password_is_accepted(tmp_path: Path, storage: str) -> None:
     assert load_params(write_params(tmp_path / "params.yaml", {"sweep": {"storage": storage}})).sweep.storage == storage
+
+
+# Issue 66, point 5: a name spelled with percent-escapes is the name the server reads (`pass%77ord` is
+# psycopg's `password`, `%74oken` the web server's `token`), and some hosts put the secret in the path.
+TOKEN = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"  # a GitHub token's shape
+ENCODED = [
+    f"https://data.example/x.tgz?%74oken={SECRET}",
+    f"https://data.example/x.tgz?page=2&pass%77ord={SECRET}",
+    f"https://data.example/x.tgz?%2574oken={SECRET}",  # encoded twice: decoded until stable
+    f"https://data.example/x.tgz?X-Amz-Si%67nature={SECRET}",
+    f"https://data.example/x.tgz#%61ccess_token={SECRET}",
+]
+IN_PATH = [
+    f"https://hooks.slack.com/services/T0000/B0000/{SECRET}",
+    f"https://discord.com/api/webhooks/123456/{SECRET}",
+    f"https://api.telegram.org/bot123456:{SECRET}/getFile",
+    f"https://hooks.slack.com/%73ervices/T0000/B0000/{SECRET}",  # the path's escapes decoded first
+    f"https://HOOKS.SLACK.COM/services/T0000/B0000/{SECRET}",
+    f"https://raw.example/{TOKEN}/x.tgz",
+]
+
+
+@pytest.mark.parametrize("key", URL_KEYS)
+@pytest.mark.parametrize("url", ENCODED + IN_PATH)
+def test_a_url_key_with_an_encoded_or_path_credential_is_refused(tmp_path: Path, key: str, url: str) -> None:
+    path = write_params(tmp_path / "params.yaml", _with(key, url))
+    with pytest.raises(ConfigError) as raised:
+        load_params(path)
+    line = one_line(str(raised.value))
+    assert raised.value.exit_code == 2
+    assert f"{key}: credentials in a URL" in line, line
+    assert SECRET not in line and TOKEN not in line, line
+
+
+@pytest.mark.parametrize(
+    "storage",
+    [
+        f"postgresql://db/optuna?pass%77ord={SECRET}",
+        f"postgresql://db/optuna?%70%61%73%73%77%6f%72%64={SECRET}",
+        f"postgresql://db/optuna?PASS%57ORD={SECRET}",
+        f"postgresql://db/optuna?pass%2577ord={SECRET}",
+        f"postgresql://optuna%3A{SECRET}@db/optuna",  # `user:password` with its colon escaped
+    ],
+)
+def test_a_sweep_storage_with_an_encoded_password_is_refused(tmp_path: Path, storage: str) -> None:
+    path = write_params(tmp_path / "params.yaml", {"sweep": {"storage": storage}})
+    with pytest.raises(ConfigError) as raised:
+        load_params(path)
+    line = one_line(str(raised.value))
+    assert "sweep.storage: a password in a URL" in line and "LOCKSTEP_SWEEP_STORAGE" in line, line
+    assert SECRET not in line, line
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://data.example/x%20y.tgz?name=a%20b&format=tgz",  # escapes that name nothing secret
+        "https://hooks.slack.com/",  # the host alone holds nothing
+        "https://discord.com/api/guilds/123",
+    ],
+)
+def test_a_url_with_harmless_escapes_is_accepted(tmp_path: Path, url: str) -> None:
+    assert load_params(write_params(tmp_path / "params.yaml", _with("data.mirror", url))).data.mirror == url

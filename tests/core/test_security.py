@@ -173,3 +173,27 @@ def test_the_flow_refuses_a_params_file_outside_the_project() -> None:
     for outside in ("../params.yaml", "/etc/passwd", "tests/../../x.yaml"):
         with pytest.raises(ConfigError, match="is outside the project"):
             _inside_project(outside)
+
+
+@pytest.mark.parametrize(
+    "leaky",
+    [
+        f"https://data.example/x.tgz?%74oken={SECRET}",
+        f"postgresql://db/optuna?pass%77ord={SECRET}",
+        f"https://data.example/x.tgz?%2574oken={SECRET}&page=2",
+        f"fetching ?pass%77ord={SECRET} failed",  # a query string outside a full URL
+        f"https://data.example/api/%74oken/{SECRET}/x.tgz",
+        f"https://hooks.slack.com/services/T0000/B0000/{SECRET}",
+        "https://hooks.slack.com/services/T0000/B0000/abcdefghijklmnopqrstuvwx",  # one case: not random-looking
+        "https://discord.com/api/webhooks/123456/abcdefghijklmnopqrstuvwxyz-abcdefghijkl",
+        "https://api.telegram.org/bot123456:abcdefghijklmnop/sendMessage",
+        f"https://hooks.slack.com/%73ervices/T0000/B0000/{SECRET}",
+        "see https://raw.example/ghp_a1b2c3d4e5f6g7h8i9j0k1l2m3n4o5p6q7r8/x.tgz",
+    ],
+)
+def test_redaction_decodes_percent_escapes_and_masks_secrets_where_known_hosts_put_them(leaky: str) -> None:
+    """Issue 66, point 5: the log masking reads names as the server does, and paths as known hosts use them."""
+    masked = redact(leaky)
+    for secret in (SECRET, "abcdefghijklmnopqrstuvwx", "abcdefghijklmnop", "a1b2c3d4e5f6g7h8i9j0"):
+        assert secret not in masked, masked
+    assert MASK in masked, masked

@@ -144,3 +144,59 @@ def test_the_cache_key_covers_every_file_the_op_is_built_from(tmp_path: Path, mo
         header.write_bytes(header.read_bytes() + b"\n")
         assert blas.library_path(tmp_path) != before, header.name
         before = blas.library_path(tmp_path)
+
+
+def _load_op_with(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`_load_op`, with `env` (HOME, XDG_CACHE_HOME or neither) in a fresh process."""
+    code = (
+        "import sys; from tasks.core.cli import exit_code; from tasks.determinism import blas\n"
+        "sys.exit(exit_code(lambda: 0 if blas.op('gemm_chunks') is not None else 0))\n"
+    )
+    full = {k: v for k, v in subprocess_env().items() if k != "XDG_CACHE_HOME"} | env
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("planted", ["world-writable xdg parent", "world-writable ~/.cache", "foreign ~/.cache"])
+def test_a_library_under_a_parent_someone_else_could_write_is_refused_and_never_runs(
+    tmp_path: Path, planted: str
+) -> None:
+    """Issue 66, point 9: the cache folder and the library are private, but a folder above them is not:
+    whoever can write it can swap the cache folder for their own at any time, so nothing there is loaded."""
+    if planted.startswith("foreign") and os.getuid() != 0:
+        pytest.skip("changing a folder's owner needs root")
+    home, record = tmp_path / "home", tmp_path / "constructor-ran"
+    if planted.startswith("world-writable xdg"):
+        shared = tmp_path / "shared"  # e.g. XDG_CACHE_HOME=/srv/scratch/me/cache, /srv/scratch mode 777
+        xdg = shared / "me" / "cache"
+        env = {"HOME": str(home), "XDG_CACHE_HOME": str(xdg)}
+    else:
+        shared = home / ".cache"
+        xdg = shared
+        env = {"HOME": str(home)}
+    (xdg / "lockstep").mkdir(parents=True, mode=0o700)
+    home.mkdir(exist_ok=True)
+    target = blas.library_path(xdg / "lockstep")
+    _plant(target, record)
+    target.chmod(0o700)
+    for folder in {shared, xdg}:
+        folder.chmod(0o700)
+    if planted.startswith("foreign"):
+        os.chown(shared, 65534, 65534)
+    else:
+        shared.chmod(0o777)  # no sticky bit: anyone may rename what is inside
+    done = _load_op_with(env)
+    assert not record.exists(), "the planted library's constructor ran"
+    assert done.returncode == ExitCode.REFUSED, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    problem = "owned by uid 65534" if planted.startswith("foreign") else "writable by group or others"
+    assert f"{shared}: {problem}" in done.stderr, done.stderr
+
+
+def test_a_sticky_shared_parent_like_tmp_is_accepted(tmp_path: Path) -> None:
+    """/tmp-like folders (world-writable with the sticky bit, root's or this user's) let nobody rename
+    another's entries: a cache below one is loaded (here, built with a fake compiler)."""
+    shared = tmp_path / "scratch"
+    (shared / "me" / "lockstep").mkdir(parents=True, mode=0o700)
+    shared.chmod(0o1777)
+    built = blas.build(shared / "me" / "lockstep", _fake_compiler(tmp_path))
+    assert built.is_file()

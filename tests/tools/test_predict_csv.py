@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.tools.predict import FORMULA_START, Scored, write_csv
+from tasks.core.spreadsheet import FORMULA_START
+from tasks.tools.predict import Scored, write_csv
 from tests.conftest import ROOT, run, write_params
 from tests.support.tiny_onnx import tiny_model
 

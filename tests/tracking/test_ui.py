@@ -4,6 +4,7 @@ experiment, and the pipeline's runs table in MLflow's model-training pages (task
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -82,3 +83,58 @@ def test_opening_the_ui_and_clicking_the_experiment_shows_the_training_runs(
         assert page.evaluate("localStorage.getItem('mlflow.workflowType_v1')") == '"genai"'
         url, text = _click_the_experiment(page, base)
         assert "Token Usage" in text and "workflowType=genai" in url, url
+
+
+def test_make_ui_takes_no_artifact_uploads_into_the_checkout_and_still_shows_the_runs_artifacts(
+    tmp_path: Path,
+) -> None:
+    """Issue 66, point 8: `make ui` is a server any local user can reach. MLflow's default would proxy
+    artifact uploads into `<checkout>/mlartifacts/` (a way to plant a params file there): an upload
+    through its artifacts API writes nothing, while the artifacts the pipeline logged beside its
+    store (file:// under mlartifacts/, as tasks/tracking/runs.py makes the experiment) still show."""
+    import urllib.request
+
+    from mlflow import MlflowClient
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy(ROOT / "Makefile", checkout / "Makefile")
+    (checkout / "tasks").symlink_to(ROOT / "tasks", target_is_directory=True)
+    client = MlflowClient(tracking_uri=f"sqlite:///{checkout / 'mlflow.db'}")
+    experiment = client.create_experiment("lockstep", artifact_location=(checkout / "mlartifacts").as_uri())
+    run = client.create_run(experiment)
+    (tmp_path / "note.txt").write_text("logged by the pipeline")
+    client.log_artifact(run.info.run_id, str(tmp_path / "note.txt"))
+    before = sorted(p.relative_to(checkout) for p in checkout.rglob("*"))
+
+    port, venv = free_port(), ROOT / ".venv"
+    make = ["make", "-o", f"{venv}/.synced", "ui", f"VENV={venv}", f"MLFLOW_PORT={port}"]
+    with service(make, checkout, f"http://127.0.0.1:{port}/health", tmp_path / "ui.log"):
+        base = f"http://127.0.0.1:{port}"
+        statuses = [
+            # the artifact proxy (--serve-artifacts: into --artifacts-destination, ./mlartifacts by default)
+            _status(f"{base}/api/2.0/mlflow-artifacts/artifacts/planted/params.yaml", "PUT"),
+            # the UI's own upload into a run's artifact folder, here <checkout>/mlartifacts/<exp>/<run>/...
+            _status(f"{base}/ajax-api/2.0/mlflow/upload-artifact?run_uuid={run.info.run_id}&path=planted/params.yaml"),
+        ]
+        shown = f"{base}/get-artifact?run_uuid={run.info.run_id}&path=note.txt"
+        with urllib.request.urlopen(shown, timeout=30) as answer:
+            artifact = answer.read()
+    assert all(status >= 400 for status, _ in statuses), statuses
+    assert not list(checkout.rglob("params.yaml")) and not list(tmp_path.rglob("planted")), "the upload was written"
+    assert sorted(p.relative_to(checkout) for p in checkout.rglob("*")) == before
+    assert artifact == b"logged by the pipeline"
+
+
+def _status(url: str, method: str = "POST") -> tuple[int, str]:
+    """The HTTP status of an upload of a params file to `url`, and the start of the answer."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        headers = {"Content-Type": "application/octet-stream"}  # (a form's type would leave Flask no body)
+        upload = urllib.request.Request(url, data=b"train: {}\n", method=method, headers=headers)
+        with urllib.request.urlopen(upload, timeout=30) as answer:
+            return answer.status, answer.read(200).decode(errors="replace")
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.read(200).decode(errors="replace")

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 
 from tasks.core.errors import ExitCode
-from tasks.core.redact import SECRET_URL_WORDS
+from tasks.core.redact import SECRET_URL_WORDS, TOKEN_SHAPE, path_secret, secret_named, unquoted
 
 
 class ConfigError(ValueError):
@@ -65,23 +65,35 @@ def shown(value: Any, limit: int = 80) -> str:
 def url_credentials(url: str, *, user_alone_ok: bool = False, names: str = SECRET_URL_WORDS) -> str | None:
     """What in `url` is a credential, in words ("user info", "query parameter 'token'"), or None.
 
-    User info (`user:pw@`, or a token as the user name: `ghp_...@github.com`) and query or fragment
+    User info (`user:pw@`, or a token as the user name: `ghp_...@github.com`), query or fragment
     parameters whose name matches `names` (by default those tasks/core/redact.py masks in logs: token,
-    password, key, signature...). `user_alone_ok`: a user name without a password is no secret (a
-    database URL whose password comes from ~/.pgpass)."""
+    password, key, signature...), the path of a host that keeps a secret there (redact.py `PATH_SECRETS`:
+    a Slack or Discord webhook, a Telegram bot) and a token known by its shape anywhere (`ghp_...`).
+    Names and paths are matched as the server reads them, percent-escapes decoded (`pass%77ord`).
+    `user_alone_ok`: a user name without a password is no secret (a database URL whose password comes
+    from ~/.pgpass); an escaped colon in it (`user%3Apw@`) counts as one."""
     try:
         parts = urlsplit(url)
+        host = parts.hostname
     except ValueError:
         return None  # not a URL at all: the key's pattern says so
     if "@" in parts.netloc:
         userinfo = parts.netloc.rpartition("@")[0]
-        if not (user_alone_ok and ":" not in userinfo):
+        if not (user_alone_ok and ":" not in unquoted(userinfo)):
             return "a user:password@ or token@ before the host"
     for where, text in (("query", parts.query), ("fragment", parts.fragment)):
         for field in re.split(r"[&;]", text):
             name = field.partition("=")[0]
-            if name and re.search(names, name, re.IGNORECASE):
-                return f"{where} parameter {shown(name, 40)!r}"
+            if name and secret_named(name, names):
+                decoded = unquoted(name)
+                return f"{where} parameter {shown(name, 40)!r}" + (
+                    f" ({shown(decoded, 40)!r})" if decoded != name else ""
+                )
+    known = path_secret(host, parts.path)
+    if known is not None:
+        return f"{known[0]} in the path"
+    if TOKEN_SHAPE.search(unquoted(url)):
+        return "an access token (ghp_..., glpat-..., hf_...)"
     return None
 
 
