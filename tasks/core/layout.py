@@ -45,8 +45,8 @@ def project_root(code_root: Path = ROOT) -> Path:
     return code_root
 
 
-def download_cache() -> Path:
+def download_cache(root: Path | None = None) -> Path:
     """Where downloads are cached (outside data/ and the DVC cache): $LOCKSTEP_DOWNLOAD_CACHE, or
-    `.cache/downloads` in the project (shared by `dvc exp run --temp` copies)."""
+    `.cache/downloads` in the project (shared by `dvc exp run --temp` copies), or in `root`."""
     configured = os.environ.get("LOCKSTEP_DOWNLOAD_CACHE")
-    return Path(configured) if configured else project_root() / ".cache" / "downloads"
+    return Path(configured) if configured else (root or project_root()) / ".cache" / "downloads"

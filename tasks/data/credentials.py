@@ -2,9 +2,12 @@
 
 Credentials never go into params.yaml (which dvc.lock and MLflow record): `Auth` takes them from the
 environment (`LOCKSTEP_DATA_TOKEN`, sent as `Authorization: Bearer <token>`, or `LOCKSTEP_DATA_AUTH`,
-the whole header value) for the configured hosts only, or from `~/.netrc` (`$NETRC`) per host, as
-curl and requests do. tasks/data/fetch.py asks `Auth.header_for` before each request, and never
-forwards the header on a redirect.
+the whole header value) for the configured hosts only, or from `~/.netrc` (`$NETRC`): an entry goes
+only to the host its `machine` line names, and only over https; the environment's header goes over
+https, or plain http to loopback only. Unlike curl and requests, the netrc
+`default` entry is never used: it would answer for every host (torchvision's, a mirror a run record
+names) and, over plain http, hand the password to anyone on the path. tasks/data/fetch.py asks
+`Auth.header_for` before each request, and never forwards the header on a redirect.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from tasks.core.config.base import is_loopback
 from tasks.core.errors import ExpectedFailure
+from tasks.core.redact import redact
 
 TOKEN_ENV, AUTH_ENV = "LOCKSTEP_DATA_TOKEN", "LOCKSTEP_DATA_AUTH"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -30,6 +35,7 @@ class Auth:
 
     header: str | None = None
     hosts: frozenset[str] = frozenset()
+    netrc: bool = True  # False: no ~/.netrc entry either (a published host the user did not name)
 
     @classmethod
     def from_environment(cls, urls: Iterable[str | None]) -> Auth:
@@ -43,7 +49,7 @@ class Auth:
 
     def header_for(self, url: str) -> str | None:
         """The Authorization value for `url`: user info in the URL, else the environment's for a
-        configured host, else a netrc entry for its host; None when there is none."""
+        configured host, else a netrc entry naming its host (https only); None when there is none."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https"):
             return None
@@ -51,11 +57,21 @@ class Auth:
             pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
             return "Basic " + base64.b64encode(pair.encode()).decode()
         if self.header and _host(url) in self.hosts:
+            # over plain http the header is the secret in clear for anyone on the path; loopback
+            # (a local mirror, the tests' server) never leaves the machine
+            if parts.scheme == "http" and not is_loopback(url):
+                raise ExpectedFailure(
+                    f"{redact(url)}: {TOKEN_ENV}/{AUTH_ENV} is not sent over plain http (anyone on the path "
+                    "reads it): use the host's https:// URL"
+                )
             return self.header
+        if not self.netrc or parts.scheme != "https":  # a Basic header over http is the password in clear
+            return None
         return _netrc_header(parts.hostname or "")
 
 
-NO_AUTH = Auth()
+NO_AUTH = Auth()  # no token: a netrc entry for the host, if any
+NO_CREDENTIALS = Auth(netrc=False)  # nothing at all: torchvision's own hosts
 
 
 def _host(url: str) -> str:
@@ -67,12 +83,12 @@ def _host(url: str) -> str:
 
 
 def _netrc_header(hostname: str) -> str | None:
-    """Basic credentials from $NETRC or ~/.netrc for `hostname` (or its `default` entry)."""
+    """Basic credentials from $NETRC or ~/.netrc for `hostname`: its own `machine` entry, never `default`."""
     file = os.environ.get("NETRC")
     if not os.path.exists(file or os.path.expanduser("~/.netrc")):
         return None
     try:
-        entry = netrc.netrc(file).authenticators(hostname)
+        hosts = netrc.netrc(file).hosts
     except netrc.NetrcParseError as exc:
         # exc.msg can quote a token of the file (a password): only its fixed texts are shown
         fixed = exc.msg.startswith("~/.netrc ")  # the permission and owner checks
@@ -80,6 +96,10 @@ def _netrc_header(hostname: str) -> str | None:
         raise ExpectedFailure(f"{file or os.path.expanduser('~/.netrc')}: {why}") from None
     except OSError as exc:
         raise ExpectedFailure(f"{file or '~/.netrc'}: cannot be read: {exc.strerror}") from None
+    # `authenticators` falls back to `default`, which the module keeps under the key "default": a host
+    # really named "default" is no reason to send it either.
+    named = {name.lower(): entry for name, entry in hosts.items() if name != "default"}
+    entry = named.get(hostname.lower()) if hostname else None
     if entry is None:
         return None
     login, _, password = entry

@@ -5,8 +5,11 @@ retries, a size limit, credentials from the environment, cached by digest) must 
 `train.pretrained_sha256`. `train.pretrained` names torchvision's published weights of `train.model`
 (IMAGENET1K_V1, DEFAULT, ...): torchvision gives their URL and the sha256 prefix in its file name, the
 same check torch.hub makes; they are fetched by the same downloader into the same cache (from
-`train.pretrained_mirror` when set), or read from `train.pretrained_path` on a machine offline.
-The bytes are read once, bounded by `train.pretrained_max_bytes`, hashed,
+`train.pretrained_mirror` when set), or read from `train.pretrained_path` on a machine offline. That
+prefix is 32 bits: from a mirror or a path the full `train.pretrained_sha256` is required (config) and
+is what the download and the cached copy are checked against; from torchvision's host, over https and
+with no credentials, the prefix is checked as torch.hub does, and the lineage records the full digest.
+The bytes are read once from a regular file, bounded by `train.pretrained_max_bytes`, hashed,
 and only then parsed, so what is loaded is what was verified. Two formats, neither runs code:
 safetensors, or a torch state dict that `torch.load(weights_only=True)` accepts (a pickle of other
 objects is refused, never unpickled).
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import pickle
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +40,7 @@ from safetensors.torch import load as load_safetensors
 from tasks.core.config.train import TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import redact
-from tasks.data.credentials import NO_AUTH, Auth
+from tasks.data.credentials import NO_CREDENTIALS, Auth
 from tasks.data.fetch import Checksum, Retry, fetch
 from tasks.train.models import Classifier, head_name, stem_name
 
@@ -117,12 +122,19 @@ def _published_file(cfg: TrainConfig, cache: Path) -> tuple[Path, str, Checksum]
     url, prefix = published_weights(cfg.model, cfg.pretrained)
     name = url.rsplit("/", 1)[-1]
     checksum = Checksum("sha256", prefix, prefix=True)
+    if cfg.pretrained_sha256 is not None:  # the whole digest: what the download and the cached copy must have
+        if not cfg.pretrained_sha256.startswith(prefix):
+            raise PretrainedError(
+                f"train.pretrained: {cfg.model} {cfg.pretrained}: train.pretrained_sha256 is {cfg.pretrained_sha256}, "
+                f"but torchvision publishes {name} as sha256 {prefix}...: not that file"
+            )
+        checksum = Checksum("sha256", cfg.pretrained_sha256)
     if cfg.pretrained_path is not None:  # an offline machine, given the published file
         return Path(cfg.pretrained_path), f"{redact(cfg.pretrained_path)} ({cfg.model} {cfg.pretrained})", checksum
     mirror = cfg.pretrained_mirror
     urls = [f"{mirror.rstrip('/')}/{name}"] if mirror else [url]
-    # credentials go to a mirror the user named, never to torchvision's host
-    auth = Auth.from_environment([mirror]) if mirror else NO_AUTH
+    # credentials go to a mirror the user named, never to torchvision's host (not even a netrc entry)
+    auth = Auth.from_environment([mirror]) if mirror else NO_CREDENTIALS
     path = fetch(urls, cache / "weights" / name, checksum, Retry(), cfg.pretrained_max_bytes, auth)
     return path, f"{redact(urls[0])} ({cfg.model} {cfg.pretrained})", checksum
 
@@ -130,10 +142,17 @@ def _published_file(cfg: TrainConfig, cache: Path) -> tuple[Path, str, Checksum]
 def _verified_bytes(path: Path, source: str, expected: Checksum, max_bytes: int) -> tuple[bytes, str]:
     """The file's bytes, read once, and their sha256: the digest is of exactly what is parsed next."""
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(max_bytes + 1)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below, unread
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise PretrainedError(f"{source}: cannot be read: {exc.strerror} (the weights of train.pretrained_*)") from None
+    with open(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):  # /dev/zero, /dev/urandom, a FIFO: endless, or not a file at all
+            raise PretrainedError(f"{source}: not a regular file (the weights of train.pretrained_*): not read")
+        if info.st_size > max_bytes:
+            raise PretrainedError(f"{source}: more than train.pretrained_max_bytes ({max_bytes}) bytes")
+        data = handle.read(max_bytes + 1)  # bounded again: the file may grow after fstat
     if len(data) > max_bytes:
         raise PretrainedError(f"{source}: more than train.pretrained_max_bytes ({max_bytes}) bytes")
     got = hashlib.sha256(data).hexdigest()

@@ -317,6 +317,19 @@ def test_a_token_from_the_environment_goes_to_the_configured_host_only(
         assert other.authorizations("/f.bin") == [None, None]
 
 
+def test_a_token_is_never_sent_over_plain_http_off_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 66, point 7's sibling: the environment's token over http:// is the secret in clear to anyone on
+    the path; refused before any request, naming the URL. Loopback (a local mirror) never leaves the machine."""
+    monkeypatch.setenv(TOKEN_ENV, SECRETS[2])
+    auth = Auth.from_environment(["http://data.example/datasets/", "http://127.0.0.1:8000/m/"])
+    with pytest.raises(ExpectedFailure, match=r"http://data.example/x.tgz: LOCKSTEP_DATA_TOKEN.* not sent over plain"):
+        auth.header_for("http://data.example/x.tgz")
+    assert auth.header_for("http://127.0.0.1:8000/m/x.tgz") == f"Bearer {SECRETS[2]}"
+    assert (
+        Auth.from_environment(["https://data.example/"]).header_for("https://data.example/x") == f"Bearer {SECRETS[2]}"
+    )
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
@@ -333,12 +346,68 @@ def test_bad_credential_variables_are_refused(
         Auth.from_environment(["https://mirror.internal/"])
 
 
-def test_netrc_credentials_are_used_and_a_readable_netrc_is_refused(tmp_path: Path, server: FileServer) -> None:
+def _tls(server: FileServer, folder: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Serve `server` over TLS (before it starts), with a self-signed certificate for 127.0.0.1 that this
+    process trusts (SSL_CERT_FILE, which OpenSSL's default verify paths read); its https base URL."""
+    import datetime
+    import ipaddress
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder / "cert.pem", folder / "key.pem")
+    server._httpd.socket = context.wrap_socket(server._httpd.socket, server_side=True)
+    monkeypatch.setenv("SSL_CERT_FILE", str(folder / "cert.pem"))
+    return f"https://127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FileServer, str]]:
+    server = FileServer()
+    base = _tls(server, tmp_path / "tls", monkeypatch)
+    with server:
+        yield server, base
+
+
+def _netrc(tmp_path: Path, text: str) -> Path:
     netrc = tmp_path / "home" / ".netrc"
-    netrc.parent.mkdir()
-    netrc.write_text(f"machine 127.0.0.1 login alice password {SECRETS[0]}\n")
+    netrc.parent.mkdir(exist_ok=True)
+    netrc.write_text(text)
     netrc.chmod(0o600)
-    url = server.add("/f.bin", b"n")
+    return netrc
+
+
+def test_netrc_credentials_are_used_and_a_readable_netrc_is_refused(
+    tmp_path: Path, tls_server: tuple[FileServer, str]
+) -> None:
+    server, base = tls_server
+    netrc = _netrc(tmp_path, f"machine 127.0.0.1 login alice password {SECRETS[0]}\n")
+    server.add("/f.bin", b"n")
+    url = f"{base}/f.bin"
     server.require_auth("/f.bin", _basic("alice", SECRETS[0]))
     fetch([url], tmp_path / "f.bin", _sha(b"n"), FAST)
     assert server.authorizations("/f.bin") == [_basic("alice", SECRETS[0])]
@@ -346,6 +415,23 @@ def test_netrc_credentials_are_used_and_a_readable_netrc_is_refused(tmp_path: Pa
     with pytest.raises(ExpectedFailure) as refused:
         fetch([url], tmp_path / "again" / "f.bin", _sha(b"n"), FAST)
     assert ".netrc: access too permissive" in str(refused.value) and SECRETS[0] not in str(refused.value)
+
+
+def test_a_netrc_default_entry_goes_to_no_host(tmp_path: Path, tls_server: tuple[FileServer, str]) -> None:
+    """Issue 66, point 7: `default` answered for every host (torchvision's, a mirror's, a record's)."""
+    server, base = tls_server
+    _netrc(tmp_path, f"machine data.example.org login bob password x\ndefault login eve password {SECRETS[0]}\n")
+    server.add("/f.bin", b"d")
+    fetch([f"{base}/f.bin"], tmp_path / "f.bin", _sha(b"d"), FAST)
+    assert server.authorizations("/f.bin") == [None]
+
+
+def test_a_netrc_entry_is_never_sent_over_plain_http(tmp_path: Path, server: FileServer) -> None:
+    """Issue 66, point 7: a Basic header over http:// is the password in clear text to anyone on the path."""
+    _netrc(tmp_path, f"machine 127.0.0.1 login alice password {SECRETS[0]}\n")
+    url = server.add("/f.bin", b"h")
+    fetch([url], tmp_path / "f.bin", _sha(b"h"), FAST)
+    assert server.authorizations("/f.bin") == [None]
 
 
 def test_credentials_in_a_url_work_but_never_reach_a_message_log_or_file(

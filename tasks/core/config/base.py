@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -46,6 +47,20 @@ class Section(BaseModel):
 
 
 Auto = Literal["auto"]  # a key whose value is resolved from others (train: per data.source)
+
+
+def is_loopback(url: str) -> bool:
+    """Whether `url`'s host is this machine (localhost, 127.0.0.0/8, ::1): traffic that never leaves it."""
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def shown(value: Any, limit: int = 80) -> str:

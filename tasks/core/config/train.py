@@ -18,6 +18,7 @@ from tasks.core.config.base import (
     Auto,
     Section,
     Url,
+    is_loopback,
 )
 
 
@@ -50,7 +51,9 @@ TORCHVISION_MODELS = frozenset(
     vit_b_32 vit_h_14 vit_l_16 vit_l_32 wide_resnet101_2 wide_resnet50_2
     """.split()
 )
-MAX_WEIGHTS_FILE = 1 << 40  # bytes; the largest torchvision classifier (regnet_y_128gf) is ~2.6 GB in fp32
+# bytes; the largest torchvision classifier (regnet_y_128gf) is ~2.6 GB in fp32. The file is read into memory
+# (hashed, then parsed, from the same bytes), so the bound is one a machine can hold, not 1 TiB.
+MAX_WEIGHTS_FILE = 8 << 30
 OWN_MODELS = ("resnet9", "small_cnn")  # tasks/train/models.py
 
 
@@ -131,6 +134,8 @@ class TrainConfig(Section):
     # Or torchvision's published weights of train.model by name (IMAGENET1K_V1, DEFAULT, ...): the URL and the
     # sha256 prefix torchvision publishes in the file name are torchvision's; fetched into the download cache
     # (from pretrained_mirror/<file name> when set), or read from pretrained_path on an offline machine.
+    # That prefix is 8 hex digits, 32 bits: a file from a mirror or a path needs the full pretrained_sha256
+    # (`_pretrained_is_verified`). Weights never come over plain http but from loopback (`_no_plain_http`).
     pretrained: str | None = Field(None, pattern=r"^[A-Z][A-Z0-9_]{0,63}$")
     pretrained_mirror: Url | None = None  # credentials: env or ~/.netrc, as for data.mirror
     pretrained_path: str | None = Field(None, min_length=1, max_length=4096)
@@ -189,6 +194,18 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _no_plain_http(self) -> TrainConfig:
+        # Weights are code-adjacent (they decide every prediction), and over http anyone on the path reads
+        # the credentials sent with them or swaps the file. Loopback stays allowed: its traffic never leaves
+        # the machine (whoever can bind a port there already runs code on it), and a local mirror or a test
+        # server (benchmarks/httpserver.py) serves plain http; the full sha256 is still required.
+        for key in ("pretrained_mirror", "pretrained_url"):
+            url = getattr(self, key)
+            if url is not None and url.startswith("http://") and not is_loopback(url):
+                raise ValueError(f"{key}: plain http:// for weights: use https:// (or a file:// path)")
+        return self
+
+    @model_validator(mode="after")
     def _pretrained_is_verified(self) -> TrainConfig:
         if self.pretrained_path is not None and self.pretrained_url is not None:
             raise ValueError("pretrained_path and pretrained_url: give one (a local file, or a URL to download)")
@@ -197,6 +214,15 @@ class TrainConfig(Section):
                 raise ValueError("pretrained and pretrained_url: give one (a torchvision weights name, or a URL)")
             if self.model in OWN_MODELS:
                 raise ValueError(f"pretrained: {self.model} has no published weights (give pretrained_path)")
+            # Straight from torchvision's host over https, the name's 32-bit prefix is what torch.hub checks
+            # too (and the whole digest goes into the lineage); a mirror or a file anyone could have made
+            # needs the whole 256 bits, kept here, in params.yaml: committed, reviewed, recorded by dvc.lock.
+            other = "pretrained_mirror" if self.pretrained_mirror is not None else "pretrained_path"
+            if self.pretrained_sha256 is None and getattr(self, other) is not None:
+                raise ValueError(
+                    f"pretrained_sha256: required with {other}: torchvision's file name pins only 32 bits of "
+                    "the sha256, which a forged file can match; give the file's full sha256 (sha256sum FILE)"
+                )
             return self  # verified against torchvision's published hash (and pretrained_sha256, if given)
         if self.pretrained_mirror is not None:
             raise ValueError("pretrained_mirror: where the weights pretrained names are fetched from: set pretrained")

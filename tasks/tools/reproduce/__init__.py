@@ -3,6 +3,7 @@ RUN_ID` (cli.py: what it trusts, its options and exit codes).
 
 - record.py: the run and what it logged (params, data.dvc, dvc.lock, checkpoints), refused when forged
 - workspace.py: the private directory, the run's code at its commit, its inputs and data version
+- weights.py: the pretrained weights a record names, from the user's own cache by full sha256 or refused
 - rebuild.py: `reproduce`, start to end; the stages run again, and the machine they ran on
 - report.py: the comparisons, why bytes differ, the report as text, JSON and an MLflow run
 """

@@ -15,17 +15,19 @@ The outcome is one MLflow run in the same experiment (tag `reproduce.of`).
 What it trusts: the tracking server may be shared, so a run's record is input, not instruction.
 Its params must pass params.yaml's validation and ask for one machine (`train.nnodes: 1`: a
 rebuild joins no rendezvous but its own, on loopback); the files it downloads are capped in size;
-the paths in its `dvc.lock` and `data.dvc` must stay inside the workspace; and its code is rebuilt
-only from a commit on one of this repository's local branches or tags (or named with
+the paths in its `dvc.lock` and `data.dvc` must stay inside the workspace; pretrained weights come
+from your own download cache by their full sha256 (`train.pretrained_sha256`), never from a URL, a
+mirror or a file the run names, and the stages run without credentials or a route out; and its code
+is rebuilt only from a commit on one of this repository's local branches or tags (or named with
 `--trust-commit`), never silently from whatever tasks/ holds now (`--use-current-code` asks for
 that). DVC remote credentials (`.dvc/config.local`) reach DVC in memory, never a workspace file;
 the workspace is private (0700) and what is printed or logged passes tasks/core/redact.py.
 
 Exit codes (tasks/core/errors.py): 0 byte-identical; 1 the weights differ, or a stage failed (its
 output tail is shown); 2 bad arguments; 3 refused: an unknown run, not a train or pipeline run, a run
-logged without `reproduce/`, a record refused as above, or a data version neither in the DVC cache
-nor fetchable from the remote. The project is left as it was, except for data a remote fetch adds
-to the DVC cache and the MLflow run.
+logged without `reproduce/`, a record refused as above, pretrained weights not in your download cache,
+or a data version neither in the DVC cache nor fetchable from the remote. The project is left as it
+was, except for data a remote fetch adds to the DVC cache and the MLflow run.
 """
 
 from __future__ import annotations

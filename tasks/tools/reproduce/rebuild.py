@@ -21,9 +21,11 @@ from typing import Any
 from tasks.core import layout
 from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5
+from tasks.data.credentials import AUTH_ENV, TOKEN_ENV
 from tasks.determinism import cpu_mode
 from tasks.tools.reproduce import record as records
 from tasks.tools.reproduce import report as reports
+from tasks.tools.reproduce import weights as pretrained
 from tasks.tools.reproduce import workspace as workspaces
 from tasks.tools.reproduce.record import LOGGED_DIR
 from tasks.tools.reproduce.report import ReproduceReport
@@ -33,6 +35,11 @@ log = logging.getLogger("tasks.tools.reproduce")  # not __name__: the CLI config
 
 STAGES = ("stats", "preprocess", "train")
 TAIL_LINES = 25
+# Every HTTP(S) request the rebuilt stages make goes here: a closed port on loopback. They need none (the
+# data comes from DVC, the weights from the workspace's cache: weights.py), and whatever a run's commit
+# would fetch because its record said so (torch.hub, an old downloader) reaches no host the record named.
+NO_ROUTE = "http://127.0.0.1:9"
+_PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 # Run in the workspace, by its code and with the stages' environment: what the rebuilt train saw.
 # The pinning values come from the record as validated here (argv), not through the workspace's
 # params reader, whose module has moved between commits (tasks/core/config.py, then a package).
@@ -52,8 +59,12 @@ print(json.dumps({**tags, **{f"determinism.{k}": str(v) for k, v in settings.ite
 
 def _stage_env() -> dict[str, str]:
     # The rebuild must not nest under, or log into, a run of whatever launched us; and it computes
-    # in the mode the run's params name (each stage pins it), not in ours.
-    return cpu_mode.clean_env({k: v for k, v in os.environ.items() if k not in (runs.PARENT_ENV, "MLFLOW_RUN_ID")})
+    # in the mode the run's params name (each stage pins it), not in ours. It holds no credentials
+    # (no download token, an empty netrc) and no route out (NO_ROUTE): a record chose its hosts.
+    dropped = {runs.PARENT_ENV, "MLFLOW_RUN_ID", TOKEN_ENV, AUTH_ENV, "no_proxy", "NO_PROXY"}
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env.update({name: NO_ROUTE for name in _PROXY_VARS}, NETRC=os.devnull)
+    return cpu_mode.clean_env(env)
 
 
 def _run_stage(stage: str, workspace: Path, env: dict[str, str]) -> tuple[int, list[str]]:
@@ -132,6 +143,7 @@ def reproduce(
         record = records.download_record(client, run, root / "record")
         params, raw_params = records.check_params(record, train_id)
         records.check_record_paths(record, train_id)
+        weights = pretrained.plan(params.train, run, layout.download_cache(project))
         commit = workspaces.code_source(project, run, trust_commit, use_current_code)
         workspace = root / "workspace"
         workspace.mkdir()
@@ -144,6 +156,8 @@ def reproduce(
         )
         report.code = workspaces.checkout_code(project, run, commit, workspace, report.warnings)
         workspaces.write_inputs(record, workspace, raw_params)
+        if weights is not None:
+            pretrained.place(weights, workspace)
         log.info("reproduce %s: data %s, code from %s", train_id, report.data_md5, report.code)
         report.data_from = workspaces.bring_data(project, workspace, train_id, report.data_md5)
         _rebuild_and_compare(run, params, record, workspace, report)
@@ -160,6 +174,7 @@ def reproduce(
 def _rebuild_and_compare(run: Any, params: Params, record: Path, workspace: Path, report: ReproduceReport) -> None:
     """The stages in the prepared workspace; then, if they all ran, the comparisons and their explanation."""
     env = _stage_env()
+    env["LOCKSTEP_DOWNLOAD_CACHE"] = str(workspace / pretrained.WORKSPACE_CACHE)  # not the user's: the copy's
     _run_stages(workspace, report, env)
     if report.failed_stage is not None:
         return

@@ -4,7 +4,9 @@ than a rebuild on this machine may do.
 
 The tracking server may be shared, so anyone who can write runs can plant a record. Its params must
 pass params.yaml's validation and ask for one machine (`train.nnodes: 1`); the files downloaded are
-capped in size; the paths in its `dvc.lock` and `data.dvc` must stay inside the workspace.
+capped in size; the paths in its `dvc.lock` and `data.dvc` must stay inside the workspace; and the
+pretrained weights it names come from the user's own cache by full sha256, never from a host or a
+file the record names (weights.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from tasks.core.config.base import ConfigError, shown
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import load_params, load_yaml
 from tasks.core.errors import Refused
-from tasks.core.redact import redact
 
 LOGGED_DIR = "reproduce"  # the train run's artifact dir with what it was made from
 WEIGHTS = ("best.safetensors", "last.safetensors")
@@ -146,15 +147,7 @@ def check_params(record: Path, run_id: str) -> tuple[Params, dict[str, Any]]:
             f"run {run_id}: its params ask for train.nnodes: {train.nnodes} (a rendezvous with other machines "
             f"at train.rdzv_endpoint {shown(train.rdzv_endpoint)}): reproduce rebuilds on this machine only"
         )
-    cached = layout.download_cache() / "weights" / str(train.pretrained_sha256)
-    if train.pretrained_url is not None and not cached.is_file():
-        # A URL in someone else's record is a request to a host they chose: the rebuild uses a
-        # verified copy already here (the train stage caches downloads by digest), or nothing.
-        raise ReproduceError(
-            f"run {run_id}: its params fetch pretrained weights from {shown(redact(train.pretrained_url))}: "
-            f"reproduce downloads nothing a run names; put the file (sha256 {train.pretrained_sha256}) at "
-            f"{cached} and run again"
-        )
+    # train.pretrained_*: weights.py brings them from the user's own cache, or refuses the run
     cores = os.cpu_count() or 1
     if train.strategy == "ddp" and train.nproc_per_node > cores:
         raise ReproduceError(
