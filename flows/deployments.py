@@ -12,7 +12,12 @@ then, from another shell (with PREFECT_API_URL=http://127.0.0.1:4200/api):
 
 A run started through the API may change only the keys on tasks/core/config/policy.py's
 API_OVERRIDABLE (the optimisation recipe and seeds), with `overrides` or a `params_file` that differs
-from params.yaml; `--allow-override KEY` adds keys for this server's runs.
+from params.yaml; `--allow-override KEY` adds keys: for `serve`, in its own environment, which its
+runs inherit; for `deploy`, in the deployment's own record, which the flow reads through the API.
+`deploy` makes its pool lock a run's job variables out (`locked_job_template`): a run cannot set
+the worker's environment or command. Whoever holds the API's auth string can still rewrite a
+deployment (its pull steps) or the pool: on a process pool that is code execution as the worker's
+user (docs/operations-and-retraining.md, "What a Prefect client can do").
 
 Both variants register the same deployment (`deployment_options`): the flow's signature is the
 parameter schema (Prefect refuses a run whose parameters do not fit it), and `reingest` from
@@ -40,6 +45,7 @@ from tasks.core.config.params import is_params_key
 from tasks.core.config.policy import API_OVERRIDABLE, REMOTE_KEYS
 from tasks.core.config.service import OrchestrationConfig
 from tasks.core.config.yaml_io import PARAMS_FILE, load_params
+from tasks.core.errors import Refused
 from tasks.core.layout import ROOT
 
 
@@ -79,38 +85,84 @@ def serve(cfg: OrchestrationConfig) -> None:
     prefect_serve(pipeline.to_deployment(name=cfg.deployment, **deployment_options(cfg)), limit=1)
 
 
-def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None) -> str:
-    """Register the deployment with a work pool (created as a `process` pool if missing); its
-    workers run the flow from this checkout. Returns the deployment's full name."""
-    from prefect.client.orchestration import get_client
+def locked_job_template() -> dict[str, Any]:
+    """The base job template of the pools `deploy` makes: a flow run can set nothing the worker uses.
+
+    Prefect merges a flow run's job variables over its deployment's and starts the process with the
+    result (env, command, working_dir on a process pool), and its server checks a run's variables
+    against this schema only. So the schema declares one variable, the deployment's allow-list, which
+    no job configuration uses; `additionalProperties: false` refuses every other (HTTP 422, dotted
+    `env.X` keys too). The job configuration has no placeholders and no `env`: a run made without
+    that check (POST /flow_runs/) still cannot reach the process, since the worker merges a run's
+    `env` only into an `env` mapping the template has. The flow-run process gets the worker's own
+    environment, and the default command (`python -m prefect.engine`)."""
+    return {
+        "job_configuration": {"stream_output": True},
+        "variables": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                prefect_env.DEPLOYMENT_ALLOW_VARIABLE: {
+                    "type": "string",
+                    "default": "",
+                    "title": "lockstep allow-list",
+                    "description": "Keys runs of this deployment may override beyond the default list "
+                    "(python -m flows.deployments deploy --allow-override); the flow reads the deployment's "
+                    "value, and refuses a run that sets its own",
+                }
+            },
+        },
+    }
+
+
+class PoolNotLocked(Refused):
+    """The work pool lets a flow run set job variables the worker applies (env, command, ...)."""
+
+
+def _ensure_locked_pool(client: Any, pool: str) -> None:
+    """Create `pool` (type process) with `locked_job_template()`, or refuse one that differs from it."""
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
+
+    try:
+        existing = client.read_work_pool(pool)
+    except ObjectNotFound:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=locked_job_template()))
+        print(f"created work pool {pool!r} (type process; flow runs may set no job variables)")
+        return
+    template = existing.base_job_template or {}
+    if template == locked_job_template():
+        return
+    offered = sorted(set(template.get("variables", {}).get("properties", {})) - {prefect_env.DEPLOYMENT_ALLOW_VARIABLE})
+    what = f"lets a flow run set {', '.join(offered)}" if offered else "is not the one deploy makes"
+    raise PoolNotLocked(
+        f"work pool {pool}: its base job template {what} (variables.properties); expected only "
+        f"{prefect_env.DEPLOYMENT_ALLOW_VARIABLE}, additionalProperties false and no placeholders "
+        "(flows/deployments.py locked_job_template): deploy to a new pool name, which deploy creates so"
+    )
+
+
+def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None, allow: tuple[str, ...] = ()) -> str:
+    """Register the deployment with a work pool (created as a locked `process` pool if missing); its
+    workers run the flow from this checkout. `allow` (--allow-override) is stored in the deployment's
+    own record, where the flow reads it. Returns the deployment's full name."""
+    from prefect.client.orchestration import get_client
 
     from flows.pipeline import FLOW_NAME, pipeline
 
     with get_client(sync_client=True) as client:
-        try:
-            client.read_work_pool(pool)
-        except ObjectNotFound:
-            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-            print(f"created work pool {pool!r} (type process)")
+        _ensure_locked_pool(client, pool)
     name = name or cfg.deployment
     # From this checkout's path: a process worker on this machine (or one with the same path
     # mounted) changes into it and imports the flow from there.
     source = pipeline.from_source(source=str(ROOT), entrypoint="flows/pipeline.py:pipeline")
-    # the stages' log lines in Prefect's run log (the serve process passes its own environment on)
-    env = {
-        key: os.environ[key]
-        for key in ("PREFECT_LOGGING_EXTRA_LOGGERS", prefect_env.ALLOW_OVERRIDES_ENV)
-        if key in os.environ
-    }
     source.deploy(
         name=name,
         work_pool_name=pool,
         build=False,
         push=False,
         print_next_steps=False,
-        job_variables={"env": env},
+        job_variables={prefect_env.DEPLOYMENT_ALLOW_VARIABLE: ",".join(allow)},
         **deployment_options(cfg),
     )
     return f"{FLOW_NAME}/{name}"
@@ -152,13 +204,14 @@ def _params_key(text: str) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = load_params(ROOT / args.params).orchestration
-    # inherited by the flow runs this process starts, and passed to a pool's workers (deploy)
-    os.environ[prefect_env.ALLOW_OVERRIDES_ENV] = ",".join(args.allow_override)
     if os.environ.get("PREFECT_API_URL"):  # a server of the user's: refuse in one line if it will not have us
         prefect_env.check_api()
     if args.command == "deploy":
-        print(f"deployed {deploy(cfg, args.pool, args.name)}; start a worker: prefect worker start --pool {args.pool}")
+        deployed = deploy(cfg, args.pool, args.name, tuple(args.allow_override))
+        print(f"deployed {deployed}; start a worker: prefect worker start --pool {args.pool}")
         return 0
+    # inherited by the flow runs this process serves (the Runner applies no job variables)
+    os.environ[prefect_env.ALLOW_OVERRIDES_ENV] = ",".join(args.allow_override)
     if os.environ.get("PREFECT_API_URL"):
         serve(cfg)
         return 0

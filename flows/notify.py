@@ -4,7 +4,9 @@ Configured in params.yaml `orchestration.notify` (tasks/core/config/ `NotifyConf
 which carries a token, is never a param: it comes from a Prefect notification block named in
 `notify.block` (`slack-webhook/oncall`, `custom-webhook/oncall`..., made with the UI or
 `Block.save`), else from the environment variable `notify.url_env` (LOCKSTEP_NOTIFY_URL). With
-neither, each run says once, when it starts, that nobody is told.
+neither, each run says once, when it starts, that nobody is told. The settings are those of the params
+the run checked (flows/run_params.py), else the deployment's own params.yaml: never those of a
+`params_file` the run refused or that changed after its check (`notify_config`).
 
 The mechanisms, all Prefect's own flow state hooks (the pipeline flow's `on_running`, `on_failure`,
 `on_completion`, `on_crashed`):
@@ -66,6 +68,7 @@ MAX_ERROR_CHARS = 1000  # an error line longer than this is cut (a message, not 
 
 _running: dict[str, str] = {}  # flow run id -> the stage it is in (this process's runs)
 _sent: set[tuple[str, str]] = set()  # (flow run id, event) already sent from this process
+_checked: dict[str, NotifyConfig] = {}  # flow run id -> orchestration.notify of the params it checked
 _sent_lock = threading.Lock()
 
 
@@ -295,15 +298,25 @@ def post_json(url: str, payload: dict[str, Any], timeout_s: float) -> None:
 # --------------------------------------------------------------------------- the run's context
 
 
+def checked(cfg: NotifyConfig) -> None:
+    """Called by the flow once this run's params passed their check: its hooks use `cfg` from then on."""
+    from prefect.runtime import flow_run
+
+    _checked[str(flow_run.id or "")] = cfg
+
+
 def notify_config(flow_run: Any) -> NotifyConfig:
-    """`orchestration.notify` of the params file this run was given; the defaults if it cannot be
-    read (a run that failed on an invalid params.yaml is still reported)."""
-    params_file = str((getattr(flow_run, "parameters", None) or {}).get("params_file") or PARAMS_FILE)
-    path = (ROOT / params_file).resolve()
-    if not path.is_relative_to(ROOT.resolve()):
-        return NotifyConfig()
+    """`orchestration.notify` of the params this run checked (`checked`); before that, or if they were
+    refused, or in another process (a runner reporting a crash), the deployment's own params.yaml's;
+    the defaults if that cannot be read (a run that failed on an invalid params.yaml is still reported).
+
+    Never the run's `params_file` as it is now: the run may have refused it, or it may have been
+    swapped since it was checked, and either would let whoever wrote it redirect or silence the notice."""
+    cfg = _checked.get(str(flow_run.id))
+    if cfg is not None:
+        return cfg
     try:
-        return load_params(path).orchestration.notify
+        return load_params(ROOT / PARAMS_FILE).orchestration.notify
     except Exception:
         return NotifyConfig()
 

@@ -32,13 +32,13 @@ from prefect.tasks import exponential_backoff
 
 from flows import notify, prefect_env
 from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
+from flows.run_params import check_run_params, params_file_changes
+from tasks.core.atomic import write_text
 from tasks.core.cli import dvc_logs_once, exit_code
-from tasks.core.config.base import ConfigError
 from tasks.core.config.params import STAGES, Params
-from tasks.core.config.policy import changed_keys, refuse_api_overrides
-from tasks.core.config.yaml_io import PARAMS_FILE, load_params, set_params
+from tasks.core.config.yaml_io import PARAMS_FILE
 from tasks.core.layout import ROOT
-from tasks.determinism.bootstrap import bootstrap
+from tasks.determinism.bootstrap import bootstrap, pin
 
 FLOW_NAME = "lockstep-pipeline"
 
@@ -162,20 +162,18 @@ def pipeline(
     os.chdir(ROOT)
     logger = get_run_logger()
     # A run started through the API changes only the keys it may (tasks/core/config/policy.py), be it
-    # with `overrides` or with a `params_file` that differs from params.yaml; `--set` and `--params`
-    # at the prompt allow theirs (_run).
-    allowed = allowed_overrides()
-    if overrides:
-        refuse_api_overrides(overrides, allowed)
-    refuse_api_overrides(params_file_changes(_inside_project(params_file)), allowed, f"params_file {params_file}")
-    # validated with the overrides before anything is written; the stages run in this process
-    params = bootstrap(params_file, overrides)
+    # with `overrides` or with a `params_file` that differs from params.yaml; `--set` and `--params` at
+    # the prompt allow theirs (_run). The allow-list comes from where no run can set it, and the file
+    # is read once: what was checked is what runs, whatever happens to the file meanwhile (run_params.py).
+    checked = check_run_params(params_file, overrides, prefect_env.run_allow_list())
+    notify.checked(checked.params.orchestration.notify)  # the hooks route by these, not by the file
+    params = pin(checked.params)  # the stages run in this process, on these params
     with pipeline_lock(
         f"Prefect flow run {flow_run.name or FLOW_NAME}", params.orchestration.lock_wait_s, logger=logger
     ):
-        if overrides:
-            params = set_params(params_file, overrides)
-            logger.info("params.yaml updated: %s", json.dumps(overrides))
+        if overrides:  # written as checked, like `dvc exp run -S`: the file is the record of what ran
+            write_text(checked.path, checked.text)
+            logger.info("%s updated: %s", params_file, json.dumps(overrides))
         before = data_md5()
         results: dict[str, dict[str, Any]] = {}
         with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
@@ -191,26 +189,6 @@ def pipeline(
         key="pipeline-summary", markdown=_summary_table(results, summary), description="what this pipeline run did"
     )
     return results
-
-
-def _inside_project(params_file: str) -> str:
-    """`params_file` if it names a file inside the project (it comes from the API, and overrides are
-    written into it); ConfigError otherwise."""
-    if not (ROOT / params_file).resolve().is_relative_to(ROOT.resolve()):
-        raise ConfigError(f"params_file: {params_file!r} is outside the project {ROOT}")
-    return params_file
-
-
-def params_file_changes(params_file: str) -> list[str]:
-    """The keys whose values `params_file` changes from params.yaml's ([] for params.yaml itself).
-
-    A params_file is a set of overrides by another name: anyone who can write a YAML file inside the
-    checkout (an MLflow artifact folder, a data folder) could otherwise hand a run a rendezvous, a
-    data URL or switched-off gates that `overrides` may not carry."""
-    path, base = (ROOT / params_file).resolve(), (ROOT / PARAMS_FILE).resolve()
-    if path == base:
-        return []
-    return changed_keys(load_params(base).model_dump(mode="json"), load_params(path).model_dump(mode="json"))
 
 
 def _summary_table(results: dict[str, dict[str, Any]], summary: str) -> str:

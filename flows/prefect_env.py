@@ -56,16 +56,74 @@ def configure() -> None:
     # logger's level to the root's (WARNING), which would keep the epoch lines out.
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")
     logging.getLogger("tasks").setLevel(logging.INFO)
+    _send_stage_logs_to_prefect()
+
+
+def _send_stage_logs_to_prefect() -> None:
+    """In a work pool's flow-run process (`python -m prefect.engine`), Prefect set its logging up with
+    the worker's environment before importing this package, and the deployment passes no environment
+    (its pool lets none be set): give the `tasks` logger Prefect's handlers for extra loggers now."""
+    configuration = sys.modules.get("prefect.logging.configuration")
+    if configuration is None or not getattr(configuration, "PROCESS_LOGGING_CONFIG", None):
+        return  # Prefect is not set up yet: it will read PREFECT_LOGGING_EXTRA_LOGGERS itself
+    stages = logging.getLogger("tasks")
+    for handler in logging.getLogger("prefect.extra").handlers:
+        if handler not in stages.handlers:
+            stages.addHandler(handler)
 
 
 # Comma-separated keys beyond the API allow-list (tasks/core/config/policy.py API_OVERRIDABLE; remote keys
-# by name) that flow runs of this process may override: set by `flows.deployments serve/deploy
-# --allow-override`, and by `flows.pipeline --set` (the user typed them).
+# by name) that flow runs of this process may override: set by `flows.deployments serve --allow-override`
+# (the served deployment's runs inherit serve's environment; Prefect's Runner applies no job
+# variables) and by `flows.pipeline --set` (the user typed them). Never read for a run of a work
+# pool's deployment: there the worker's environment is whatever the worker was started with, and
+# the allow-list is the deployment's own (DEPLOYMENT_ALLOW_VARIABLE).
 ALLOW_OVERRIDES_ENV = "LOCKSTEP_ALLOW_OVERRIDES"
+# The job variable in which `flows.deployments deploy --allow-override` stores the allow-list in the
+# deployment's own record; the flow reads it back through the API. The pool's template uses it in no
+# job configuration (it reaches no process), and a flow run that sets it is refused (`run_allow_list`).
+DEPLOYMENT_ALLOW_VARIABLE = "lockstep_allow_overrides"
 
 
 def allowed_overrides() -> frozenset[str]:
-    return frozenset(key.strip() for key in os.environ.get(ALLOW_OVERRIDES_ENV, "").split(",") if key.strip())
+    return _keys(os.environ.get(ALLOW_OVERRIDES_ENV, ""))
+
+
+def _keys(text: str) -> frozenset[str]:
+    return frozenset(key.strip() for key in text.split(",") if key.strip())
+
+
+def run_allow_list() -> frozenset[str]:
+    """The keys beyond API_OVERRIDABLE that this flow run may change, from where no run can set them.
+
+    - no deployment (`make run`, `python -m flows.pipeline --set`): this process's ALLOW_OVERRIDES_ENV;
+    - a served deployment (no work pool): the same, inherited from `serve`;
+    - a work pool's deployment: the deployment's own DEPLOYMENT_ALLOW_VARIABLE, read through the API.
+
+    A deployment's run that sets job variables of its own (env, command...; a pool made by `deploy`
+    refuses them, but POST /flow_runs/ and other pools do not) is refused here, before its parameters
+    are read: OverrideRefused, one line."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    from tasks.core.config.base import OverrideRefused
+
+    context = FlowRunContext.get()
+    flow_run = context.flow_run if context else None
+    if flow_run is None or flow_run.deployment_id is None:
+        return allowed_overrides()
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment(flow_run.deployment_id)
+    own = deployment.job_variables or {}
+    set_by_run = sorted(key for key, value in (flow_run.job_variables or {}).items() if own.get(key) != value)
+    if set_by_run:
+        raise OverrideRefused(
+            f"job_variables: {', '.join(set_by_run)} set by this flow run; expected none (a run of "
+            f"deployment {deployment.name} takes the deployment's own job variables): nothing run"
+        )
+    if deployment.work_pool_name is None:
+        return allowed_overrides()
+    return _keys(str(own.get(DEPLOYMENT_ALLOW_VARIABLE) or ""))
 
 
 AUTH_FILE = "api-auth"  # in PREFECT_HOME: the project server's `user:password`

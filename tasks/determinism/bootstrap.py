@@ -27,6 +27,12 @@ def bootstrap(params_file: str | Path = PARAMS_FILE, overrides: dict[str, Any] |
     longer be set because torch or numpy is already loaded in another one.
     """
     params = with_overrides(params_file, overrides)[1] if overrides else load_params(params_file)
+    return pin(params)
+
+
+def pin(params: Params) -> Params:
+    """This process set up for `params`, already read and validated (the pipeline flow reads its params
+    file once, to check it: flows/run_params.py); before torch or numpy loads."""
     pin_env(params.determinism.cpu)
     pin_waiting()
     return params

@@ -167,12 +167,12 @@ def test_an_operator_can_allow_a_remote_override() -> None:
 
 
 def test_the_flow_refuses_a_params_file_outside_the_project() -> None:
-    from flows.pipeline import _inside_project
+    from flows.run_params import inside_project
 
-    assert _inside_project("params.yaml") == "params.yaml"
+    assert inside_project("params.yaml") == "params.yaml"
     for outside in ("../params.yaml", "/etc/passwd", "tests/../../x.yaml"):
         with pytest.raises(ConfigError, match="is outside the project"):
-            _inside_project(outside)
+            inside_project(outside)
 
 
 @pytest.mark.parametrize(

@@ -26,25 +26,12 @@ from flows.deployments import main as deployments_main
 from tasks.core.cli import exit_code
 from tasks.core.config.base import OverrideRefused
 from tasks.core.config.policy import API_OVERRIDABLE, refuse_api_overrides
-from tests.conftest import ROOT, clone_project, run, sha256
+from tasks.core.lock import pipeline_lock
+from tests.conftest import ROOT, PrefectServer, client_for, clone_project, run, sha256, subprocess_env
+from tests.support.prefect_client import FLOW_RUNS, flow_run_states, start_flow_runs, wait_for_line
 
 GATES = {"checks.enabled": False, "promotion.min_margin": -1, "orchestration.notify.url_env": "X"}
 FOREIGN = {"train.strategy": "ddp", "train.nnodes": 2, "train.rdzv_endpoint": "attacker.example:29500"}
-
-# The real flow function in its own process, as a deployment's flow run calls it, one call per case;
-# each case's final Prefect state (type and message) on the last line.
-FLOW_RUNS = """
-import json, sys
-from flows import prefect_env
-from flows.pipeline import pipeline
-
-states = []
-with prefect_env.local_api():
-    for case in json.loads(sys.argv[1]):
-        state = pipeline(**case, return_state=True)
-        states.append({"type": state.type.value, "message": state.message or ""})
-print("STATES " + json.dumps(states))
-"""
 
 
 @pytest.mark.parametrize("key", sorted(GATES))
@@ -132,3 +119,37 @@ def test_a_person_at_the_prompt_may_change_any_key(project: Path) -> None:
 
 def _leaf(values: dict[str, Any], section: str) -> dict[str, Any]:
     return {key.removeprefix(f"{section}."): value for key, value in values.items()}
+
+
+@pytest.mark.slow
+def test_a_params_file_swapped_while_the_run_waits_for_the_lock_changes_nothing(
+    dvc_repo: dict[str, Any], prefect_server: PrefectServer, tmp_path: Path
+) -> None:
+    """Issue 66, item 3. A params file that passes the check (it is params.yaml's copy) is swapped
+    while its run waits for the pipeline lock, held by a real holder: the new one switches the data
+    checks off, names a foreign rendezvous and moves the records to another MLflow experiment. The run
+    goes on with the bytes it checked: its params file ends up holding them (with the allowed
+    override), and nothing is recorded in the swapped file's experiment."""
+    repo = clone_project(dvc_repo["repo"], tmp_path / "repo")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    incoming = repo / "incoming" / "params.yaml"  # a folder others can write to (an upload, a data folder)
+    incoming.parent.mkdir()
+    incoming.write_text(yaml.safe_dump(params, sort_keys=False))
+    swapped = {
+        **params,
+        "checks": {**params["checks"], "enabled": False},
+        "train": {**params["train"], **_leaf(FOREIGN, "train")},
+        "tracking": {**params["tracking"], "experiment": "swapped-in"},
+    }
+    lr = params["train"]["lr"]
+    log = tmp_path / "flow.log"
+    case = {"params_file": "incoming/params.yaml", "overrides": {"train.lr": lr}}
+    with pipeline_lock("the test", wait_s=0, root=repo):
+        proc = start_flow_runs(repo, [case], log, subprocess_env(**prefect_server.env))
+        wait_for_line(log, "waiting up to", proc)  # checked, and waiting for the lock
+        incoming.write_text(yaml.safe_dump(swapped, sort_keys=False))
+    (state,) = flow_run_states(proc, log)
+
+    assert state["type"] == "COMPLETED", (state, log.read_text()[-3000:])
+    assert yaml.safe_load(incoming.read_text()) == params  # what was checked, lr written again as it was
+    assert client_for(repo).get_experiment_by_name("swapped-in") is None

@@ -38,9 +38,24 @@ from flows import notify
 from tasks.core.errors import DataRefused, ExpectedFailure
 from tasks.core.lock import pipeline_lock
 from tasks.core.redact import redact
-from tests.conftest import PrefectServer, client_for, clone_project, free_port, run, service, write_params
+from tests.conftest import (
+    PrefectServer,
+    client_for,
+    clone_project,
+    free_port,
+    run,
+    service,
+    subprocess_env,
+    write_params,
+)
 from tests.support.digits import write_digits
-from tests.support.prefect_client import PrefectAPI, wait_for_deployment
+from tests.support.prefect_client import (
+    PrefectAPI,
+    flow_run_states,
+    start_flow_runs,
+    wait_for_deployment,
+    wait_for_line,
+)
 from tests.support.webhook import WebhookReceiver
 
 # A token that tasks/core/redact.py would NOT mask (one case, no secret-like name): finding it nowhere
@@ -335,6 +350,72 @@ def test_a_completed_run_that_registered_a_model_sends_its_promotion(
     assert re.search(r"^promotion: lockstep-classifier v2 .*champion v1 ", text, re.MULTILINE), text
     _assert_url_written_nowhere(repo, prefect_server, done.stdout, done.stderr)
     print(f"promotion: run {took:.1f} s, {len(messages)} message(s)")
+
+
+# --------------------------------------------------------------------------- end to end: whose params route the notice
+
+
+def _planted(repo: Path, name: str, notify_params: dict[str, Any]) -> str:
+    """A copy of params.yaml with other `orchestration.notify`, in a folder others can write to
+    (an upload, a data folder); its path relative to the project."""
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["orchestration"]["notify"].update(notify_params)
+    path = repo / "incoming" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return str(path.relative_to(repo))
+
+
+@pytest.mark.slow
+def test_a_refused_params_file_cannot_redirect_or_silence_the_failure_notice(
+    dvc_repo: dict[str, Any], prefect_server: PrefectServer, tmp_path: Path
+) -> None:
+    """Issue 66, item 3. A run started through the API with a params file that redirects the notice
+    (another `url_env`) or silences it (no `failed` event) is refused for it; the notice of that
+    refusal still goes where the deployment's own params.yaml sends it, not where the refused file does."""
+    repo = _clone(dvc_repo, tmp_path)
+    redirect = _planted(repo, "redirect.yaml", {"url_env": "ATTACKER_URL"})
+    silence = _planted(repo, "silence.yaml", {"events": ["promotion"]})
+    log = tmp_path / "flow.log"
+    with WebhookReceiver() as oncall, WebhookReceiver() as attacker:
+        env = subprocess_env(
+            LOCKSTEP_NOTIFY_URL=oncall.url(HOOK_PATH), ATTACKER_URL=attacker.url(), **prefect_server.env
+        )
+        proc = start_flow_runs(repo, [{"params_file": redirect}, {"params_file": silence}], log, env)
+        states = flow_run_states(proc, log)
+        told = oncall.wait_for(2, timeout_s=5)
+    assert [s["type"] for s in states] == ["FAILED", "FAILED"], states
+    assert "orchestration.notify.url_env is not among" in states[0]["message"], states
+    assert "orchestration.notify.events is not among" in states[1]["message"], states
+    assert attacker.messages == []
+    assert len(told) == 2 and all("Failed (failed)" in m["text"] for m in told), told
+    assert f"params_file {redirect}: orchestration.notify.url_env" in told[0]["text"], told[0]
+    assert f"params_file {silence}: orchestration.notify.events" in told[1]["text"], told[1]
+
+
+@pytest.mark.slow
+def test_a_params_file_swapped_while_the_run_waits_cannot_redirect_its_failure_notice(
+    dvc_repo: dict[str, Any], prefect_server: PrefectServer, tmp_path: Path
+) -> None:
+    """Issue 66, item 3. A params file that passes the check (params.yaml's copy) is swapped for one
+    that redirects the notice while its run waits for the pipeline lock, held by a real holder until
+    the run gives up: the notice of that failure goes where the checked params sent it."""
+    repo = _clone(dvc_repo, tmp_path, lock_wait_s=20)
+    incoming = _planted(repo, "params.yaml", {})
+    log = tmp_path / "flow.log"
+    with WebhookReceiver() as oncall, WebhookReceiver() as attacker:
+        env = subprocess_env(
+            LOCKSTEP_NOTIFY_URL=oncall.url(HOOK_PATH), ATTACKER_URL=attacker.url(), **prefect_server.env
+        )
+        with pipeline_lock("the test", wait_s=0, root=repo):
+            proc = start_flow_runs(repo, [{"params_file": incoming}], log, env)
+            wait_for_line(log, "waiting up to", proc)
+            _planted(repo, "params.yaml", {"url_env": "ATTACKER_URL"})
+            (state,) = flow_run_states(proc, log)
+        told = oncall.wait_for(1, timeout_s=5)
+    assert state["type"] == "FAILED" and "another pipeline run is in progress" in state["message"], state
+    assert attacker.messages == []
+    assert len(told) == 1 and "another pipeline run is in progress" in told[0]["text"], told
 
 
 # --------------------------------------------------------------------------- end to end: crashes when served

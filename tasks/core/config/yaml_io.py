@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -103,17 +104,32 @@ def load_yaml(text: str) -> Any:
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
     """Read and validate params.yaml; raise ConfigError (one line, naming the file and key) on bad input."""
+    return parse_params(read_params_text(path), path)
+
+
+def read_params_text(path: str | Path = PARAMS_FILE) -> str:
+    """A params file's text, read once (ConfigError, naming the file, if it is missing, too big or not
+    UTF-8). A run that must act on exactly what it checked reads it here once and hands the text on."""
     path, name = Path(path), _named(path)
     try:
-        if path.stat().st_size > MAX_PARAMS_BYTES:
-            raise ConfigError(f"{name}: {path.stat().st_size} bytes; a params file is at most {MAX_PARAMS_BYTES}")
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as stream:  # one open: the size checked is the size of what is read
+            data = stream.read(MAX_PARAMS_BYTES + 1)
+            size = os.fstat(stream.fileno()).st_size
     except FileNotFoundError:
         raise ConfigError(f"{name}: file not found") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{name}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise ConfigError(f"{name}: cannot be read: {exc.strerror}") from None
+    if len(data) > MAX_PARAMS_BYTES:
+        raise ConfigError(f"{name}: {max(size, len(data))} bytes; a params file is at most {MAX_PARAMS_BYTES}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{name}: not UTF-8 text (byte {exc.start})") from None
+
+
+def parse_params(text: str, path: str | Path = PARAMS_FILE) -> Params:
+    """`text` (a params file's, read by `read_params_text`) parsed and validated; errors name `path`."""
+    name = _named(path)
     return _validate(_parse(text, name), name)
 
 
@@ -157,18 +173,25 @@ def with_overrides(path: str | Path, overrides: dict[str, Any]) -> tuple[str, Pa
     """params.yaml with `overrides` ({"train.lr": 0.01}, as `dvc exp run -S train.lr=0.01`) applied:
     the new text (comments, quotes and order kept) and its validated params.
     Raises ConfigError naming the key for an unknown key or a bad value."""
+    return text_with_overrides(read_params_text(path), overrides, path)
+
+
+def text_with_overrides(
+    text: str, overrides: dict[str, Any] | None, path: str | Path = PARAMS_FILE
+) -> tuple[str, Params]:
+    """`with_overrides` on a params file's `text` (read once by the caller); errors name `path`."""
     import io
 
     from ruamel.yaml import YAML  # round-trip YAML (DVC's own dependency): keeps comments and order
 
-    path, name = Path(path), _named(path)
-    params = load_params(path)  # the file as it is must be valid too
+    name = _named(path)
+    params = parse_params(text, path)  # the file as it is must be valid too
     if not overrides:
-        return path.read_text(), params
+        return text, params
     rt = YAML()
     rt.preserve_quotes = True
     rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
-    doc = rt.load(path.read_text())
+    doc = rt.load(text)
     for key, value in overrides.items():
         *parents, leaf = key.split(".")
         node = doc

@@ -1,0 +1,76 @@
+"""The params one pipeline flow run uses: its params file read once, checked, and handed on.
+
+A run started through the API may change only the keys it is allowed (tasks/core/config/policy.py),
+with `overrides` or with a `params_file` that differs from params.yaml. The check and the run must
+see the same bytes: a file swapped after the check (while the run waits up to `lock_wait_s` for the
+pipeline lock) could otherwise switch the data checks off or name a rendezvous elsewhere (torch
+unpickles what a rendezvous sends). So the file is read once, here; the text with the overrides
+applied and its validated `Params` are what the run writes back (overrides) and hands to every stage
+(they run in the flow's own process, on the `Params` object), and what its notification hooks use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks.core.config.base import ConfigError
+from tasks.core.config.params import Params
+from tasks.core.config.policy import changed_keys, refuse_api_overrides
+from tasks.core.config.yaml_io import PARAMS_FILE, load_params, parse_params, read_params_text, text_with_overrides
+from tasks.core.layout import ROOT
+
+
+@dataclass(frozen=True)
+class CheckedParams:
+    """What a run checked: `text` (its params file as read, with the overrides applied) and `params`."""
+
+    params_file: str  # as the run was given it, relative to the project
+    text: str
+    params: Params
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return ROOT / self.params_file
+
+
+def check_run_params(
+    params_file: str, overrides: dict[str, Any] | None, allowed: frozenset[str] | set[str]
+) -> CheckedParams:
+    """`params_file` read once, with `overrides` applied, validated, and refused (OverrideRefused, one
+    line) unless every key they change from params.yaml is on the API allow-list or in `allowed`."""
+    path = (ROOT / inside_project(params_file)).resolve()
+    if overrides:
+        refuse_api_overrides(overrides, allowed)
+    text = read_params_text(path)  # the one read of this run's params file
+    given = parse_params(text, path)
+    refuse_api_overrides(_changes(path, given), allowed, f"params_file {params_file}")
+    text, params = text_with_overrides(text, overrides, path)
+    return CheckedParams(params_file, text, params, dict(overrides or {}))
+
+
+def inside_project(params_file: str) -> str:
+    """`params_file` if it names a file inside the project (it comes from the API, and overrides are
+    written into it); ConfigError otherwise."""
+    if not (ROOT / params_file).resolve().is_relative_to(ROOT.resolve()):
+        raise ConfigError(f"params_file: {params_file!r} is outside the project {ROOT}")
+    return params_file
+
+
+def params_file_changes(params_file: str) -> list[str]:
+    """The keys whose values `params_file` changes from params.yaml's ([] for params.yaml itself).
+
+    A params_file is a set of overrides by another name: anyone who can write a YAML file inside the
+    checkout (an MLflow artifact folder, a data folder) could otherwise hand a run a rendezvous, a
+    data URL or switched-off gates that `overrides` may not carry."""
+    path = (ROOT / inside_project(params_file)).resolve()
+    return _changes(path, load_params(path))
+
+
+def _changes(path: Path, given: Params) -> list[str]:
+    base = (ROOT / PARAMS_FILE).resolve()
+    if path == base:
+        return []
+    return changed_keys(load_params(base).model_dump(mode="json"), given.model_dump(mode="json"))
