@@ -102,6 +102,12 @@ def test_a_stage_with_a_credential_in_data_mirror_exits_2_with_one_line_and_writ
         f"mysql+pymysql://optuna@db/optuna?passwd={SECRET}",
         f"postgresql://db/optuna?sslpassword={SECRET}",
         f"postgresql://optuna:{SECRET}@db:5432/optuna",
+        # percent-escaped, as psycopg decodes them (issue 66, point 5)
+        f"postgresql://db/optuna?pass%77ord={SECRET}",
+        f"postgresql://db/optuna?%70%61%73%73%77%6f%72%64={SECRET}",
+        f"postgresql://db/optuna?PASS%57ORD={SECRET}",
+        f"postgresql://db/optuna?pass%2577ord={SECRET}",
+        f"postgresql://optuna%3A{SECRET}@db/optuna",  # `user:password` with its colon escaped
     ],
 )
 def test_a_sweep_storage_with_a_password_anywhere_is_refused(tmp_path: Path, storage: str) -> None:
@@ -155,25 +161,6 @@ def test_a_url_key_with_an_encoded_or_path_credential_is_refused(tmp_path: Path,
     assert raised.value.exit_code == 2
     assert f"{key}: credentials in a URL" in line, line
     assert SECRET not in line and TOKEN not in line, line
-
-
-@pytest.mark.parametrize(
-    "storage",
-    [
-        f"postgresql://db/optuna?pass%77ord={SECRET}",
-        f"postgresql://db/optuna?%70%61%73%73%77%6f%72%64={SECRET}",
-        f"postgresql://db/optuna?PASS%57ORD={SECRET}",
-        f"postgresql://db/optuna?pass%2577ord={SECRET}",
-        f"postgresql://optuna%3A{SECRET}@db/optuna",  # `user:password` with its colon escaped
-    ],
-)
-def test_a_sweep_storage_with_an_encoded_password_is_refused(tmp_path: Path, storage: str) -> None:
-    path = write_params(tmp_path / "params.yaml", {"sweep": {"storage": storage}})
-    with pytest.raises(ConfigError) as raised:
-        load_params(path)
-    line = one_line(str(raised.value))
-    assert "sweep.storage: a password in a URL" in line and "LOCKSTEP_SWEEP_STORAGE" in line, line
-    assert SECRET not in line, line
 
 
 @pytest.mark.parametrize(

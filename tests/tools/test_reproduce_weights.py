@@ -12,7 +12,6 @@ after the workspace is prepared (tests/tools/test_reproduce_security.py's `cli`)
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -36,6 +35,7 @@ from tasks.tools.reproduce import rebuild as reproduce_rebuild
 from tasks.tools.reproduce import workspace as reproduce_workspace
 from tasks.train.models import build_model
 from tests.conftest import ROOT
+from tests.support.published_weights import publish
 from tests.tools.test_reproduce_security import STOPPED, _refused, cli, plant, project, store  # noqa: F401
 
 SECRET = "s3cr3t-Bearer-66"
@@ -180,28 +180,8 @@ def test_a_record_naming_a_local_weights_file_is_refused_unread(
 
 @pytest.fixture
 def published(monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, str]:
-    """mobilenet_v3_small weights made here, published under a torchvision-style name whose hash prefix is
-    theirs (the one stand-in, as in tests/train/test_pretrained_by_name.py: torchvision's registry)."""
-    import torchvision
-    from torchvision.models._api import Weights, WeightsEnum
-
-    torch.manual_seed(1)
-    buffer = io.BytesIO()
-    torch.save(torchvision.models.mobilenet_v3_small(weights=None).state_dict(), buffer)
-    data = buffer.getvalue()
-    name = f"mobilenet_v3_small-{hashlib.sha256(data).hexdigest()[:8]}.pth"
-
-    class Published(WeightsEnum):
-        IMAGENET1K_V1 = Weights(url=f"https://download.invalid/models/{name}", transforms=None, meta={})
-        DEFAULT = IMAGENET1K_V1
-
-    real = torchvision.models.get_model_weights
-    monkeypatch.setattr(
-        torchvision.models,
-        "get_model_weights",
-        lambda model: Published if model == "mobilenet_v3_small" else real(model),
-    )
-    return data, name
+    """mobilenet_v3_small weights published under a torchvision-style name (tests/support/published_weights.py)."""
+    return publish(monkeypatch, "https://download.invalid/models")
 
 
 def test_weights_by_name_come_from_the_users_verified_copy_into_the_workspace_cache(

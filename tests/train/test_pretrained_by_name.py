@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
-from torchvision.models._api import Weights, WeightsEnum
 
 from benchmarks.httpserver import FileServer
 from tasks.core.config.train import TrainConfig
 from tasks.data.fetch import DownloadError
 from tasks.train.models import build_model
 from tasks.train.pretrained import PretrainedError, load_pretrained, published_weights
+from tests.support.published_weights import publish
 
 SMALL = {"num_classes": 5, "size": [16, 16]}  # greyscale 16x16, 5 classes
 PIN = "f37072fd" + "0" * 56  # a full sha256 consistent with resnet18 IMAGENET1K_V1's name (not its file)
@@ -81,28 +81,9 @@ def test_a_file_under_the_published_name_with_other_bytes_is_refused(tmp_path: P
 
 
 @pytest.fixture
-def published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, str]:
-    """mobilenet_v3_small weights made here (ImageNet's shapes, a torch state dict as torchvision saves
-    them), published under a torchvision-style name whose hash prefix is theirs, at a host nobody answers."""
-    import torchvision
-
-    torch.manual_seed(1)
-    buffer = io.BytesIO()
-    torch.save(torchvision.models.mobilenet_v3_small(weights=None).state_dict(), buffer)
-    data = buffer.getvalue()
-    name = f"mobilenet_v3_small-{hashlib.sha256(data).hexdigest()[:8]}.pth"
-
-    class Published(WeightsEnum):
-        IMAGENET1K_V1 = Weights(url=f"http://127.0.0.1:9/models/{name}", transforms=None, meta={})
-        DEFAULT = IMAGENET1K_V1
-
-    real = torchvision.models.get_model_weights
-    monkeypatch.setattr(
-        torchvision.models,
-        "get_model_weights",
-        lambda model: Published if model == "mobilenet_v3_small" else real(model),
-    )
-    return data, name
+def published(monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, str]:
+    """mobilenet_v3_small weights published under a torchvision-style name, at a host nobody answers."""
+    return publish(monkeypatch, "http://127.0.0.1:9/models")
 
 
 def test_published_weights_come_through_the_mirror_once_are_checked_and_fit(
