@@ -1,4 +1,4 @@
-"""python -m stack up | down | status | env | join | restart NAME  (see stack/__init__.py)."""
+"""python -m stack up | down | status | env | join | client DIR | restart NAME  (see stack/__init__.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,17 @@ import sys
 from pathlib import Path
 
 from stack import servers
-from stack.state import DVC_BUCKET, DVC_REMOTE, REGION, Stack, open_stack, stack_dir, write_secret
+from stack.state import (
+    DVC_BUCKET,
+    DVC_REMOTE,
+    REGION,
+    STACK_DIR_ENV,
+    Stack,
+    StackError,
+    open_stack,
+    stack_dir,
+    write_secret,
+)
 from tasks.core.cli import exit_code
 from tasks.core.layout import ROOT
 
@@ -43,6 +53,29 @@ def join(stack: Stack, project: Path) -> None:
             "region": REGION,
         }
         conf.setdefault("core", {})["remote"] = DVC_REMOTE
+    _write_env_file(stack)  # on another host, the client folder (`client`) has none until it joins
+
+
+# What a host other than the stack's own needs to use it: where it answers, the S3 keys (DVC's
+# credentialpath), the MLflow login and the Prefect auth string. Not the PostgreSQL password (the
+# database's superuser: only the servers and sweeps need it), nor the servers' own keys.
+CLIENT_SECRETS = ("aws-credentials", "mlflow-password", "prefect-auth")
+
+
+def client(stack: Stack, dest: Path) -> None:
+    """A folder to copy to a team member's or a worker's host (scp, a secrets manager): its
+    LOCKSTEP_STACK_DIR there, for `python -m stack join` and `source $LOCKSTEP_STACK_DIR/env`."""
+    if stack.host in ("0.0.0.0", "::"):
+        raise StackError(
+            f"the stack binds {stack.host}, which tells no other host where to connect: make it with "
+            "`--host <this host's address>` for clients on other hosts"
+        )
+    (dest / "secrets").mkdir(parents=True, exist_ok=True, mode=0o700)
+    for folder in (dest, dest / "secrets"):
+        folder.chmod(0o700)
+    write_secret(dest / "state.json", (stack.root / "state.json").read_text())  # no secret; private all the same
+    for name in CLIENT_SECRETS:
+        write_secret(dest / "secrets" / name, (stack.secrets / name).read_text())
 
 
 def _write_env_file(stack: Stack) -> None:
@@ -68,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("env", help="print the environment file's path and contents")
     joining = commands.add_parser("join", help="make the stack the DVC remote of a project (.dvc/config.local)")
     joining.add_argument("project", nargs="?", type=Path, default=Path.cwd())
+    bundle = commands.add_parser("client", help="write what another host needs to use the stack (copy it there)")
+    bundle.add_argument("dest", type=Path, help="a new folder: that host's LOCKSTEP_STACK_DIR")
     restart = commands.add_parser("restart", help="stop and start one server")
     restart.add_argument("name", choices=[kind.name for kind in servers.SERVERS])
     args = parser.parse_args(argv)
@@ -97,6 +132,11 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "join":
         join(stack, args.project.resolve())
         print(f"{args.project}: DVC remote '{DVC_REMOTE}' = s3://{DVC_BUCKET} at {stack.url('s3')} (default)")
+        print(f"source {stack.env_file}")
+    elif args.command == "client":
+        client(stack, args.dest.resolve())
+        print(f"{args.dest}: copy it to the other host, then there, in the project's clone:")
+        print(f"  export {STACK_DIR_ENV}=<where it landed>; python -m stack join; source ${STACK_DIR_ENV}/env")
     else:
         kind = next(kind for kind in servers.SERVERS if kind.name == args.name)
         kind(stack).stop()

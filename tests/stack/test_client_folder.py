@@ -1,0 +1,66 @@
+"""`python -m stack client DIR` (issue 67): what another host needs to use the stack, and nothing more.
+
+The folder it writes is that host's LOCKSTEP_STACK_DIR: `python -m stack join` there makes the stack
+the clone's DVC remote and writes the environment file to source. Its use across hosts, with the
+servers running, is tests/hosts/test_many_hosts.py; here, with no server, what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from dvc.config import Config
+
+from stack.state import open_stack
+from tests.conftest import ROOT, copy_project, run
+
+
+def _stack_cli(*args: str, stack_dir: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, "-m", "stack", "--dir", str(stack_dir), *args], cwd, check=False)
+
+
+def test_the_client_folder_holds_the_client_secrets_only_and_joins_a_clone(tmp_path: Path) -> None:
+    stack = open_stack(
+        tmp_path / "stack", "127.0.0.2"
+    )  # made (ports, secrets), no server started; any address but a wildcard
+    made = _stack_cli("client", str(tmp_path / "client"), stack_dir=stack.root)
+    assert made.returncode == 0, made.stderr
+    client = tmp_path / "client"
+    held = sorted(str(path.relative_to(client)) for path in client.rglob("*"))
+    assert held == [
+        "secrets",
+        "secrets/aws-credentials",
+        "secrets/mlflow-password",
+        "secrets/prefect-auth",
+        "state.json",
+    ]
+    for path in client.rglob("*"):  # private from the first byte, folders included
+        assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+    everything = "".join(path.read_text() for path in client.rglob("*") if path.is_file())
+    for server_only in ("pg-password", "mlflow-flask-secret"):  # the database's superuser, the server's session key
+        assert stack.secret(server_only) not in everything, server_only
+
+    # on the other host: a clone joins with the client folder alone (the stack's own folder is elsewhere)
+    repo = copy_project(tmp_path / "repo")
+    joined = _stack_cli("join", str(repo), stack_dir=client, cwd=repo)
+    assert joined.returncode == 0, joined.stderr
+    section = Config(dvc_dir=str(repo / ".dvc"), validate=False).load_one("local")["remote"]["stack"]
+    assert section["endpointurl"] == f"http://127.0.0.2:{stack.ports['s3']}"
+    assert section["credentialpath"] == str(client / "secrets" / "aws-credentials")
+    env = (client / "env").read_text()
+    assert f'MLFLOW_TRACKING_URI="http://127.0.0.2:{stack.ports["mlflow"]}"' in env
+    assert f"$(cat {client / 'secrets' / 'mlflow-password'})" in env  # the file's name, not the password
+    assert stack.secret("mlflow-password") not in env
+    assert json.loads((client / "state.json").read_text())["host"] == "127.0.0.2"
+
+
+def test_a_stack_on_every_interface_has_no_address_to_give_clients(tmp_path: Path) -> None:
+    stack = open_stack(tmp_path / "stack", "0.0.0.0")
+    refused = _stack_cli("client", str(tmp_path / "client"), stack_dir=stack.root)
+    assert refused.returncode != 0
+    assert "--host <this host's address>" in refused.stderr, refused.stderr
+    assert not (tmp_path / "client").exists()
