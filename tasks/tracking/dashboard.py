@@ -159,15 +159,8 @@ def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, 
         return
     from mlflow.entities import Metric, RunTag
 
-    result, logged = headline(), run.data.metrics
-    now = int(time.time() * 1000)
-    # A DVC session's run is recorded after each of its stages: only what changed is logged again.
-    metrics = [Metric(k, v, now, 0) for k, v in result.metrics.items() if logged.get(k) != v]
-    last = result.curves[-1] if result.curves else {}
-    if any(logged.get(k) != float(last[k]) for k in CURVES if k in last):
-        metrics += [
-            Metric(k, float(row[k]), now, int(row["epoch"])) for row in result.curves for k in CURVES if k in row
-        ]
+    result = headline()
+    metrics = [Metric(*m) for m in headline_metrics(result, run.data.metrics, int(time.time() * 1000))]
     tags = {"export.shipped_variant": result.shipped_variant or "none"}
     export = by_stage.get("export")
     if export is not None:  # this run registered a version: which, and what was decided
@@ -178,12 +171,27 @@ def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, 
     log_dataset(client, run_id, params)
 
 
+def headline_metrics(result: Headline, logged: dict[str, float], now: int) -> list[tuple[str, float, int, int]]:
+    """(key, value, timestamp, step) of `result`'s numbers and curves that differ from those `logged`.
+    A DVC session's run is recorded after each of its stages: only what changed is logged again."""
+    metrics = [(k, v, now, 0) for k, v in result.metrics.items() if logged.get(k) != v]
+    last = result.curves[-1] if result.curves else {}
+    if any(logged.get(k) != float(last[k]) for k in CURVES if k in last):
+        metrics += [(k, float(row[k]), now, int(row["epoch"])) for row in result.curves for k in CURVES if k in row]
+    return metrics
+
+
+def shown_params(params: Params) -> dict[str, str]:
+    """The pipeline run's key params as logged (lists as JSON), secrets masked."""
+    shown = {k: json.dumps(list(v)) if isinstance(v, list | tuple) else str(v) for k, v in key_params(params).items()}
+    return {k: redact(v) for k, v in shown.items()}
+
+
 def start_pipeline(client: Any, run_id: str, params: Params) -> None:
     """The pipeline run's key params (its data is known once download has run: `record_pipeline`)."""
     from mlflow.entities import Param
 
-    shown = {k: json.dumps(list(v)) if isinstance(v, list | tuple) else str(v) for k, v in key_params(params).items()}
-    client.log_batch(run_id, params=[Param(k, redact(v)) for k, v in shown.items()])
+    client.log_batch(run_id, params=[Param(k, v) for k, v in shown_params(params).items()])
 
 
 def log_dataset(client: Any, run_id: str, params: Params) -> None:
@@ -205,12 +213,12 @@ def log_dataset(client: Any, run_id: str, params: Params) -> None:
         schema = Schema(
             [TensorSpec(np.dtype(np.uint8), (-1, *shape), "image"), TensorSpec(np.dtype(np.int64), (-1,), "label")]
         )
-    dataset = MetaDataset(_source(params), name=_dataset_name(params), digest=md5.removesuffix(".dir"), schema=schema)
+    dataset = MetaDataset(_source(params), name=dataset_name(params), digest=md5.removesuffix(".dir"), schema=schema)
     context = InputTag("mlflow.data.context", "training")
     client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[context])])
 
 
-def _dataset_name(params: Params) -> str:
+def dataset_name(params: Params) -> str:
     data = params.data
     if data.source != "imagefolder":
         return data.source

@@ -275,9 +275,7 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str, params: Params | None = 
     experiment_id = _experiment_id(mlflow, cfg.experiment)
     sweep(client, [experiment_id], f"the {entry_point} pipeline run")
     run = client.create_run(
-        experiment_id,
-        run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        tags=redact_mapping({"lockstep.entry_point": entry_point, **lineage_tags(), **owner_tags()}),
+        experiment_id, run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=pipeline_tags(entry_point)
     )
     run_id = run.info.run_id
     if params is not None:
@@ -296,6 +294,11 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str, params: Params | None = 
             os.environ.pop(PARENT_ENV, None)
         else:
             os.environ[PARENT_ENV] = previous
+
+
+def pipeline_tags(entry_point: str) -> dict[str, str]:
+    """What a pipeline run is tagged with when it starts: its entry point, lineage and owner (this process)."""
+    return redact_mapping({"lockstep.entry_point": entry_point, **lineage_tags(), **owner_tags()})
 
 
 def _record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, status: str) -> None:
@@ -337,10 +340,11 @@ def _records_lost(stage: str, exc: BaseException) -> str:
 
 
 def tag_run(run_id: str, tags: dict[str, str]) -> None:
-    """Add tags to a run that is not this process's active one (the flow's parent run)."""
+    """Add tags to a run that is not this process's active one (the flow's parent run), in one write."""
+    from mlflow.entities import RunTag
+
     client = mlflow_module().MlflowClient()
-    for key, value in redact_mapping(tags).items():
-        client.set_tag(run_id, key, value)
+    client.log_batch(run_id, tags=[RunTag(key, value) for key, value in redact_mapping(tags).items()])
 
 
 def _redacted_context_tags() -> dict[str, str]:

@@ -211,6 +211,39 @@ def test_second_repro_does_nothing_and_a_changed_param_reruns_what_reads_it(
     assert "0.93" in shown and "accuracy" in shown
 
 
+# `python -m flows.pipeline` under CPython's audit hooks: the modules it imported and the programs it
+# started, printed as JSON on its last line of stderr once it ends.
+AUDITED = """
+import atexit, json, runpy, sys
+started = []
+sys.addaudithook(lambda event, args: started.append(str(args[1][0])) if event == "subprocess.Popen" else None)
+atexit.register(lambda: print("AUDIT " + json.dumps({"modules": sorted(sys.modules), "started": started}),
+                              file=sys.stderr))
+sys.argv = ["flows.pipeline"]
+runpy.run_module("flows.pipeline", run_name="__main__", alter_sys=True)
+"""
+# What a run with nothing stale must not pay for (it did, 16-23 s on 2 cores; B3-flow in benchmarks/):
+# Prefect (its import, and the server it would start), the stages' torch, ONNX and torchvision.
+NOT_IMPORTED_WHEN_NOTHING_IS_STALE = {"prefect", "torch", "torchvision", "onnx", "onnxruntime", "onnxscript"}
+
+
+def audited_noop_run(repo: Path) -> dict[str, Any]:
+    """A `make run` that finds nothing stale: what it printed, imported and started, checked here."""
+    done = run(["python", "-c", AUDITED], repo)
+    audit = json.loads(done.stderr.split("AUDIT ")[-1])
+    imported = {name.split(".")[0] for name in audit["modules"]}
+    assert not NOT_IMPORTED_WHEN_NOTHING_IS_STALE & imported, sorted(NOT_IMPORTED_WHEN_NOTHING_IS_STALE & imported)
+    # git alone, for the run's lineage tags (commit, dirty): no Prefect server, no stage process
+    assert {Path(program).name for program in audit["started"]} <= {"git"}, audit["started"]
+    return {"stdout": done.stdout, **audit}
+
+
+def _flow_runs(repo: Path) -> list[Any]:
+    database = repo / ".prefect/prefect.db"
+    with closing(sqlite3.connect(database)) as db:
+        return db.execute("select id from flow_run").fetchall()
+
+
 def check_console(output: str) -> None:
     """What a person reads after `python -m flows.pipeline`: each event once, no warning that is not
     theirs to act on, and one closing summary."""
@@ -260,8 +293,10 @@ def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(
     assert ran_stages(run(["dvc", "repro"], repo).stdout) == []
     # ... and what DVC reproduced, the flow does not redo
     run(["dvc", "repro", "--force", "evaluate", "--single-item"], repo)
-    again = run(["python", "-m", "flows.pipeline"], repo)
-    assert "stages run: none (everything up to date)" in again.stdout, again.stdout
+    flow_runs_before = _flow_runs(repo)
+    again = audited_noop_run(repo)
+    assert "stages run: none (everything up to date)" in again["stdout"], again["stdout"]
+    assert _flow_runs(repo) == flow_runs_before  # decided before Prefect (flows/noop.py)
 
     executions = pipeline_runs(repo)
     entries = [(p.data.tags["lockstep.entry_point"], len(c)) for p, c in executions]
@@ -271,7 +306,20 @@ def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(
     assert flow_parent.info.status == "FINISHED"
     check_dashboard(repo, flow_parent, "prefect: all stages")
     assert flow_parent.data.tags["registry.version"] == "1"
-    assert executions[3][0].info.run_name.startswith("prefect: nothing stale · data ")
+    noop_run = executions[3][0]
+    assert noop_run.info.run_name.startswith("prefect: nothing stale · data ")
+    assert noop_run.info.status == "FINISHED" and noop_run.data.tags["lockstep.retrained"] == "false"
+    assert noop_run.data.tags["lockstep.summary"] == "stages run: none (everything up to date): nothing retrained"
+    assert noop_run.data.tags["lockstep.flow_run"].startswith("none: nothing was stale")
+    # the same dashboard row as the flow run that trained (less its registry decision): lineage, owner,
+    # key params, headline numbers and curves, dataset
+    assert set(noop_run.data.tags) == set(flow_parent.data.tags) - {"registry.version", "registry.decision"}
+    assert len(flow_parent.data.tags["lockstep.flow_run"]) == 36  # the Prefect flow run's id
+    assert noop_run.data.params == flow_parent.data.params
+    assert set(noop_run.data.metrics) == set(flow_parent.data.metrics)
+    assert [d.dataset.digest for d in noop_run.inputs.dataset_inputs] == [
+        d.dataset.digest for d in flow_parent.inputs.dataset_inputs
+    ]
     assert sorted(c.data.tags["lockstep.stage"] for c in children) == sorted(STAGES)
     for child in children:
         check_stage_run(repo, child)

@@ -1,0 +1,186 @@
+"""The pipeline as a Prefect flow: one task per stage, DVC deciding what is stale.
+
+DVC owns caching. For each stage in order, the task asks DVC whether the stage is stale
+(`Repo.status`); if it is, it runs the stage function in this process (torch and MLflow are
+imported once, not once per stage) and records the result with `Repo.commit`, which writes the
+same dvc.lock entry `dvc repro` would. So a stage reproduced by one entry point is not redone by
+the other, and both give the same weights.
+
+A run holds the project's pipeline lock (tasks/core/lock.py) from start to end: an
+overlapping run, from any entry point, waits for it or is refused.
+
+The command line (`make run`, `python -m flows.pipeline`) is flows/pipeline.py, which imports this
+module only once a stage is stale or a Prefect server is in use (flows/noop.py); deployments load
+the flow as `flows/pipeline.py:pipeline`, which resolves to `pipeline` here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from flows import noop, notify, prefect_env
+from flows.noop import anything_stale, stale_stages
+from flows.pipeline import brief, summarize
+from flows.run_params import check_run_params
+from tasks.core.atomic import write_text
+from tasks.core.cli import dvc_logs_once
+from tasks.core.config.params import STAGES, Params
+from tasks.core.config.yaml_io import PARAMS_FILE
+from tasks.core.layout import ROOT
+from tasks.determinism.bootstrap import pin
+
+FLOW_NAME = "lockstep-pipeline"
+
+
+def _is_stale(stage: str) -> bool:
+    return bool(stale_stages([stage]))
+
+
+def _commit(stage: str) -> None:
+    from dvc.repo import Repo
+
+    dvc_logs_once()
+    with Repo(str(ROOT)) as repo:
+        repo.commit(stage, force=True)
+
+
+def _run_if_stale(stage: str, params: Params, force: bool, up_to_date: bool = False) -> dict[str, Any]:
+    """`up_to_date`: the flow found no stage stale before the first ran (one DVC status for all seven,
+    not one per task); otherwise DVC is asked here, after the stages before this one have run."""
+    logger = get_run_logger()
+    if not force and (up_to_date or not _is_stale(stage)):
+        logger.info("%s: up to date (dvc.lock), skipped", stage)
+        return {"ran": False}
+    from tasks.stages import run_stage  # imports torch (~1.7 s): only once a stage has to run
+
+    metrics = run_stage(stage, params)
+    _commit(stage)
+    logger.info("%s: %s", stage, brief(metrics))
+    return {"ran": True, **metrics}
+
+
+def _source_was_unreachable(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry the download task only when the source itself failed after the fetcher's own retries
+    (a mirror rebooting at 3 a.m.); bad params, 404s and checksum mismatches fail at once."""
+    from tasks.data.fetch import DownloadError
+
+    try:
+        state.result()
+    except DownloadError as exc:
+        return exc.transient
+    except Exception:  # any other failure is not the source's: no retry (it is re-raised by Prefect)
+        return False
+    return False
+
+
+# One Prefect task per stage, named after it. Prefect's own result cache is off on purpose: DVC is
+# the one cache, shared with `dvc repro`. Download retries transient outages (tasks/data/fetch.py already
+# retries each file with backoff; this retries the whole stage minutes later).
+STAGE_TASKS = {
+    name: task(
+        _run_if_stale,
+        name=name,
+        task_run_name=name,
+        cache_policy=NO_CACHE,
+        **(
+            {
+                "retries": 2,
+                "retry_delay_seconds": exponential_backoff(backoff_factor=60),
+                "retry_jitter_factor": 0.5,
+                "retry_condition_fn": _source_was_unreachable,
+            }
+            if name == "download"
+            else {}
+        ),
+    )
+    for name in STAGES
+}
+
+
+@flow(
+    name=FLOW_NAME,
+    log_prints=True,
+    # who runs the service is told of failed, refused and crashed runs and of promotions (flows/notify.py)
+    on_running=[notify.announce],
+    on_failure=[notify.on_failure],
+    on_crashed=[notify.on_crashed],
+    on_completion=[notify.on_completion],
+)
+def pipeline(
+    params_file: str = PARAMS_FILE, force: bool = False, reingest: bool = False, overrides: dict[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run download -> stats -> preprocess -> train -> evaluate -> compress -> export, skipping what DVC
+    finds up to date.
+
+    Args:
+        params_file: the params file, relative to the project root.
+        force: re-run every stage, stale or not.
+        reingest: re-read the data source even if its params did not change (scheduled retraining);
+            unchanged data leaves every later stage up to date.
+        overrides: dotted keys written into params.yaml before the run, e.g. {"train.lr": 0.01}.
+    """
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.runtime import flow_run
+
+    from tasks.core.hashing import data_md5
+    from tasks.core.lock import pipeline_lock
+    from tasks.tracking.runs import pipeline_run, tag_run
+
+    os.chdir(ROOT)
+    logger = get_run_logger()
+    # A run started through the API changes only the keys it may (tasks/core/config/policy.py), be it
+    # with `overrides` or with a `params_file` that differs from params.yaml; `--set` and `--params` at
+    # the prompt allow theirs (_run). The allow-list comes from where no run can set it, and the file
+    # is read once: what was checked is what runs, whatever happens to the file meanwhile (run_params.py).
+    checked = check_run_params(params_file, overrides, prefect_env.run_allow_list())
+    notify.checked(checked.params.orchestration.notify)  # the hooks route by these, not by the file
+    params = pin(checked.params)  # the stages run in this process, on these params
+    with pipeline_lock(
+        f"Prefect flow run {flow_run.name or FLOW_NAME}", params.orchestration.lock_wait_s, logger=logger
+    ):
+        if overrides:  # written as checked, like `dvc exp run -S`: the file is the record of what ran
+            write_text(checked.path, checked.text)
+            logger.info("%s updated: %s", params_file, json.dumps(overrides))
+        before = data_md5()
+        results: dict[str, dict[str, Any]] = {}
+        # Nothing stale now (the lock is held: nothing changes it) is nothing stale at every task, and a
+        # run in which no stage runs is recorded once it is over, as `make run` records one (noop.py).
+        # With a stale stage, each later one is asked again once those before it ran.
+        if not (force or reingest or anything_stale()):
+            for name in STAGES:
+                with notify.stage(name):
+                    results[name] = STAGE_TASKS[name](name, params, False, up_to_date=True)
+            summary = summarize(results, before, before)
+            noop.record(params, str(flow_run.id))
+        else:
+            with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
+                for name in STAGES:
+                    with notify.stage(name):  # a failure or crash inside names the stage
+                        forced = force or (reingest and name == "download")
+                        results[name] = STAGE_TASKS[name](name, params, forced)
+                summary = summarize(results, before, data_md5())
+                if run_id:
+                    retrained = str(results["train"]["ran"]).lower()
+                    tags = {"lockstep.summary": summary, "lockstep.retrained": retrained}
+                    tag_run(run_id, {**tags, "lockstep.flow_run": str(flow_run.id)})
+    logger.info(summary)
+    create_markdown_artifact(
+        key="pipeline-summary", markdown=_summary_table(results, summary), description="what this pipeline run did"
+    )
+    return results
+
+
+def _summary_table(results: dict[str, dict[str, Any]], summary: str) -> str:
+    rows = [
+        f"| {name} | {'ran' if r['ran'] else 'up to date'} | "
+        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "ran")
+        + " |"
+        for name, r in results.items()
+    ]
+    return "\n".join([f"**{summary}**", "", "| stage | | metrics |", "| --- | --- | --- |", *rows])
