@@ -3,6 +3,7 @@
     python -m flows.deployments serve            # `make schedule`: a Prefect server on 127.0.0.1:4200
                                                  # (unless PREFECT_API_URL names one) + the deployment
     python -m flows.deployments deploy --pool P  # for a work pool instead: workers run the flow
+    python -m flows.deployments deploy --pool P --git   # workers on other hosts: code from git, data from DVC
 
 then, from another shell (with PREFECT_API_URL=http://127.0.0.1:4200/api):
 
@@ -25,6 +26,15 @@ parameter schema (Prefect refuses a run whose parameters do not fit it), and `re
 at a time: the serve process starts one flow run at a time, and every flow run holds the project's
 pipeline lock (tasks/core/lock.py), so runs from workers, `make run` or `dvc repro` wait too.
 
+`deploy --git [REMOTE]` is for workers that share no disk with this checkout: the
+deployment's pull steps, run by the worker before each flow run, clone the commit from the git
+remote (Prefect's `git_clone`) and pull the data from the DVC remote (`git_pull_steps`); the flow
+run then pushes what it made (tasks/core/remote.py), under the pipeline lock, before the worker deletes
+its temporary checkout. The data is pulled by a pull step rather than by the flow: the step runs
+before any code of the commit is imported and before the run is Running, so an unreachable remote
+crashes the run with the step's error and nothing started; it is part of the deployment's record,
+the same for every worker of the pool; and `python -m flows.pipeline` at a prompt is unchanged.
+
 Prefect's own deployment concurrency limit is deliberately not used: with Prefect 3.8.8's default
 in-memory lease storage, a limited deployment's runs were cancelled on start ("Deployment
 concurrency slot lost during provisioning") on a local server with no other run in sight.
@@ -34,9 +44,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from flows import prefect_env
@@ -142,10 +155,17 @@ def _ensure_locked_pool(client: Any, pool: str) -> None:
     )
 
 
-def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None, allow: tuple[str, ...] = ()) -> str:
-    """Register the deployment with a work pool (created as a locked `process` pool if missing); its
-    workers run the flow from this checkout. `allow` (--allow-override) is stored in the deployment's
-    own record, where the flow reads it. Returns the deployment's full name."""
+def deploy(
+    cfg: OrchestrationConfig,
+    pool: str,
+    name: str | None = None,
+    allow: tuple[str, ...] = (),
+    git: GitSource | None = None,
+) -> str:
+    """Register the deployment with a work pool (created as a locked `process` pool if missing). Its
+    workers run the flow from this checkout, or with `git`, from a clone of that commit made by the
+    deployment's pull steps (git_pull_steps). `allow` (--allow-override) is stored in the
+    deployment's own record, where the flow reads it. Returns the deployment's full name."""
     from prefect.client.orchestration import get_client
 
     from flows.pipeline import FLOW_NAME, pipeline
@@ -153,19 +173,120 @@ def deploy(cfg: OrchestrationConfig, pool: str, name: str | None = None, allow: 
     with get_client(sync_client=True) as client:
         _ensure_locked_pool(client, pool)
     name = name or cfg.deployment
-    # From this checkout's path: a process worker on this machine (or one with the same path
-    # mounted) changes into it and imports the flow from there.
-    source = pipeline.from_source(source=str(ROOT), entrypoint="flows/pipeline.py:pipeline")
-    source.deploy(
-        name=name,
-        work_pool_name=pool,
-        build=False,
-        push=False,
-        print_next_steps=False,
-        job_variables={prefect_env.DEPLOYMENT_ALLOW_VARIABLE: ",".join(allow)},
-        **deployment_options(cfg),
+    job_variables = {prefect_env.DEPLOYMENT_ALLOW_VARIABLE: ",".join(allow)}
+    if git is None:
+        # From this checkout's path: a process worker on this machine (or one with the same path
+        # mounted) changes into it and imports the flow from there.
+        source = pipeline.from_source(source=str(ROOT), entrypoint="flows/pipeline.py:pipeline")
+        source.deploy(
+            name=name,
+            work_pool_name=pool,
+            build=False,
+            push=False,
+            print_next_steps=False,
+            job_variables=job_variables,
+            **deployment_options(cfg),
+        )
+        return f"{FLOW_NAME}/{name}"
+    # The flow's parameter schema from this checkout, which is the commit (checked by resolve_git):
+    # `from_source(GitRepository)` would clone it once more here just to import it.
+    deployment = pipeline.to_deployment(
+        name=name, work_pool_name=pool, job_variables=job_variables, **deployment_options(cfg)
     )
+    deployment.storage = _git_storage(git)
+    deployment.entrypoint = ENTRYPOINT
+    deployment.apply(work_pool_name=pool)
     return f"{FLOW_NAME}/{name}"
+
+
+# --------------------------------------------------------------------------- code from git, data from DVC
+
+ENTRYPOINT = "flows/pipeline.py:pipeline"
+# Run by the worker in the fresh clone: the stack's S3 bucket as the default DVC remote (from the
+# client folder in the worker's LOCKSTEP_STACK_DIR; the keys stay in that folder), then the data and
+# whatever outputs of the commit's dvc.lock the remote holds (the stages they belong to are then up
+# to date). `python` and `dvc` are the worker's: start it with the project's .venv first on PATH.
+DATA_STEP = "python -m stack join\ndvc pull --allow-missing"
+
+
+@dataclass(frozen=True)
+class GitSource:
+    url: str  # what the workers clone (git://, ssh://, https://), never a path on this machine
+    commit: str  # full sha, on that remote
+
+
+def git_pull_steps(source: GitSource) -> list[dict[str, Any]]:
+    """The deployment's pull steps: Prefect's git_clone of the commit, then the data (DATA_STEP) in
+    the clone. A Prefect 3.8 process worker runs them in a new temporary folder per flow run (its
+    workspace supervisor, before the engine starts), starts the flow in the clone, and deletes the
+    folder when the run ends: nothing of a run stays on the worker's disk."""
+    return [
+        {
+            "prefect.deployments.steps.git_clone": {
+                "id": "clone",
+                "repository": source.url,
+                "commit_sha": source.commit,
+            }
+        },
+        {
+            "prefect.deployments.steps.run_shell_script": {
+                "directory": "{{ clone.directory }}",
+                "script": DATA_STEP,
+                "stream_output": True,
+            }
+        },
+    ]
+
+
+def _git_storage(source: GitSource) -> Any:
+    """Prefect's git storage (what `from_source` stores) whose pull steps also fetch the data."""
+    from prefect.runner.storage import GitRepository
+
+    class GitWithData(GitRepository):
+        def to_pull_step(self) -> list[dict[str, Any]]:  # type: ignore[override]
+            return git_pull_steps(source)
+
+    return GitWithData(url=source.url, commit_sha=source.commit)
+
+
+class GitSourceRefused(Refused):
+    """--git names something a worker on another host could not fetch, or a commit it would not find."""
+
+
+def _git(root: Path, *args: str, timeout_s: float = 60) -> str:
+    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise GitSourceRefused(f"--git: git {args[0]} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return done.stdout.strip()
+
+
+def resolve_git(remote: str, root: Path = ROOT) -> GitSource:
+    """`remote` (a remote's name, e.g. origin, or a URL) and this checkout's commit, as the workers will
+    fetch them: a network URL; a clean checkout (the deployment's schedule and parameter schema are
+    read from it); a commit the remote has (a ref there points at it or after it)."""
+    is_name = "://" not in remote and ":" not in remote and "/" not in remote and not Path(remote).exists()
+    url = _git(root, "remote", "get-url", remote) if is_name else remote
+    if url.startswith(("/", ".", "file:")) or Path(url).exists():
+        raise GitSourceRefused(
+            f"--git: {url} is a path on this machine; workers on other hosts clone over the network "
+            "(git://, ssh://, https://): name that remote's URL"
+        )
+    commit = _git(root, "rev-parse", "HEAD")
+    if _git(root, "status", "--porcelain", "--untracked-files=no"):
+        raise GitSourceRefused(
+            f"--git: this checkout has changes that commit {commit[:12]} has not: workers run the commit, "
+            "and the deployment's schedule and parameters are read here; commit and push them first"
+        )
+    heads = [line.split()[0] for line in _git(root, "ls-remote", url, timeout_s=120).splitlines() if line.strip()]
+    if commit not in heads and not any(_has_ancestor(root, sha, commit) for sha in heads):
+        raise GitSourceRefused(f"--git: commit {commit[:12]} is not on {url}: push it first, workers fetch it there")
+    return GitSource(url, commit)
+
+
+def _has_ancestor(root: Path, head: str, commit: str) -> bool:
+    """Whether `commit` is in the history of `head` (a remote ref's commit, if this clone has it)."""
+    ask = ["git", "merge-base", "--is-ancestor", commit, head]
+    return subprocess.run(ask, cwd=root, capture_output=True, timeout=60).returncode == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     deploy_cmd = commands.add_parser("deploy", help="register the deployment with a work pool")
     deploy_cmd.add_argument("--pool", required=True, help="work pool name (created as type process if missing)")
     deploy_cmd.add_argument("--name", help="deployment name (default: orchestration.deployment)")
+    deploy_cmd.add_argument(
+        "--git",
+        nargs="?",
+        const="origin",
+        metavar="REMOTE",
+        help="workers clone this checkout's commit from this git remote (a name or URL; default: origin) and "
+        "pull the data from the DVC remote, instead of running this checkout's path",
+    )
     for command in (serve_cmd, deploy_cmd):
         command.add_argument(
             "--allow-override",
@@ -207,8 +336,10 @@ def _run(args: argparse.Namespace) -> int:
     if os.environ.get("PREFECT_API_URL"):  # a server of the user's: refuse in one line if it will not have us
         prefect_env.check_api()
     if args.command == "deploy":
-        deployed = deploy(cfg, args.pool, args.name, tuple(args.allow_override))
-        print(f"deployed {deployed}; start a worker: prefect worker start --pool {args.pool}")
+        git = resolve_git(args.git) if args.git else None
+        deployed = deploy(cfg, args.pool, args.name, tuple(args.allow_override), git)
+        origin = f" from {git.url} at {git.commit[:12]}" if git else ""
+        print(f"deployed {deployed}{origin}; start a worker: prefect worker start --pool {args.pool}")
         return 0
     # inherited by the flow runs this process serves (the Runner applies no job variables)
     os.environ[prefect_env.ALLOW_OVERRIDES_ENV] = ",".join(args.allow_override)

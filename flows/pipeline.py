@@ -48,26 +48,6 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
-def brief(metrics: dict[str, Any], limit: int = 6) -> str:
-    """A stage's summary metrics for a person: numbers to 4 digits, the first few (all are in MLflow)."""
-    first = sorted(metrics, key=lambda key: "accuracy" not in key)  # the number a person looks for first
-    shown = [f"{k} {metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k} {metrics[k]}" for k in first]
-    more = f", … {len(shown) - limit} more in its MLflow run" if len(shown) > limit else ""
-    return ", ".join(shown[:limit]) + more
-
-
-def summarize(results: dict[str, dict[str, Any]], data_md5_before: str, data_md5_after: str) -> str:
-    """One line that says what this run did: a scheduled run must say when it retrained nothing."""
-    ran = [name for name, result in results.items() if result["ran"]]
-    retrained = [name for name in ran if name != "download"]
-    if retrained:
-        data = "new data" if data_md5_after != data_md5_before else "same data"
-        return f"stages run: {', '.join(ran)} ({data}, md5 {data_md5_after})"
-    if ran:
-        return f"stages run: download; source re-read, data unchanged (md5 {data_md5_after}): nothing retrained"
-    return noop.NOTHING_RAN
-
-
 def _warm_imports() -> None:
     import dvc.repo  # noqa: F401
     import mlflow  # noqa: F401

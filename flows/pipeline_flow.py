@@ -26,8 +26,8 @@ from prefect.tasks import exponential_backoff
 
 from flows import noop, notify, prefect_env
 from flows.noop import anything_stale, stale_stages
-from flows.pipeline import brief, summarize
 from flows.run_params import check_run_params
+from flows.summary import brief, summarize
 from tasks.core.atomic import write_text
 from tasks.core.cli import dvc_logs_once
 from tasks.core.config.params import STAGES, Params
@@ -128,9 +128,7 @@ def pipeline(
     from prefect.artifacts import create_markdown_artifact
     from prefect.runtime import flow_run
 
-    from tasks.core.hashing import data_md5
     from tasks.core.lock import pipeline_lock
-    from tasks.tracking.runs import pipeline_run, tag_run
 
     os.chdir(ROOT)
     logger = get_run_logger()
@@ -147,33 +145,50 @@ def pipeline(
         if overrides:  # written as checked, like `dvc exp run -S`: the file is the record of what ran
             write_text(checked.path, checked.text)
             logger.info("%s updated: %s", params_file, json.dumps(overrides))
-        before = data_md5()
-        results: dict[str, dict[str, Any]] = {}
-        # Nothing stale now (the lock is held: nothing changes it) is nothing stale at every task, and a
-        # run in which no stage runs is recorded once it is over, as `make run` records one (noop.py).
-        # With a stale stage, each later one is asked again once those before it ran.
-        if not (force or reingest or anything_stale()):
-            for name in STAGES:
-                with notify.stage(name):
-                    results[name] = STAGE_TASKS[name](name, params, False, up_to_date=True)
-            summary = summarize(results, before, before)
-            noop.record(params, str(flow_run.id))
-        else:
-            with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
-                for name in STAGES:
-                    with notify.stage(name):  # a failure or crash inside names the stage
-                        forced = force or (reingest and name == "download")
-                        results[name] = STAGE_TASKS[name](name, params, forced)
-                summary = summarize(results, before, data_md5())
-                if run_id:
-                    retrained = str(results["train"]["ran"]).lower()
-                    tags = {"lockstep.summary": summary, "lockstep.retrained": retrained}
-                    tag_run(run_id, {**tags, "lockstep.flow_run": str(flow_run.id)})
+        results, summary = _stages(params, force, reingest, str(flow_run.id), logger)
     logger.info(summary)
     create_markdown_artifact(
         key="pipeline-summary", markdown=_summary_table(results, summary), description="what this pipeline run did"
     )
     return results
+
+
+def _stages(
+    params: Params, force: bool, reingest: bool, flow_run_id: str, logger: Any
+) -> tuple[dict[str, dict[str, Any]], str]:
+    """The seven stage tasks, under the pipeline lock; their results and the run's one-line summary."""
+    from prefect.runtime import deployment as this_deployment
+
+    from tasks.core.hashing import data_md5
+    from tasks.core.remote import push_outputs
+    from tasks.tracking.runs import pipeline_run, tag_run
+
+    before = data_md5()
+    results: dict[str, dict[str, Any]] = {}
+    # Nothing stale now (the lock is held: nothing changes it) is nothing stale at every task, and a
+    # run in which no stage runs is recorded once it is over, as `make run` records one (noop.py).
+    # With a stale stage, each later one is asked again once those before it ran.
+    if not (force or reingest or anything_stale()):
+        for name in STAGES:
+            with notify.stage(name):
+                results[name] = STAGE_TASKS[name](name, params, False, up_to_date=True)
+        noop.record(params, flow_run_id)
+        return results, summarize(results, before, before)
+    with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
+        for name in STAGES:
+            with notify.stage(name):  # a failure or crash inside names the stage
+                forced = force or (reingest and name == "download")
+                results[name] = STAGE_TASKS[name](name, params, forced)
+        summary = summarize(results, before, data_md5())
+        if run_id:
+            retrained = str(results["train"]["ran"]).lower()
+            tags = {"lockstep.summary": summary, "lockstep.retrained": retrained}
+            tag_run(run_id, {**tags, "lockstep.flow_run": flow_run_id})
+        # A worker's checkout may be a temporary clone (deploy --git) that Prefect deletes after the
+        # run: what it made goes to the DVC remote now, under the lock (tasks/core/remote.py).
+        if this_deployment.id:
+            push_outputs(logger=logger)
+    return results, summary
 
 
 def _summary_table(results: dict[str, dict[str, Any]], summary: str) -> str:

@@ -10,6 +10,7 @@ from stack import servers
 from stack.state import (
     DVC_BUCKET,
     DVC_REMOTE,
+    LOCK_PASSFILE,
     REGION,
     STACK_DIR_ENV,
     Stack,
@@ -58,8 +59,9 @@ def join(stack: Stack, project: Path) -> None:
 
 # What a host other than the stack's own needs to use it: where it answers, the S3 keys (DVC's
 # credentialpath), the MLflow login and the Prefect auth string. Not the PostgreSQL password (the
-# database's superuser: only the servers and sweeps need it), nor the servers' own keys.
-CLIENT_SECRETS = ("aws-credentials", "mlflow-password", "prefect-auth")
+# database's superuser: only the servers and sweeps need it), nor the servers' own keys. The pipeline
+# lock's login (LOCK_PASSFILE) may take the lock shared by every host that runs pipelines, nothing else.
+CLIENT_SECRETS = ("aws-credentials", "mlflow-password", "prefect-auth", LOCK_PASSFILE)
 
 
 def client(stack: Stack, dest: Path) -> None:

@@ -14,15 +14,22 @@ import socket
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from tasks.core.atomic import atomic_file, write_text
 from tasks.core.errors import ExpectedFailure
 from tasks.core.layout import ROOT
+from tasks.core.lock import LOCK_URL_ENV
 
 STACK_DIR_ENV = "LOCKSTEP_STACK_DIR"
 USER = "lockstep"  # PostgreSQL role and S3 identity
 DATABASES = ("mlflow", "mlflow_auth", "prefect", "optuna")  # mlflow_auth: the basic-auth app's users
 MLFLOW_ADMIN = "admin"
+# The pipeline lock's login (tasks/core/lock.py): it may connect to its own database only, where it
+# takes an advisory lock; it reads no table. The hosts that run pipelines hold its password, not
+# the superuser's.
+LOCK_USER, LOCK_DATABASE = "lockstep_lock", "pipeline_lock"
+LOCK_PASSFILE = "pg-lock-pass"  # a libpq password file with that login's one line
 MLFLOW_BUCKET, DVC_BUCKET = "lockstep-mlflow", "lockstep-dvc"
 DVC_REMOTE = "stack"
 REGION = "us-east-1"  # SeaweedFS ignores it; AWS clients want one to sign requests
@@ -89,6 +96,14 @@ class Stack:
         """A SQLAlchemy URL without the password: libpq and asyncpg read it from PGPASSFILE."""
         return f"postgresql+{driver}://{USER}@{self.client_host}:{self.ports['postgres']}/{database}"
 
+    def lock_url(self) -> str:
+        """The pipeline lock's libpq URL: its own login and password file (a path, no secret), so that
+        a host holds the lock's password and not the superuser's, and PGPASSFILE does not matter."""
+        passfile = quote(str(self.secrets / LOCK_PASSFILE))
+        return (
+            f"postgresql://{LOCK_USER}@{self.client_host}:{self.ports['postgres']}/{LOCK_DATABASE}?passfile={passfile}"
+        )
+
     def secret(self, name: str) -> str:
         return (self.secrets / name).read_text().strip()
 
@@ -102,6 +117,7 @@ class Stack:
             "PREFECT_API_AUTH_STRING": self.secret("prefect-auth"),
             "PGPASSFILE": str(self.secrets / "pgpass"),
             "LOCKSTEP_SWEEP_STORAGE": self.database_url("optuna"),
+            LOCK_URL_ENV: self.lock_url(),
             STACK_DIR_ENV: str(self.root),
         }
 
@@ -179,6 +195,18 @@ def _make_secrets(stack: Stack) -> None:
     os.chmod(stack.secrets, 0o700)
     for name, text in files.items():
         write_secret(stack.secrets / name, text + "\n")
+    ensure_lock_login(stack)
+
+
+def ensure_lock_login(stack: Stack) -> None:
+    """The pipeline lock login's password (made with the stack; added to an older stack on `up`)."""
+    if not (stack.secrets / LOCK_PASSFILE).exists():
+        # libpq's password file: host:port:database:user:password (a token_urlsafe holds no ':' or '\')
+        write_secret(stack.secrets / LOCK_PASSFILE, f"*:*:*:{LOCK_USER}:{secrets.token_urlsafe(24)}\n")
+
+
+def lock_password(stack: Stack) -> str:
+    return (stack.secrets / LOCK_PASSFILE).read_text().strip().rsplit(":", 1)[1]
 
 
 def write_object_store_security(stack: Stack) -> None:

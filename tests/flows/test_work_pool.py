@@ -155,3 +155,31 @@ def test_deploy_refuses_a_pool_that_lets_runs_set_job_variables(pool: Pool, pref
     assert done.returncode == 3, done.stdout + done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: work pool open: its base job template lets a flow run set command, env"), line
+
+
+def test_deploy_from_git_refuses_what_a_worker_on_another_host_could_not_fetch(tmp_path: Path) -> None:
+    """`deploy --git`: a path on this machine, a checkout with uncommitted changes, a remote that does
+    not answer: one line each, before anything is registered (the bed runs the accepted case:
+    tests/hosts/test_many_hosts.py)."""
+    from flows.deployments import GitSourceRefused, resolve_git
+    from tests.conftest import GIT, free_port
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    run(["git", "init", "-q"], repo)
+    (repo / "params.yaml").write_text("seed: 1\n")
+    run([*GIT, "add", "-A"], repo)
+    run([*GIT, "commit", "-q", "-m", "x"], repo)
+    nowhere = f"git://127.0.0.1:{free_port()}/lockstep.git"  # nothing listens there
+    run(["git", "remote", "add", "origin", str(tmp_path / "bare.git")], repo)
+    cases = [("origin", "is a path on this machine"), (str(tmp_path), "is a path on this machine")]
+    for remote, refusal in cases:
+        with pytest.raises(GitSourceRefused, match=refusal):
+            resolve_git(remote, repo)
+    (repo / "params.yaml").write_text("seed: 2\n")
+    with pytest.raises(GitSourceRefused, match="this checkout has changes that commit [0-9a-f]{12} has not"):
+        resolve_git(nowhere, repo)
+    run([*GIT, "commit", "-q", "-am", "y"], repo)
+    with pytest.raises(GitSourceRefused) as unreachable:
+        resolve_git(nowhere, repo)
+    assert str(unreachable.value).startswith("--git: git ls-remote failed: ") and "\n" not in str(unreachable.value)

@@ -30,7 +30,10 @@ CLIENT_DIR = "/root/lockstep-stack"  # where a client host keeps the stack's cli
 TIMINGS = ROOT / "test-artifacts" / "many-hosts-timings.json"
 # The project as the team commits it, shrunk like every test's (tests/conftest.py TINY): one quantized
 # variant, 2 epochs. A run's cost here is the servers' and the network's, not the training's.
-PROJECT = {"train": {"epochs": 2}, "compress": {"variants": ["static_int8"]}}
+# No cron: the deployment's runs are the tests' own.
+PROJECT = {"train": {"epochs": 2}, "compress": {"variants": ["static_int8"]}, "orchestration": {"cron": None}}
+POOL = "lockstep-bed"  # the work pool the laptop deploys to (made by `deploy`, locked)
+DEPLOYMENT = "lockstep-pipeline/nightly"
 
 
 @dataclass
@@ -104,6 +107,81 @@ def team(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         made.timings["processes_killed"] = LAST_REMOVAL.get("killed", [])
         TIMINGS.parent.mkdir(exist_ok=True)
         TIMINGS.write_text(json.dumps(made.timings, indent=2) + "\n")
+
+
+@pytest.fixture(scope="session")
+def data_pushed(team: Team) -> Team:
+    """The laptop: clone, join the stack's S3 as the DVC remote, make the data snapshot and push it."""
+    laptop = team.bed.host("laptop")
+    started = time.monotonic()
+    laptop.clone(team.git_url)
+    laptop.run(f"export LOCKSTEP_STACK_DIR={CLIENT_DIR}; python -m stack join")
+    laptop.run(team.client_env() + "dvc repro download && dvc push")
+    assert laptop.run("git status --porcelain -- data.dvc").stdout == "", "the snapshot is not the committed one"
+    team.timings["laptop_clone_download_push_s"] = round(time.monotonic() - started, 3)
+    return team
+
+
+@pytest.fixture(scope="session")
+def trainers(team: Team) -> Team:
+    """trainer-a and trainer-b as the docs set a trainer up: a clone of the served commit (where
+    `make env` builds .venv), joined to the stack (`python -m stack join`: the DVC remote, and the
+    client folder's env file that `source $LOCKSTEP_STACK_DIR/env` reads)."""
+    started = time.monotonic()
+    for name in ("trainer-a", "trainer-b"):
+        trainer = team.bed.host(name)
+        trainer.clone(team.git_url)
+        trainer.run(f"export LOCKSTEP_STACK_DIR={CLIENT_DIR}; python -m stack join")
+    team.timings["trainers_clone_join_s"] = round(time.monotonic() - started, 3)
+    return team
+
+
+@dataclass
+class Pool:
+    """The deployment the laptop registered with `deploy --git`, and the workers started on trainers."""
+
+    team: Team
+    workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start_worker(self, name: str) -> None:
+        """`prefect worker start` on a trainer, from an empty folder (no checkout: the code comes from
+        git), with the stack's client environment; one flow run at a time (--limit 1)."""
+        worker = (
+            self.team.client_env() + "export PREFECT_WORKER_QUERY_SECONDS=1; mkdir -p ~/worker && cd ~/worker && "
+            f"exec prefect worker start --pool {POOL} --type process --limit 1 --name {name}"
+        )
+        self.workers[name] = self.team.bed.host(name).start(["sh", "-c", worker], f"/tmp/worker-{name}.log")
+
+    def stop_worker(self, name: str) -> None:
+        worker = self.workers.pop(name)
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait(timeout=30)
+
+    def log(self, name: str, chars: int = 6000) -> str:
+        """The end of a worker's log (its flow runs' output too: stream_output)."""
+        return tail(self.team.bed.host(name).disk / "tmp" / f"worker-{name}.log", chars)
+
+
+@pytest.fixture(scope="module")
+def pool(data_pushed: Team, trainers: Team) -> Iterator[Pool]:
+    """The laptop deploys the pipeline from git (`python -m flows.deployments deploy --pool ... --git`);
+    a worker on trainer-a serves the pool (the tests start others)."""
+    team, laptop = data_pushed, data_pushed.bed.host("laptop")
+    started = time.monotonic()
+    deployed = laptop.run(team.client_env() + f"python -m flows.deployments deploy --pool {POOL} --git")
+    assert f"deployed {DEPLOYMENT} from {team.git_url} at {team.commit[:12]}" in deployed.stdout, deployed.stdout
+    team.timings["laptop_deploy_s"] = round(time.monotonic() - started, 3)
+    made = Pool(team)
+    made.start_worker("trainer-a")
+    try:
+        yield made
+    finally:
+        for name in list(made.workers):  # the bed ends whatever they started, if they do not
+            made.stop_worker(name)
 
 
 def _wait_for_port(host: Host, port: int, log: Path, timeout_s: float = 30) -> None:

@@ -5,96 +5,50 @@ S3, MLflow with basic auth, Prefect with its auth string) and a read-only git da
 the trainers get the code from it with `git clone`, the stack's client folder from the operator
 (`python -m stack client`), and use only the documented commands:
 
-- the laptop: `git clone`, `python -m stack join`, `dvc repro download`, `dvc push`;
-- trainer-a: `git clone`, `python -m stack join`, `dvc pull`, `python -m flows.pipeline`, `dvc push`;
-- then the laptop finds the run, its params, its lineage and its artifacts on the MLflow server (the
-  artifacts in S3, none on trainer-a's disk), the flow run on the Prefect server, and every file of
-  the data and of trainer-a's pipeline outputs in the DVC remote.
+- the laptop: `git clone`, `python -m stack join`, `dvc repro download`, `dvc push`, and
+  `python -m flows.deployments deploy --pool ... --git`, `prefect deployment run`;
+- trainer-a and trainer-b: `git clone`, `python -m stack join`; by hand `dvc pull`,
+  `python -m flows.pipeline`, `dvc push`; or `prefect worker start --pool ...`, whose runs clone the
+  deployment's commit and pull the data in its pull steps and push what they made;
+- then the laptop finds the runs, their params, lineage and artifacts on the MLflow server (the
+  artifacts in S3, none on a trainer's disk), the flow runs on the Prefect server, and every file of
+  the data and of the trainers' pipeline outputs in the DVC remote; runs on two trainers at once
+  take turns (the pipeline lock in the stack's PostgreSQL).
+
+The tests share one bed and one stack (session fixtures, tests/hosts/conftest.py) and run in any
+order: each finds its own runs (by host and start time, or flow run id).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
 import pytest
 import yaml
 
-from tests.hosts.conftest import Team, free_address_port
-from tests.support.hosts import Host, as_json_lines
+from tests.hosts.conftest import DEPLOYMENT, Pool, Team, free_address_port
+from tests.hosts.remote_scripts import (
+    ASK,
+    DVC_BUCKET_LIST,
+    FLOW_RUN,
+    HOLD,
+    LISTEN,
+    MLFLOW_CHECK,
+    PREFECT_CHECK,
+    RUNS_SINCE,
+    STATES,
+)
+from tests.support.hosts import Host, as_json_lines, tail
 
 pytestmark = pytest.mark.slow
 
-# Run on the laptop: what the MLflow server and its S3 store hold of the train stage's runs.
-MLFLOW_CHECK = """
-import json, os
-from mlflow import MlflowClient
-from stack.servers import s3_client
-from stack.state import MLFLOW_BUCKET, open_stack
-from pathlib import Path
 
-client = MlflowClient()
-experiment = client.get_experiment_by_name("lockstep")
-runs = client.search_runs([experiment.experiment_id], "tags.`lockstep.stage` = 'train'")
-run = runs[0]
-store = s3_client(open_stack(Path(os.environ["LOCKSTEP_STACK_DIR"])))
-keys = [o["Key"] for page in store.get_paginator("list_objects_v2").paginate(Bucket=MLFLOW_BUCKET)
-        for o in page.get("Contents", [])]
-print(json.dumps({
-    "runs": len(runs), "run_id": run.info.run_id, "status": run.info.status,
-    "artifact_uri": run.info.artifact_uri, "params": run.data.params, "tags": run.data.tags,
-    "artifacts": [a.path for a in client.list_artifacts(run.info.run_id)],
-    "s3_keys_of_run": [k for k in keys if run.info.run_id in k],
-}))
-"""
-
-# Run on the laptop: the names of every object in the DVC remote's bucket.
-DVC_BUCKET_LIST = """
-import json, os
-from pathlib import Path
-from stack.servers import s3_client
-from stack.state import DVC_BUCKET, open_stack
-store = s3_client(open_stack(Path(os.environ["LOCKSTEP_STACK_DIR"])))
-pages = store.get_paginator("list_objects_v2").paginate(Bucket=DVC_BUCKET)
-print(json.dumps([o["Key"] for page in pages for o in page.get("Contents", [])]))
-"""
-
-# Run on the laptop: the flow runs the Prefect server holds (the client sends the auth string, and
-# for the filter's POST Prefect's client fetches the CSRF token itself).
-PREFECT_CHECK = """
-import json
-from prefect.client.orchestration import get_client
-with get_client(sync_client=True) as client:
-    runs = client.read_flow_runs()
-print(json.dumps([{"name": r.name, "state": r.state_type.value, "flow_id": str(r.flow_id)} for r in runs]))
-"""
-
-
-LISTEN = """
-import socket, sys
-server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
-server.settimeout(60)
-peer, address = server.accept()
-peer.sendall(address[0].encode())
-"""
-
-# Bounded: 50 tries, 0.1 s apart, while the listener starts.
-ASK = """
-import socket, sys, time
-for _ in range(50):
-    try:
-        peer = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2)
-        break
-    except OSError:
-        time.sleep(0.1)
-print(peer.recv(64).decode())
-"""
-
-
-def _python(host: Host, env: str, script: str) -> subprocess.CompletedProcess[str]:
+def _python(host: Host, env: str, script: str, *args: str) -> subprocess.CompletedProcess[str]:
     """`script` run by the host's python in the stack's client environment (`env`, a shell prefix)."""
-    return host.run(["sh", "-c", env + 'exec python -c "$1"', "sh", script])
+    return host.run(["sh", "-c", env + 'exec python -c "$@"', "sh", script, *args])
 
 
 def test_the_bed_keeps_hosts_apart(team: Team) -> None:
@@ -135,26 +89,18 @@ def test_the_servers_want_credentials_and_the_git_remote_is_read_only(team: Team
     assert pushed.returncode != 0 and "access denied" in pushed.stderr.lower(), pushed.stderr
 
 
-def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(team: Team) -> None:
+def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(data_pushed: Team, trainers: Team) -> None:
+    team = data_pushed  # the laptop cloned, joined, made the data snapshot and pushed it; the trainers joined
     laptop, trainer = team.bed.host("laptop"), team.bed.host("trainer-a")
     env = team.client_env()
-
-    # the laptop: clone, join the stack's S3 as the DVC remote, make the data snapshot and push it
-    started = time.monotonic()
-    laptop.clone(team.git_url)
-    laptop.run(f"export LOCKSTEP_STACK_DIR={'/root/lockstep-stack'}; python -m stack join")
-    laptop.run(env + "dvc repro download && dvc push")
-    assert laptop.run("git status --porcelain -- data.dvc").stdout == "", "the snapshot is not the committed one"
-    team.timings["laptop_clone_download_push_s"] = round(time.monotonic() - started, 3)
+    since_ms = int(time.time() * 1000)  # the other tests' runs (in any order) are not this one's
 
     # trainer-a: the code from git (never a shared path), the data from the DVC remote, then the pipeline
     started = time.monotonic()
-    trainer.clone(team.git_url)
     assert trainer.run("git rev-parse HEAD").stdout.strip() == team.commit
-    trainer.run("export LOCKSTEP_STACK_DIR=/root/lockstep-stack; python -m stack join")
     pulled = trainer.run(env + "dvc pull data.dvc")
     assert "data" in pulled.stdout and trainer.run("ls data").stdout.strip(), pulled.stdout
-    team.timings["trainer_clone_pull_s"] = round(time.monotonic() - started, 3)
+    team.timings["trainer_pull_s"] = round(time.monotonic() - started, 3)
     started = time.monotonic()
     trainer.run(env + "python -m flows.pipeline", timeout=900)
     team.timings["trainer_pipeline_s"] = round(time.monotonic() - started, 3)
@@ -167,7 +113,7 @@ def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(team: Team) ->
     assert not (trainer.disk / "home" / ".prefect" / "prefect.db").exists()
 
     # the laptop sees the run on the MLflow server: params, lineage, artifacts (in S3)
-    seen = as_json_lines(_python(laptop, env, MLFLOW_CHECK))
+    seen = as_json_lines(_python(laptop, env, MLFLOW_CHECK, "trainer-a", str(since_ms)))
     assert seen["runs"] == 1 and seen["status"] == "FINISHED", seen
     assert seen["tags"]["host"] == "trainer-a" and seen["tags"]["git.commit"] == team.commit, seen["tags"]
     assert seen["tags"]["git.dirty"] == "false", seen["tags"]
@@ -176,7 +122,7 @@ def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(team: Team) ->
     assert seen["artifacts"] and seen["s3_keys_of_run"], seen
 
     # ... the flow run on the Prefect server
-    flow_runs = as_json_lines(_python(laptop, env, PREFECT_CHECK))
+    flow_runs = [run for run in as_json_lines(_python(laptop, env, PREFECT_CHECK)) if not run["deployment_id"]]
     assert [run["state"] for run in flow_runs] == ["COMPLETED"], flow_runs
 
     # ... and in the DVC remote every file of the data and of trainer-a's pipeline outputs
@@ -188,3 +134,149 @@ def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(team: Team) ->
     assert not missing, (missing, sorted(keys)[:20])
     status = laptop.run(env + "dvc status --cloud data.dvc")
     assert "in sync" in status.stdout, status.stdout
+
+
+# --------------------------------------------------------------------------- deployments run by workers
+
+
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+def _flow_run(team: Team, flow_run_id: str) -> dict:
+    return as_json_lines(_python(team.bed.host("laptop"), team.client_env(), FLOW_RUN, flow_run_id))
+
+
+def _start_runs(team: Team, count: int) -> list[str]:
+    """`prefect deployment run` from the laptop, `count` of them at once; their flow run ids."""
+    command = f"prefect deployment run {DEPLOYMENT} >/tmp/started-$i.txt"
+    loop = f"for i in $(seq {count}); do {command} & done; wait; cat /tmp/started-*.txt; rm /tmp/started-*.txt"
+    started = team.bed.host("laptop").run(team.client_env() + loop).stdout
+    ids = re.findall(r"UUID: ([0-9a-f-]{36})", started)
+    assert len(ids) == count, started
+    return ids
+
+
+def _wait_final(team: Team, ids: list[str], pool: Pool, timeout_s: float, last_line: str) -> list[dict]:
+    """The runs once all are final, with their logs once each run's `last_line` (a regex) reached the
+    server (a flow run's last log lines are sent as its process exits, after its final state)."""
+    deadline = time.monotonic() + timeout_s
+    laptop = team.bed.host("laptop")
+    while not all(state in FINAL for state in as_json_lines(_python(laptop, team.client_env(), STATES, *ids))):
+        assert time.monotonic() < deadline, (pool.log("trainer-a"), pool.log("trainer-b"))
+        time.sleep(5)
+    for _ in range(15):
+        runs = [_flow_run(team, flow_run_id) for flow_run_id in ids]
+        if all(run["state"] != "COMPLETED" or re.search(last_line, "\n".join(run["messages"])) for run in runs):
+            break
+        time.sleep(2)
+    return runs
+
+
+PUSHED = r"dvc push: \d+ file\(s\) to remote 'stack'"  # the flow's last act under the lock (push_outputs)
+
+
+def _leftovers(host: Host) -> list[str]:
+    """The worker's temporary checkouts (Prefect's `tmp*prefect` folders) still on the host, bounded wait:
+    the worker removes a run's folder just after the run ends."""
+    for _ in range(30):
+        left = host.run("ls -d /tmp/tmp*prefect /tmp/prefect-workspace-* ~/worker/* 2>/dev/null || true").stdout.split()
+        if not left:
+            return []
+        time.sleep(1)
+    return left
+
+
+def test_a_worker_on_trainer_a_runs_the_deployment_from_git_and_the_stack_alone(pool: Pool) -> None:
+    team = pool.team
+    since_ms = int(time.time() * 1000)
+    started = time.monotonic()
+    (flow_run_id,) = _start_runs(team, 1)
+    (run,) = _wait_final(team, [flow_run_id], pool, timeout_s=900, last_line=PUSHED)
+    team.timings["worker_deployment_run_s"] = round(time.monotonic() - started, 3)
+    assert run["state"] == "COMPLETED", (run["messages"][-20:], pool.log("trainer-a"))
+    logs = "\n".join(run["messages"])
+    # the code: the deployment's pull steps, a clone of its commit over git; the data from the DVC remote
+    assert "Running 2 deployment pull step(s)" in logs and "Executing deployment step: git_clone" in logs, logs
+    assert "Executing deployment step: run_shell_script" in logs, logs
+    assert re.search(r"\d+ files? (fetched|added)", pool.log("trainer-a", 10**7)), pool.log("trainer-a")
+    # the outputs: pushed to the DVC remote under the pipeline lock, before the worker's folder went
+    assert re.search(PUSHED, logs), logs
+
+    runs = as_json_lines(_python(team.bed.host("laptop"), team.client_env(), RUNS_SINCE, str(since_ms)))
+    (train,) = [r for r in runs if r["stage"] == "train"]
+    assert train["host"] == "trainer-a" and train["commit"] == team.commit and train["dirty"] == "false", train
+    assert all(r["status"] == "FINISHED" for r in runs), runs
+    keys = set(as_json_lines(_python(team.bed.host("laptop"), team.client_env(), DVC_BUCKET_LIST)))
+    md5 = train["best_md5"]
+    assert f"files/md5/{md5[:2]}/{md5[2:]}" in keys, "the weights trained on trainer-a are not in the DVC remote"
+    # nothing of the run stays on trainer-a: its checkout was temporary, the worker's folder is empty
+    assert _leftovers(team.bed.host("trainer-a")) == []
+
+
+def test_two_workers_started_at_once_run_one_pipeline_at_a_time(pool: Pool) -> None:
+    """Two runs at once, one worker each on trainer-a and trainer-b (--limit 1): the pipeline lock (an
+    advisory lock in the stack's PostgreSQL) makes the second wait for the first, then run."""
+    team = pool.team
+    pool.start_worker("trainer-b")
+    try:
+        for _ in range(60):  # both workers poll the pool before the runs exist (bounded)
+            if "started" in pool.log("trainer-b").lower():
+                break
+            time.sleep(1)
+        since_ms = int(time.time() * 1000)
+        started = time.monotonic()
+        ids = _start_runs(team, 2)
+        runs = _wait_final(team, ids, pool, timeout_s=1500, last_line=PUSHED)
+        team.timings["two_workers_two_runs_s"] = round(time.monotonic() - started, 3)
+    finally:
+        pool.stop_worker("trainer-b")
+    assert [run["state"] for run in runs] == ["COMPLETED", "COMPLETED"], [r["messages"][-10:] for r in runs]
+    found = as_json_lines(_python(team.bed.host("laptop"), team.client_env(), RUNS_SINCE, str(since_ms)))
+    pipelines = sorted((r for r in found if r["parent"] is None), key=lambda r: r["start"])
+    assert sorted(r["host"] for r in pipelines) == ["trainer-a", "trainer-b"], pipelines
+    first, second = pipelines
+    # one after the other: everything a run writes (its MLflow runs, the registry and champion alias
+    # in export, the DVC push) happens inside its pipeline run, inside the lock
+    assert second["start"] >= first["end"], pipelines
+    waited = [run for run in runs if any("waiting up to" in m for m in run["messages"])]
+    assert len(waited) == 1, [r["name"] for r in runs]
+    other = next(run for run in runs if run is not waited[0])
+    (line,) = [m for m in waited[0]["messages"] if "waiting up to" in m]
+    # the holder as PostgreSQL shows it (application_name: 63 characters, a long run name is cut short)
+    assert "for the pipeline run in progress: Prefect flow run " in line, line
+    assert other["name"][:12] in line and f" on {first['host']} (pid " in line, line
+
+
+def test_the_pipeline_lock_spans_hosts_where_a_file_lock_cannot(trainers: Team) -> None:
+    """The same two holders, one per trainer (in their clones): with the stack's environment the second
+    is refused, naming the first and its host, or waits and then holds; with the file lock (no
+    LOCKSTEP_PIPELINE_LOCK_URL: today's single-host lock) both hold it at once."""
+    team = trainers
+    a, b = team.bed.host("trainer-a"), team.bed.host("trainer-b")
+    probe = 'exec python -c "$1" "$2" "$3" "$4"'
+    stack_env, file_lock = team.client_env(), team.client_env() + "export LOCKSTEP_PIPELINE_LOCK_URL=; "
+
+    def hold(env: str, wait_s: float) -> str:
+        return b.run(["sh", "-c", env + probe, "sh", HOLD, "second", str(wait_s), "0"]).stdout.strip()
+
+    def hold_on_a(env: str) -> subprocess.Popen[bytes]:
+        log = a.disk / "tmp" / "hold.log"
+        log.unlink(missing_ok=True)
+        holder = a.start(["sh", "-c", env + probe, "sh", HOLD, "night run", "0", "6"], "/tmp/hold.log")
+        for _ in range(100):  # until trainer-a holds it (bounded)
+            if "held" in tail(log):
+                return holder
+            time.sleep(0.2)
+        raise AssertionError(tail(log))
+
+    first = hold_on_a(stack_env)
+    refused = hold(stack_env, 0)
+    assert refused.startswith("busy: postgresql://"), refused
+    assert "another pipeline run is in progress: night run on trainer-a (pid" in refused, refused
+    started = time.monotonic()
+    assert hold(stack_env, 60) == "held"  # it waited for trainer-a's to end, then held it
+    assert time.monotonic() - started > 1
+    first.wait(timeout=30)
+    second = hold_on_a(file_lock)
+    assert hold(file_lock, 0) == "held", "a file lock on trainer-b saw trainer-a's"
+    second.wait(timeout=30)

@@ -35,6 +35,7 @@ def test_the_client_folder_holds_the_client_secrets_only_and_joins_a_clone(tmp_p
         "secrets",
         "secrets/aws-credentials",
         "secrets/mlflow-password",
+        "secrets/pg-lock-pass",  # the pipeline lock's login, which reaches only its own database
         "secrets/prefect-auth",
         "state.json",
     ]

@@ -81,11 +81,17 @@ class Host:
         if venv:  # not for the `git clone` into the empty project folder, which must find it empty
             lines.append(f"mkdir -p {shlex.quote(str(self.project / '.venv'))}")
             bind(VENV, self.project / ".venv", read_only=True)
-        bind(self.project, ROOT)
-        bind(disk / "home", HOME)
-        bind(disk / "var-tmp", "/var/tmp")
-        bind(disk / "shm", "/dev/shm")
-        bind(disk / "tmp", "/tmp")  # last: the bed's folder lies under /tmp, and this hides it
+        # The folders each host has of its own, over the real paths. The project may lie under one of
+        # them (a CI clone in /tmp, a checkout in $HOME): then it is mounted inside that host folder
+        # first, and carried over with it, as the shares are.
+        own = [(disk / "home", HOME), (disk / "var-tmp", Path("/var/tmp")), (disk / "shm", Path("/dev/shm"))]
+        own.append((disk / "tmp", Path("/tmp")))  # last: the bed's folder lies under /tmp, and this hides it
+        under = next(((mine, real) for mine, real in own if ROOT.is_relative_to(real)), None)
+        project_at = under[0] / ROOT.relative_to(under[1]) if under else ROOT
+        lines.append(f"mkdir -p {shlex.quote(str(project_at))}")
+        bind(self.project, project_at)
+        for mine, real in own:
+            bind(mine, real)
         lines.append(f"cd {shlex.quote(str(ROOT))}")
         script = "\n".join(lines) + '\nexec "$@"'
         unshare = ["unshare", "--mount", "--uts", "--ipc", "--propagation", "private"]
