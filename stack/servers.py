@@ -121,8 +121,13 @@ class Postgres:
     def _create_databases(self) -> None:
         import psycopg
 
-        os.environ.setdefault("PGPASSFILE", str(self.stack.secrets / "pgpass"))
-        where = {"host": self.stack.client_host, "port": self.stack.ports["postgres"], "user": USER}
+        # this stack's password file by name: a PGPASSFILE in the environment may be another stack's
+        where = {
+            "host": self.stack.client_host,
+            "port": self.stack.ports["postgres"],
+            "user": USER,
+            "passfile": str(self.stack.secrets / "pgpass"),
+        }
         with psycopg.connect(dbname="postgres", autocommit=True, **where) as conn:
             present = {row[0] for row in conn.execute("SELECT datname FROM pg_database")}
             for database in (*DATABASES, LOCK_DATABASE):
