@@ -6,7 +6,11 @@ PYTHON ?= python3.11
 UV_VERSION := 0.13.8
 UV := .uv/bin/uv
 VENV := .venv
-STAMP := $(VENV)/.synced
+# The environment is named by the content of its lock, not by file times: a fresh clone (whose files
+# are all new) on a host with an up-to-date .venv, or a .venv shared read-only, is not rebuilt.
+# cksum is POSIX (macOS has no sha256sum); it detects a change, it is no security check.
+LOCK_SUM := $(firstword $(shell cat pyproject.toml uv.lock 2>/dev/null | cksum))
+STAMP := $(VENV)/.synced-$(LOCK_SUM)
 export UV_PYTHON_DOWNLOADS := never
 # Precompiled .pyc for every package: with PYTHONDONTWRITEBYTECODE set (as on these machines)
 # Python would otherwise recompile torch, MLflow and Prefect from source in every process (~3-5 s each).
@@ -83,6 +87,13 @@ bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/
 # On a bare CUDA machine without the venv, run `python -m tasks.tools.gpu_check` itself (docs/reproducibility.md, "GPU check").
 gpu-check: $(STAMP)  ## determinism, strict mode, cost of pinning, compress/export on the GPU (no GPU: ARGS="--device cpu")
 	$(VENV)/bin/python -m tasks.tools.gpu_check $(ARGS)
+
+# A week of scheduled retrains on the many-hosts bed (root: network namespaces) while the data grows and faults
+# strike on seeded nights, then the registry, MLflow and the DVC remote checked against each other; minutes,
+# so in neither test tier (tests/hosts/soak.py; docs/many-hosts.md, "Soak").
+.PHONY: soak
+soak: $(STAMP)  ## a week of nights with faults on the many-hosts bed, then checks (root; minutes): ARGS="--nights 5 --seed 1"
+	$(VENV)/bin/python -m tests.hosts.soak $(ARGS)
 
 ##@ Use the model
 
@@ -178,8 +189,10 @@ $(UV):
 	$(PYTHON) -m venv .uv
 	.uv/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
 
-$(STAMP): pyproject.toml uv.lock | $(UV)
+$(STAMP):
+	$(MAKE) --no-print-directory $(UV)
 	$(UV) sync --frozen --python $(PYTHON)
+	rm -f $(VENV)/.synced*
 	touch $@
 
 clean:  ## remove pipeline outputs and local tracking state (keeps .venv and data/)

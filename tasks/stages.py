@@ -25,7 +25,8 @@ from tasks.determinism.fingerprint import fingerprint
 from tasks.determinism.seeds import pin_seeds
 from tasks.determinism.threads import resolve
 from tasks.tracking.dashboard import log_dataset
-from tasks.tracking.runs import StageRun, lineage_tags, stage_run
+from tasks.tracking.lineage import lineage_tags
+from tasks.tracking.runs import StageRun, stage_run
 
 if TYPE_CHECKING:
     from tasks.data.checks import Report

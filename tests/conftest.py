@@ -402,3 +402,22 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _spent and not hasattr(session.config, "workerinput"):  # the controller sees every report
         MODULE_DURATIONS.write_text(json.dumps({k: round(v) for k, v in sorted(_spent.items())}, indent=2) + "\n")
+
+
+# The multi-host bed (tests/hosts/) is one unit of work for xdist: its modules share one bed and one team
+# stack (session fixtures, ~1 min to make and a trained run on top), which a second worker taking one of
+# them would make again. Every other test keeps `--dist loadscope`'s module grouping.
+BED_SCOPE = "tests/hosts/"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadscope":
+        return None  # xdist's own choice
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneBed(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return BED_SCOPE if nodeid.startswith(BED_SCOPE) else super()._split_scope(nodeid)
+
+    return OneBed(config, log)

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -40,10 +38,10 @@ import psutil
 
 from tasks.core.config.params import Params
 from tasks.core.config.service import TrackingConfig
-from tasks.core.hashing import data_md5, file_digest
 from tasks.core.layout import project_root
 from tasks.core.redact import redact, redact_mapping
 from tasks.tracking.dashboard import ensure_training_view, record_pipeline, start_pipeline
+from tasks.tracking.lineage import lineage_tags, redacted_context_tags
 from tasks.tracking.orphans import owner_tags, sweep
 from tasks.tracking.store import TrackingUnavailable, check_store, default_uri, mlflow_module, tracking_uri
 
@@ -52,54 +50,6 @@ log = logging.getLogger(__name__)
 PARENT_ENV = "LOCKSTEP_PARENT_RUN_ID"
 SESSION_TAG = "lockstep.session"
 METRICS_WRITE_EVERY_S = 1.0  # how stale a stage's metrics in the store may get (StageRun.log_metrics)
-
-
-# --------------------------------------------------------------------------- lineage
-
-
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip()
-
-
-def _sha256(path: Path) -> str:
-    return file_digest(path) if path.exists() else "none"
-
-
-def lineage_tags() -> dict[str, str]:
-    """Where a run came from: code, data, pipeline state and library versions.
-
-    The CUDA/cuDNN versions need torch imported; a stage has imported it by now, the flow's parent
-    run (which computes nothing) records the installed torch version without importing it (~1 s
-    of every no-op flow run).
-    """
-    import sys
-    from importlib.metadata import version
-
-    commit = _git("rev-parse", "HEAD")
-    # dvc.lock and data.dvc are rewritten by the pipeline itself and are recorded by hash below;
-    # counting them would mark every run after the first stage as dirty.
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock", ":!data.dvc")
-    tags = {
-        "git.commit": commit or "none (not a git repository)",
-        "git.dirty": "unknown" if status is None else str(bool(status)).lower(),
-        "data.md5": data_md5(),
-        "dvc_lock.sha256": _sha256(Path("dvc.lock")),
-        "version.python": platform.python_version(),
-        "version.torch": version("torch"),
-        "version.torchvision": version("torchvision"),  # not imported: ~3.5 s
-        "host": platform.node(),
-    }
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        tags.update(
-            {"version.torch": torch.__version__, "version.cuda": str(torch.version.cuda), "version.cudnn": str(cudnn)}
-        )
-    return tags
 
 
 # --------------------------------------------------------------------------- stage runs
@@ -347,17 +297,6 @@ def tag_run(run_id: str, tags: dict[str, str]) -> None:
     client.log_batch(run_id, tags=[RunTag(key, value) for key, value in redact_mapping(tags).items()])
 
 
-def _redacted_context_tags() -> dict[str, str]:
-    """The tags MLflow's start_run adds by itself (git remote URL, source, user) that hold a secret, masked.
-
-    Passed to start_run, they win over MLflow's own values, so the secret is never written at all: a
-    remote such as https://oauth2:<token>@host/repo.git would otherwise be stored as mlflow.source.git.repoURL.
-    """
-    from mlflow.tracking.context.registry import resolve_tags
-
-    return {key: redact(value) for key, value in resolve_tags().items() if redact(value) != value}
-
-
 @contextmanager
 def stage_run(
     stage: str, cfg: TrackingConfig, params: dict[str, Any], pipeline: Params | None = None
@@ -386,7 +325,7 @@ def stage_run(
             run_name=stage,
             experiment_id=experiment_id,
             parent_run_id=parent_id,
-            tags={**_redacted_context_tags(), **redact_mapping(owner_tags())},
+            tags={**redacted_context_tags(), **redact_mapping(owner_tags())},
             log_system_metrics=stage == "train",
         )
         try:

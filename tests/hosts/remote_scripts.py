@@ -1,7 +1,8 @@
 """Scripts the many-hosts tests run on a host of the bed (`python -c SCRIPT args`), in the stack's
 client environment: what a host sees of the servers, asked from that host."""
 
-# Run on the laptop: what the MLflow server and its S3 store hold of the train stage's runs.
+# Run on the laptop: what the MLflow server and its S3 store hold of the train stage's runs on a host
+# (argv[1]) that started in a window (argv[2], argv[3]: ms since the epoch).
 MLFLOW_CHECK = """
 import json, os, sys
 from mlflow import MlflowClient
@@ -11,10 +12,11 @@ from pathlib import Path
 
 client = MlflowClient()
 experiment = client.get_experiment_by_name("lockstep")
-host, since_ms = sys.argv[1], int(sys.argv[2])
+host, since_ms, until_ms = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 runs = client.search_runs(
     [experiment.experiment_id],
-    f"tags.`lockstep.stage` = 'train' and tags.host = '{host}' and attributes.start_time >= {since_ms}",
+    f"tags.`lockstep.stage` = 'train' and tags.host = '{host}' and attributes.start_time >= {since_ms} "
+    f"and attributes.start_time <= {until_ms}",
 )
 run = runs[0]
 store = s3_client(open_stack(Path(os.environ["LOCKSTEP_STACK_DIR"])))
@@ -39,16 +41,18 @@ pages = store.get_paginator("list_objects_v2").paginate(Bucket=DVC_BUCKET)
 print(json.dumps([o["Key"] for page in pages for o in page.get("Contents", [])]))
 """
 
-# Run on the laptop: the flow runs the Prefect server holds (the client sends the auth string, and
-# for the filter's POST Prefect's client fetches the CSRF token itself).
+# Run on the laptop: the flow runs the Prefect server holds that started in a window (argv: ms since
+# the epoch) (the client sends the auth string, and for the filter's POST Prefect's client fetches the
+# CSRF token itself).
 PREFECT_CHECK = """
-import json
+import json, sys
 from prefect.client.orchestration import get_client
+since, until = int(sys.argv[1]) / 1000, int(sys.argv[2]) / 1000
 with get_client(sync_client=True) as client:
     runs = client.read_flow_runs()
 print(json.dumps([
     {"id": str(r.id), "name": r.name, "state": r.state_type.value, "deployment_id": str(r.deployment_id or "")}
-    for r in runs
+    for r in runs if r.start_time and since <= r.start_time.timestamp() <= until
 ]))
 """
 
@@ -72,23 +76,6 @@ for _ in range(50):
 print(peer.recv(64).decode())
 """
 
-# Run on the laptop: a flow run's state, name and log lines on the Prefect server (pages of 200, bounded).
-FLOW_RUN = """
-import json, sys, uuid
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-flow_run_id = uuid.UUID(sys.argv[1])
-with get_client(sync_client=True) as client:
-    run = client.read_flow_run(flow_run_id)
-    messages, of_run = [], LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
-    for page in range(50):
-        logs = client.read_logs(of_run, limit=200, offset=page * 200)
-        messages += [log.message for log in logs]
-        if len(logs) < 200:
-            break
-print(json.dumps({"state": run.state_type.value, "name": run.name, "messages": messages}))
-"""
-
 # Run on the laptop: the MLflow runs started since argv[1] (ms), and the md5 of each train run's best
 # checkpoint as MLflow holds it (the name of that file in the DVC remote, if it was pushed).
 RUNS_SINCE = """
@@ -109,20 +96,6 @@ for run in client.search_runs([experiment.experiment_id], f"attributes.start_tim
                 item["best_md5"] = hashlib.md5(weights.read()).hexdigest()
     found.append(item)
 print(json.dumps(found))
-"""
-
-# Run on the laptop: the state of each flow run (argv), one GET each: a poll that imports no Prefect
-# (~0.1 s, not ~3 s of CPU the pipelines need).
-STATES = """
-import base64, json, os, sys, urllib.request
-auth = base64.b64encode(os.environ["PREFECT_API_AUTH_STRING"].encode()).decode()
-states = []
-for flow_run_id in sys.argv[1:]:
-    ask = urllib.request.Request(f"{os.environ['PREFECT_API_URL']}/flow_runs/{flow_run_id}")
-    ask.add_header("Authorization", f"Basic {auth}")
-    with urllib.request.urlopen(ask, timeout=30) as answer:
-        states.append(json.load(answer)["state"]["type"])
-print(json.dumps(states))
 """
 
 # Run on a trainer, in a clone: hold the pipeline lock (argv: holder, wait_s, seconds to hold).

@@ -29,26 +29,12 @@ import time
 import pytest
 import yaml
 
-from tests.hosts.conftest import DEPLOYMENT, Pool, Team, free_address_port
-from tests.hosts.remote_scripts import (
-    ASK,
-    DVC_BUCKET_LIST,
-    FLOW_RUN,
-    HOLD,
-    LISTEN,
-    MLFLOW_CHECK,
-    PREFECT_CHECK,
-    RUNS_SINCE,
-    STATES,
-)
-from tests.support.hosts import Host, as_json_lines, tail
+from tests.hosts.conftest import Pool, Team, Trained, free_address_port
+from tests.hosts.remote_scripts import ASK, DVC_BUCKET_LIST, HOLD, LISTEN, MLFLOW_CHECK, PREFECT_CHECK, RUNS_SINCE
+from tests.support.hosts import tail
+from tests.support.team import PUSHED, leftovers, start_runs, wait_final
 
 pytestmark = pytest.mark.slow
-
-
-def _python(host: Host, env: str, script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """`script` run by the host's python in the stack's client environment (`env`, a shell prefix)."""
-    return host.run(["sh", "-c", env + 'exec python -c "$@"', "sh", script, *args])
 
 
 def test_the_bed_keeps_hosts_apart(team: Team) -> None:
@@ -89,23 +75,13 @@ def test_the_servers_want_credentials_and_the_git_remote_is_read_only(team: Team
     assert pushed.returncode != 0 and "access denied" in pushed.stderr.lower(), pushed.stderr
 
 
-def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(data_pushed: Team, trainers: Team) -> None:
-    team = data_pushed  # the laptop cloned, joined, made the data snapshot and pushed it; the trainers joined
+def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(trained: Trained) -> None:
+    # the laptop cloned, joined, made the data snapshot and pushed it; trainer-a cloned and joined, then
+    # pulled the data, ran the pipeline and pushed its outputs (the `trained` fixture)
+    team, lock = trained.team, trained.lock
     laptop, trainer = team.bed.host("laptop"), team.bed.host("trainer-a")
     env = team.client_env()
-    since_ms = int(time.time() * 1000)  # the other tests' runs (in any order) are not this one's
-
-    # trainer-a: the code from git (never a shared path), the data from the DVC remote, then the pipeline
-    started = time.monotonic()
-    assert trainer.run("git rev-parse HEAD").stdout.strip() == team.commit
-    pulled = trainer.run(env + "dvc pull data.dvc")
-    assert "data" in pulled.stdout and trainer.run("ls data").stdout.strip(), pulled.stdout
-    team.timings["trainer_pull_s"] = round(time.monotonic() - started, 3)
-    started = time.monotonic()
-    trainer.run(env + "python -m flows.pipeline", timeout=900)
-    team.timings["trainer_pipeline_s"] = round(time.monotonic() - started, 3)
-    trainer.run(env + "dvc push")
-    lock = yaml.safe_load(trainer.run("cat dvc.lock").stdout)
+    assert trainer.run("git rev-parse HEAD").stdout.strip() == team.commit  # the code from git, not a shared path
 
     # nothing of MLflow's or Prefect's on trainer-a's disk: every record went to the servers
     for local in ("mlflow.db", "mlruns", "mlartifacts"):
@@ -113,7 +89,8 @@ def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(data_pushed: T
     assert not (trainer.disk / "home" / ".prefect" / "prefect.db").exists()
 
     # the laptop sees the run on the MLflow server: params, lineage, artifacts (in S3)
-    seen = as_json_lines(_python(laptop, env, MLFLOW_CHECK, "trainer-a", str(since_ms)))
+    window = (str(trained.since_ms), str(trained.until_ms))
+    seen = team.ask("laptop", MLFLOW_CHECK, "trainer-a", *window)
     assert seen["runs"] == 1 and seen["status"] == "FINISHED", seen
     assert seen["tags"]["host"] == "trainer-a" and seen["tags"]["git.commit"] == team.commit, seen["tags"]
     assert seen["tags"]["git.dirty"] == "false", seen["tags"]
@@ -122,11 +99,11 @@ def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(data_pushed: T
     assert seen["artifacts"] and seen["s3_keys_of_run"], seen
 
     # ... the flow run on the Prefect server
-    flow_runs = [run for run in as_json_lines(_python(laptop, env, PREFECT_CHECK)) if not run["deployment_id"]]
+    flow_runs = [run for run in team.ask("laptop", PREFECT_CHECK, *window) if not run["deployment_id"]]
     assert [run["state"] for run in flow_runs] == ["COMPLETED"], flow_runs
 
     # ... and in the DVC remote every file of the data and of trainer-a's pipeline outputs
-    keys = set(as_json_lines(_python(laptop, env, DVC_BUCKET_LIST)))
+    keys = set(team.ask("laptop", DVC_BUCKET_LIST))
     hashes = {out["md5"] for stage in lock["stages"].values() for out in stage.get("outs", [])}
     data_dvc = yaml.safe_load(laptop.run("cat data.dvc").stdout)
     hashes |= {out["md5"] for out in data_dvc["outs"]}
@@ -139,83 +116,11 @@ def test_a_trainer_runs_the_pipeline_from_git_and_the_stack_alone(data_pushed: T
 # --------------------------------------------------------------------------- deployments run by workers
 
 
-FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-
-
-def _flow_run(team: Team, flow_run_id: str) -> dict:
-    return as_json_lines(_python(team.bed.host("laptop"), team.client_env(), FLOW_RUN, flow_run_id))
-
-
-def _start_runs(team: Team, count: int) -> list[str]:
-    """`prefect deployment run` from the laptop, `count` of them at once; their flow run ids."""
-    command = f"prefect deployment run {DEPLOYMENT} >/tmp/started-$i.txt"
-    loop = f"for i in $(seq {count}); do {command} & done; wait; cat /tmp/started-*.txt; rm /tmp/started-*.txt"
-    started = team.bed.host("laptop").run(team.client_env() + loop).stdout
-    ids = re.findall(r"UUID: ([0-9a-f-]{36})", started)
-    assert len(ids) == count, started
-    return ids
-
-
-def _wait_final(team: Team, ids: list[str], pool: Pool, timeout_s: float, last_line: str) -> list[dict]:
-    """The runs once all are final, with their logs once each run's `last_line` (a regex) reached the
-    server (a flow run's last log lines are sent as its process exits, after its final state)."""
-    deadline = time.monotonic() + timeout_s
-    laptop = team.bed.host("laptop")
-    while not all(state in FINAL for state in as_json_lines(_python(laptop, team.client_env(), STATES, *ids))):
-        assert time.monotonic() < deadline, (pool.log("trainer-a"), pool.log("trainer-b"))
-        time.sleep(5)
-    for _ in range(15):
-        runs = [_flow_run(team, flow_run_id) for flow_run_id in ids]
-        if all(run["state"] != "COMPLETED" or re.search(last_line, "\n".join(run["messages"])) for run in runs):
-            break
-        time.sleep(2)
-    return runs
-
-
-PUSHED = r"dvc push: \d+ file\(s\) to remote 'stack'"  # the flow's last act under the lock (push_outputs)
-
-
-def _leftovers(host: Host) -> list[str]:
-    """The worker's temporary checkouts (Prefect's `tmp*prefect` folders) still on the host, bounded wait:
-    the worker removes a run's folder just after the run ends."""
-    for _ in range(30):
-        left = host.run("ls -d /tmp/tmp*prefect /tmp/prefect-workspace-* ~/worker/* 2>/dev/null || true").stdout.split()
-        if not left:
-            return []
-        time.sleep(1)
-    return left
-
-
-def test_a_worker_on_trainer_a_runs_the_deployment_from_git_and_the_stack_alone(pool: Pool) -> None:
-    team = pool.team
-    since_ms = int(time.time() * 1000)
-    started = time.monotonic()
-    (flow_run_id,) = _start_runs(team, 1)
-    (run,) = _wait_final(team, [flow_run_id], pool, timeout_s=900, last_line=PUSHED)
-    team.timings["worker_deployment_run_s"] = round(time.monotonic() - started, 3)
-    assert run["state"] == "COMPLETED", (run["messages"][-20:], pool.log("trainer-a"))
-    logs = "\n".join(run["messages"])
-    # the code: the deployment's pull steps, a clone of its commit over git; the data from the DVC remote
-    assert "Running 2 deployment pull step(s)" in logs and "Executing deployment step: git_clone" in logs, logs
-    assert "Executing deployment step: run_shell_script" in logs, logs
-    assert re.search(r"\d+ files? (fetched|added)", pool.log("trainer-a", 10**7)), pool.log("trainer-a")
-    # the outputs: pushed to the DVC remote under the pipeline lock, before the worker's folder went
-    assert re.search(PUSHED, logs), logs
-
-    runs = as_json_lines(_python(team.bed.host("laptop"), team.client_env(), RUNS_SINCE, str(since_ms)))
-    (train,) = [r for r in runs if r["stage"] == "train"]
-    assert train["host"] == "trainer-a" and train["commit"] == team.commit and train["dirty"] == "false", train
-    assert all(r["status"] == "FINISHED" for r in runs), runs
-    keys = set(as_json_lines(_python(team.bed.host("laptop"), team.client_env(), DVC_BUCKET_LIST)))
-    md5 = train["best_md5"]
-    assert f"files/md5/{md5[:2]}/{md5[2:]}" in keys, "the weights trained on trainer-a are not in the DVC remote"
-    # nothing of the run stays on trainer-a: its checkout was temporary, the worker's folder is empty
-    assert _leftovers(team.bed.host("trainer-a")) == []
-
-
-def test_two_workers_started_at_once_run_one_pipeline_at_a_time(pool: Pool) -> None:
-    """Two runs at once, one worker each on trainer-a and trainer-b (--limit 1): the pipeline lock (an
-    advisory lock in the stack's PostgreSQL) makes the second wait for the first, then run."""
+def test_workers_on_two_trainers_run_the_deployment_from_git_one_pipeline_at_a_time(pool: Pool) -> None:
+    """Two runs at once from the laptop, one worker each on trainer-a and trainer-b (--limit 1), each
+    started in an empty folder: each run clones the deployment's commit and pulls the data in its pull
+    steps, runs, and pushes what it made to the DVC remote; the pipeline lock (an advisory lock in the
+    stack's PostgreSQL) makes the second wait for the first, then run."""
     team = pool.team
     pool.start_worker("trainer-b")
     try:
@@ -225,13 +130,33 @@ def test_two_workers_started_at_once_run_one_pipeline_at_a_time(pool: Pool) -> N
             time.sleep(1)
         since_ms = int(time.time() * 1000)
         started = time.monotonic()
-        ids = _start_runs(team, 2)
-        runs = _wait_final(team, ids, pool, timeout_s=1500, last_line=PUSHED)
+        ids = start_runs(team, 2)
+        runs = wait_final(team, ids, pool, timeout_s=1500, last_line=PUSHED)
         team.timings["two_workers_two_runs_s"] = round(time.monotonic() - started, 3)
     finally:
         pool.stop_worker("trainer-b")
     assert [run["state"] for run in runs] == ["COMPLETED", "COMPLETED"], [r["messages"][-10:] for r in runs]
-    found = as_json_lines(_python(team.bed.host("laptop"), team.client_env(), RUNS_SINCE, str(since_ms)))
+    for run in runs:
+        logs = "\n".join(run["messages"])
+        # the code: the deployment's pull steps, a clone of its commit over git; then the data from the
+        # DVC remote; the outputs pushed to it under the pipeline lock, before the worker's folder went
+        assert "Running 2 deployment pull step(s)" in logs and "Executing deployment step: git_clone" in logs, logs
+        assert "Executing deployment step: run_shell_script" in logs and re.search(PUSHED, logs), logs
+    for name in ("trainer-a", "trainer-b"):
+        assert re.search(r"\d+ files? (fetched|added)", pool.log(name, 10**7)), pool.log(name)
+
+    found = team.ask("laptop", RUNS_SINCE, str(since_ms))
+    assert all(r["status"] == "FINISHED" for r in found), found
+    keys = set(team.ask("laptop", DVC_BUCKET_LIST))
+    trains = [r for r in found if r["stage"] == "train"]
+    assert sorted(r["host"] for r in trains) == ["trainer-a", "trainer-b"], trains
+    for train in trains:
+        assert train["commit"] == team.commit and train["dirty"] == "false", train
+        md5 = train["best_md5"]
+        assert f"files/md5/{md5[:2]}/{md5[2:]}" in keys, f"the weights trained on {train['host']} are not in the remote"
+    # nothing of a run stays on its trainer: its checkout was temporary, the worker's folder is empty
+    assert leftovers(team.bed.host("trainer-a")) == [] and leftovers(team.bed.host("trainer-b")) == []
+
     pipelines = sorted((r for r in found if r["parent"] is None), key=lambda r: r["start"])
     assert sorted(r["host"] for r in pipelines) == ["trainer-a", "trainer-b"], pipelines
     first, second = pipelines

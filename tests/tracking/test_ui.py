@@ -63,7 +63,7 @@ def test_opening_the_ui_and_clicking_the_experiment_shows_the_training_runs(
     columns = [c.split("`")[1] for c in json.loads(experiment.tags[VIEW_TAG])["selectedColumns"]]
     port, venv = free_port(), ROOT / ".venv"
     # `make ui` in the project the pipeline ran in, on a free port, with this checkout's environment
-    make = ["make", "-o", f"{venv}/.synced", "ui", f"VENV={venv}", f"MLFLOW_PORT={port}"]
+    make = ["make", "ui", f"VENV={venv}", f"MLFLOW_PORT={port}"]
     with (
         service(make, repo, f"http://127.0.0.1:{port}/health", tmp_path / "ui.log"),
         devtools(tmp_path / "profile", width=1800, height=900) as page,  # a new profile: nothing remembered
@@ -98,7 +98,8 @@ def test_make_ui_takes_no_artifact_uploads_into_the_checkout_and_still_shows_the
 
     checkout = tmp_path / "checkout"
     checkout.mkdir()
-    shutil.copy(ROOT / "Makefile", checkout / "Makefile")
+    for name in ("Makefile", "pyproject.toml", "uv.lock"):  # make names the environment by the last two
+        shutil.copy(ROOT / name, checkout / name)
     (checkout / "tasks").symlink_to(ROOT / "tasks", target_is_directory=True)
     client = MlflowClient(tracking_uri=f"sqlite:///{checkout / 'mlflow.db'}")
     experiment = client.create_experiment("lockstep", artifact_location=(checkout / "mlartifacts").as_uri())
@@ -108,7 +109,7 @@ def test_make_ui_takes_no_artifact_uploads_into_the_checkout_and_still_shows_the
     before = sorted(p.relative_to(checkout) for p in checkout.rglob("*"))
 
     port, venv = free_port(), ROOT / ".venv"
-    make = ["make", "-o", f"{venv}/.synced", "ui", f"VENV={venv}", f"MLFLOW_PORT={port}"]
+    make = ["make", "ui", f"VENV={venv}", f"MLFLOW_PORT={port}"]
     with service(make, checkout, f"http://127.0.0.1:{port}/health", tmp_path / "ui.log"):
         base = f"http://127.0.0.1:{port}"
         statuses = [

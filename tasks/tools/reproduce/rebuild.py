@@ -50,7 +50,7 @@ from tasks.determinism.cpu_mode import pin_env
 pin_env(pinned["cpu"])  # before torch and numpy load
 from tasks.determinism.fingerprint import fingerprint
 from tasks.determinism.pinning import pin_everything
-from tasks.tracking.runs import lineage_tags
+from tasks.tracking.lineage import lineage_tags
 settings = pin_everything(pinned["seed"], pinned["num_threads"], pinned["strict"], pinned["cpu"])
 tags = {k: v for k, v in lineage_tags().items() if k.startswith("version.")}
 print(json.dumps({**tags, **{f"determinism.{k}": str(v) for k, v in settings.items()}, **fingerprint()}))

@@ -1,0 +1,71 @@
+"""Where a run came from, as MLflow tags: the code (git commit, dirty or not), the data and pipeline
+state (by hash), library versions and host; and MLflow's own context tags with any secret masked.
+
+Read by every run tasks/tracking/runs.py starts, and by `make reproduce` to compare the machine it
+rebuilds on with the run's.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from pathlib import Path
+
+from tasks.core.hashing import data_md5, file_digest
+from tasks.core.redact import redact
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def _sha256(path: Path) -> str:
+    return file_digest(path) if path.exists() else "none"
+
+
+def lineage_tags() -> dict[str, str]:
+    """Where a run came from: code, data, pipeline state and library versions.
+
+    The CUDA/cuDNN versions need torch imported; a stage has imported it by now, the flow's parent
+    run (which computes nothing) records the installed torch version without importing it (~1 s
+    of every no-op flow run).
+    """
+    import sys
+    from importlib.metadata import version
+
+    commit = _git("rev-parse", "HEAD")
+    # dvc.lock and data.dvc are rewritten by the pipeline itself and are recorded by hash below;
+    # counting them would mark every run after the first stage as dirty.
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!dvc.lock", ":!data.dvc")
+    tags = {
+        "git.commit": commit or "none (not a git repository)",
+        "git.dirty": "unknown" if status is None else str(bool(status)).lower(),
+        "data.md5": data_md5(),
+        "dvc_lock.sha256": _sha256(Path("dvc.lock")),
+        "version.python": platform.python_version(),
+        "version.torch": version("torch"),
+        "version.torchvision": version("torchvision"),  # not imported: ~3.5 s
+        "host": platform.node(),
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        tags.update(
+            {"version.torch": torch.__version__, "version.cuda": str(torch.version.cuda), "version.cudnn": str(cudnn)}
+        )
+    return tags
+
+
+def redacted_context_tags() -> dict[str, str]:
+    """The tags MLflow's start_run adds by itself (git remote URL, source, user) that hold a secret, masked.
+
+    Passed to start_run, they win over MLflow's own values, so the secret is never written at all: a
+    remote such as https://oauth2:<token>@host/repo.git would otherwise be stored as mlflow.source.git.repoURL.
+    """
+    from mlflow.tracking.context.registry import resolve_tags
+
+    return {key: redact(value) for key, value in resolve_tags().items() if redact(value) != value}
