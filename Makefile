@@ -20,7 +20,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run run-dvc plots sweep test test-all lint docs bench gpu-check predict serve-model reproduce \
+.PHONY: help run run-dvc plots sweep test test-all lint docs bench bench-hosts gpu-check predict serve-model reproduce \
 	schedule ui mlflow-server mark-orphans stack stack-down stack-join env clean repro serve
 
 # What a target passes on to its command (the one way to give a target arguments).
@@ -83,6 +83,11 @@ docs: $(STAMP)  ## build the docs site (mkdocs.yml, docs/) into site/, strictly:
 
 bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/bench.json (minutes); ARGS="--only B1 --smoke"
 	$(VENV)/bin/python -m benchmarks $(ARGS)
+
+# The pipeline on a trainer of the many-hosts bed against the same on the servers' own host (root: network
+# namespaces; minutes; tests/hosts/bench.py): what the network costs. Row: benchmarks/results/many-hosts.json.
+bench-hosts: $(STAMP)  ## the pipeline across hosts vs on one host, on the namespaces bed (root): ARGS="--repeats 2"
+	$(VENV)/bin/python -m tests.hosts.bench --json benchmarks/results/many-hosts.json $(ARGS)
 
 # On a bare CUDA machine without the venv, run `python -m tasks.tools.gpu_check` itself (docs/reproducibility.md, "GPU check").
 gpu-check: $(STAMP)  ## determinism, strict mode, cost of pinning, compress/export on the GPU (no GPU: ARGS="--device cpu")

@@ -371,9 +371,10 @@ def _build_dvc_repo(base: Path, prefect_db: Path) -> dict[str, Any]:
 
 
 # Seconds each module took on the 2-core machine (`LOCKSTEP_RECORD_DURATIONS=1 make test-all` writes
-# them). xdist hands whole modules to its two workers in collection order; the longest go first, so
-# that the run does not end on a long module with the other worker idle. Only an order: a stale or
-# missing entry costs time, never a result; the tests within a module keep pytest-randomly's order.
+# them). xdist hands whole modules (all of tests/hosts/ as one unit) to its workers in collection order;
+# the longest go first, so that the run does not end on a long module with the other workers idle. Only
+# an order: a stale or missing entry costs time, never a result; the tests within a module keep
+# pytest-randomly's order.
 MODULE_DURATIONS = Path(__file__).parent / "module_durations.json"
 
 
@@ -381,13 +382,20 @@ def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::")[0]
 
 
+def _unit(module: str) -> str:
+    """The unit of work xdist hands a worker (`OneBed` below): the module, or the whole bed."""
+    return BED_SCOPE if module.startswith(BED_SCOPE) else module
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    seconds = json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}
+    seconds: dict[str, float] = {}
+    for module, spent in (json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}).items():
+        seconds[_unit(module)] = seconds.get(_unit(module), 0.0) + spent
     first_seen: dict[str, int] = {}
     for index, item in enumerate(items):
-        first_seen.setdefault(_module(item), index)
-    items.sort(key=lambda item: (-seconds.get(_module(item), 0.0), first_seen[_module(item)]))
+        first_seen.setdefault(_unit(_module(item)), index)
+    items.sort(key=lambda item: (-seconds.get(_unit(_module(item)), 0.0), first_seen[_unit(_module(item))]))
 
 
 _spent: dict[str, float] = {}
