@@ -51,7 +51,8 @@ def two_pass_loop(data_dir: Path, split: SplitConfig, seed: int) -> tuple[list[f
     up front rather than decoded per sample. Units follow the stage: pixels scaled to [0, 1],
     std with ddof=0 over every pixel of the split.
     """
-    from tasks.data.formats import open_raw, split_indices
+    from tasks.data.formats import open_raw
+    from tasks.data.splits import split_indices
 
     images = np.load(Path(data_dir) / "images.npy")  # (N, H, W, C) uint8
     train = split_indices(open_raw(data_dir), split, seed)["train"]

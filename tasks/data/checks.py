@@ -35,7 +35,8 @@ import numpy as np
 
 from tasks.core.config.data import ChecksConfig, DataConfig, SplitConfig
 from tasks.core.errors import DataRefused, ExpectedFailure
-from tasks.data.formats import RawSnapshot, content_digests, split_indices
+from tasks.data.formats import RawSnapshot
+from tasks.data.splits import content_digests, split_indices
 
 Status = Literal["pass", "warn", "refuse", "skipped"]
 PSI_FLOOR = 1e-4  # a class share of 0 in one snapshot would make the PSI infinite

@@ -26,7 +26,8 @@ from tasks.core.atomic import atomic_dir
 from tasks.core.config.data import SplitConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.hashing import file_digest
-from tasks.data.formats import SPLITS, NpyRows, NpyWriter, PublishedSplits, open_raw, read_meta, split_indices
+from tasks.data.formats import SPLITS, NpyRows, NpyWriter, PublishedSplits, open_raw, read_meta
+from tasks.data.splits import split_indices
 from tasks.data.stats import ChannelStats
 
 FORMAT = "lockstep-preprocessed/2"

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from tasks.core.config.data import SplitConfig
-from tasks.data.formats import open_raw, split_indices
+from tasks.data.formats import open_raw
+from tasks.data.splits import split_indices
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.config.yaml_io import load_params
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
-from tasks.data.formats import FORMAT, RawDataset, open_raw, read_raw, split_indices, write_raw
+from tasks.data.formats import FORMAT, RawDataset, open_raw, read_raw, write_raw
 from tasks.data.preprocess import load_split, preprocess
+from tasks.data.splits import split_indices
 from tasks.data.stats import channel_stats, compute_stats
 from tasks.stages import NUMPY_STAGES
 from tests.conftest import client_for, copy_project, run

@@ -31,8 +31,9 @@ from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
 from tasks.data.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
-from tasks.data.formats import open_raw, read_raw, split_indices
+from tasks.data.formats import open_raw, read_raw
 from tasks.data.images import IMG_EXTENSIONS
+from tasks.data.splits import split_indices
 from tasks.data.stats import compute_stats
 from tests.conftest import ROOT, copy_project, run, subprocess_env
 

@@ -33,18 +33,9 @@ from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
 from tasks.data.fetch import Retry
-from tasks.data.formats import (
-    SPLITS,
-    PublishedSplits,
-    RawDataset,
-    RawSnapshot,
-    content_digests,
-    open_raw,
-    read_raw,
-    split_indices,
-    write_raw,
-)
+from tasks.data.formats import SPLITS, PublishedSplits, RawDataset, RawSnapshot, open_raw, read_raw, write_raw
 from tasks.data.preprocess import load_split, preprocess
+from tasks.data.splits import content_digests, split_indices
 from tasks.data.stats import compute_stats
 
 FAST = Retry(attempts=2, backoff_s=0.05, timeout_s=2.0)
