@@ -12,6 +12,7 @@ the loopback interface.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -41,6 +42,21 @@ class Distributed:
     world_size: int = 1
     local_rank: int = 0
     backend: str = "none"
+    local_world_size: int = 1  # the ranks on this machine
+
+    @property
+    def one_node(self) -> bool:
+        """Every rank runs on this machine (and sees its disk)."""
+        return self.local_world_size == self.world_size
+
+    @property
+    def node_leader(self) -> bool:
+        """The rank that writes this machine's files (each node has its own disk)."""
+        return self.local_rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
 
     def _device(self) -> torch.device:
         return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
@@ -70,6 +86,23 @@ class Distributed:
         if self.world_size > 1:
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        """`data` from rank `src` on every rank (the others pass None): a file sent to nodes that
+        do not share rank `src`'s disk."""
+        if self.world_size == 1:
+            return data or b""
+        mine = (data or b"") if self.rank == src else b""
+        size = torch.tensor([len(mine)], dtype=torch.int64, device=self._device())
+        dist.broadcast(size, src=src)
+        if not size.item():
+            return b""
+        if self.rank == src:
+            payload = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(self._device())
+        else:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self._device())
+        dist.broadcast(payload, src=src)
+        return payload.cpu().numpy().tobytes()
 
     def gather(self, obj: Any) -> list[Any]:
         """`obj` (JSON-ready) from every rank, in rank order, on every rank.
@@ -104,6 +137,7 @@ def join_process_group(device_spec: str) -> tuple[Distributed, torch.device]:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if _one_node(world):
         loopback = _loopback_interface()
         if loopback:  # else the OS's default; the stores are on 127.0.0.1 regardless
@@ -116,31 +150,44 @@ def join_process_group(device_spec: str) -> tuple[Distributed, torch.device]:
             world_size=world,
             device_id=device if device.type == "cuda" else None,
         )
-    return Distributed(rank, world, local_rank, backend), device
+    return Distributed(rank, world, local_rank, backend, local_world), device
 
 
 def _attempt_store(rank: int, world: int) -> dist.Store:
-    """The rendezvous store torchrun describes, with keys scoped to this restart attempt.
+    """The ranks' store torchrun describes, with keys scoped to this attempt.
 
     With torch 2.14, ranks restarted by `--max-restarts` found the first attempt's keys in the
-    agent's store and gloo dialled the dead ranks' addresses ("Connection refused"). A prefix
-    per attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt a clean namespace.
+    agent's store and gloo dialled the dead ranks' addresses ("Connection refused"). On one node a
+    prefix per attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt a clean namespace. Across
+    nodes the restart counts differ (a node restarted by its operator counts from 0 again), so the
+    prefix is the store's own address: the launcher has every node's agent leave the store to rank 0
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), which hosts a new one, on a new port, every round.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosts_it = not agent_hosts_it and rank == 0
     if _one_node(world):
         host = "127.0.0.1"
-    if hosts_it and host == "127.0.0.1":
-        # TCPStore binds every interface; a socket we bound ourselves keeps the store on loopback
+        attempt = f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    else:
+        attempt = f"store_{host}:{port}"
+        if agent_hosts_it:
+            logging.getLogger(__name__).warning(
+                "this node's torchrun shares its agent's store with the ranks: a restarted job may find the "
+                "last attempt's keys there; start every node but the stage's with python -m tasks.train.launcher --join"
+            )
+    if hosts_it:
+        # TCPStore binds every interface; a socket we bound ourselves keeps the store on MASTER_ADDR's
+        # address (127.0.0.1 on one node, the address the launcher gave this node on several)
+        address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
+        listener.bind((address, port))
         listener.listen(world)
         store = dist.TCPStore(host, port, world, is_master=True, master_listen_fd=listener.detach())
     else:
-        store = dist.TCPStore(host, port, world, is_master=hosts_it)
-    return dist.PrefixStore(f"lockstep/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        store = dist.TCPStore(host, port, world, is_master=False)
+    return dist.PrefixStore(f"lockstep/{attempt}", store)
 
 
 def _one_node(world: int) -> bool:

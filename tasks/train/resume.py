@@ -4,6 +4,10 @@ Every `train.checkpoint_every` epochs the train stage writes `resume_dir/resume.
 model, the optimiser (tensors as tensors, the rest as JSON), scheduler and GradScaler state, the weight
 EMA, the best model so far, the history, and the RNG states of every rank. A restarted stage (or a torchrun
 restart) that finds it continues, and its final weights equal an uninterrupted run's.
+
+Rank 0 alone writes the file, on its own node's disk. Nodes share no disk, and after a restart rank 0
+may even run on another node: on resume, the ranks of a multi-node job agree on the newest checkpoint
+of this run that any of them holds, and it is sent to every node that lacks it (`_share_newest`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tasks.core.atomic import write_bytes
 from tasks.core.config.train import TrainConfig
 from tasks.determinism.pinning import rng_state, set_rng_state
 from tasks.train.checkpoints import CheckpointError, checkpoint_bytes, cpu_state, read_safetensors, result_config
+from tasks.train.devices import Distributed
 from tasks.train.loop import Progress, Training
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,8 @@ def save(path: Path, training: Training, run_signature: str) -> None:
         "signature": run_signature,
         "epoch": progress.epoch,
         "history": progress.history,
+        # the header's JSON has sorted keys; a resumed run's history.json must keep the rows' own order
+        "history_keys": list(progress.history[-1]) if progress.history else [],
         "best_acc": progress.best_acc,
         "best_epoch": progress.best_epoch,
         "world_size": training.ranks.world_size,
@@ -77,6 +84,8 @@ def restore(path: Path, training: Training, run_signature: str) -> bool:
     A checkpoint of another config, seed or data is ignored (with a warning); one written by another
     world size is refused, since continuing it would not reproduce the run.
     """
+    if not training.ranks.one_node:
+        _share_newest(path, training.ranks, run_signature)
     if not path.exists():
         return False
     # A corrupt or foreign file is an error, not a reason to start over silently: it may be the
@@ -101,8 +110,43 @@ def restore(path: Path, training: Training, run_signature: str) -> bool:
     set_rng_state(meta["rng"][training.ranks.rank])
     log.info("resuming from %s after epoch %d", path, meta["epoch"])
     best = _prefixed(tensors, "best.") or None
-    training.progress = Progress(meta["history"], meta["best_acc"], meta["best_epoch"], best)
+    order = meta.get("history_keys") or []  # absent from older checkpoints: their rows as they are
+    history = [{**{k: row[k] for k in order if k in row}, **row} for row in meta["history"]]
+    training.progress = Progress(history, meta["best_acc"], meta["best_epoch"], best)
     return True
+
+
+def _share_newest(path: Path, ranks: Distributed, run_signature: str) -> None:
+    """Every node's `path` made the newest checkpoint of this run that any rank holds (none: unchanged).
+
+    Every rank says which epoch it holds; the lowest rank holding the newest sends the file's bytes,
+    each node that holds another (or none) writes them, and only then do the ranks read it.
+    """
+    held = ranks.gather(_held_epoch(path, run_signature))
+    errors = [h for h in held if isinstance(h, str)]
+    if errors:  # raised by every rank: one rank alone stopping would leave the others waiting
+        raise CheckpointError(errors[0])
+    newest = max(held)
+    if newest < 0:
+        return
+    source = held.index(newest)
+    data = ranks.broadcast_bytes(path.read_bytes() if ranks.rank == source else None, source)
+    if ranks.node_leader and held[ranks.rank] != newest:
+        write_bytes(path, data)
+        log.info("%s: the checkpoint of epoch %d, received from rank %d", path, newest, source)
+    ranks.barrier()  # written before any rank of this node reads it
+
+
+def _held_epoch(path: Path, run_signature: str) -> int | str:
+    """The epoch of this run's checkpoint at `path`; -1 when there is none (or another run's);
+    the error when it cannot be read."""
+    if not path.exists():
+        return -1
+    try:
+        meta, _ = read_safetensors(path, tensors=False)
+    except CheckpointError as exc:
+        return str(exc)
+    return int(meta["epoch"]) if meta.get("signature") == run_signature else -1
 
 
 def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -7,7 +7,8 @@ resolved config and epoch in the safetensors metadata (tasks/train/checkpoints.p
 
 One code path for one process and for DDP: under torchrun (RANK/WORLD_SIZE set) `train` joins the
 process group (tasks/train/devices.py), shards batches with the same seeded DistributedSampler,
-reduces validation metrics across ranks, and lets rank 0 alone write files. `train.batch_size` is
+reduces validation metrics across ranks, and lets rank 0 alone make files (the first rank of each other
+node writes a copy of the outputs: nodes share no disk). `train.batch_size` is
 the global batch; each of N processes takes batch_size / N. The loop itself is tasks/train/loop.py;
 resuming an interrupted run bit for bit is tasks/train/resume.py; pretrained weights (`train.pretrained_*`),
 verified and fitted to the model before the first epoch, are tasks/train/pretrained.py.
@@ -23,7 +24,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from tasks.core import layout
@@ -36,6 +36,7 @@ from tasks.train.devices import join_process_group
 from tasks.train.loop import Training, build_training
 from tasks.train.pretrained import Pretrained, load_pretrained
 
+OUTPUTS = ("best.safetensors", "last.safetensors", "history.json", "train.json")
 OnEpoch = Callable[[dict[str, float]], None]  # called with each epoch's history row, in order
 log = logging.getLogger(__name__)
 
@@ -94,13 +95,19 @@ def train(
     if progress.best_state is None:  # validation never scored (an empty split): the last weights are the best known
         progress.best_state, progress.best_epoch = cpu_state(training.evaluated), progress.epoch
     result = _result(training, resumed_from, pretrained)
+    contents = None
     if ranks.rank == 0:
         metadata = checkpoint_metadata(cfg, seed, train_split, ranks.world_size, pretrained)
-        _write_outputs(out_dir, training, result, metadata)
+        contents = _outputs(training, result, metadata)
+    if not ranks.one_node:
+        # Nodes share no disk, and c10d's rendezvous, not the launching node, decides where rank 0
+        # runs: every node gets rank 0's outputs, so the node that ran the stage has them.
+        contents = {name: ranks.broadcast_bytes(contents[name] if contents else None, 0) for name in OUTPUTS}
+    if ranks.node_leader:
+        _write_outputs(out_dir, contents)
         if resume_path is not None:
-            resume_path.unlink(missing_ok=True)  # finished: a later run starts fresh
-    if ranks.world_size > 1:
-        dist.barrier()  # no rank leaves (and no launcher reports success) before the files exist
+            resume_path.unlink(missing_ok=True)  # finished: a later run starts fresh (on every node)
+    ranks.barrier()  # no rank leaves (and no launcher reports success) before the files exist
     return result
 
 
@@ -168,17 +175,21 @@ def _result(training: Training, resumed_from: int | None, pretrained: Pretrained
     )
 
 
-def _write_outputs(out_dir: Path, training: Training, result: TrainResult, metadata: dict[str, Any]) -> None:
-    """All four outputs replaced together: a kill or a full disk leaves the previous four."""
+def _outputs(training: Training, result: TrainResult, metadata: dict[str, Any]) -> dict[str, bytes]:
+    """The four outputs' bytes, by file name (OUTPUTS)."""
     progress = training.progress
     best = {**metadata, "epoch": progress.best_epoch, "val_accuracy": progress.best_acc}
     last = {**metadata, "epoch": progress.epoch, "val_accuracy": progress.history[-1]["val_accuracy"]}
-    contents = {
+    return {
         "best.safetensors": checkpoint_bytes(progress.best_state, best),
         "last.safetensors": checkpoint_bytes(cpu_state(training.evaluated), last),
         "history.json": (json.dumps(progress.history, indent=2) + "\n").encode(),
         "train.json": (json.dumps(asdict(result), indent=2) + "\n").encode(),
     }
-    with atomic_files([out_dir / name for name in contents]) as temporaries:
-        for tmp, data in zip(temporaries, contents.values(), strict=True):
-            tmp.write_bytes(data)
+
+
+def _write_outputs(out_dir: Path, contents: dict[str, bytes]) -> None:
+    """All four outputs replaced together: a kill or a full disk leaves the previous four."""
+    with atomic_files([out_dir / name for name in OUTPUTS]) as temporaries:
+        for tmp, name in zip(temporaries, OUTPUTS, strict=True):
+            tmp.write_bytes(contents[name])

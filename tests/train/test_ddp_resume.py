@@ -1,8 +1,8 @@
 """DDP and exact resume, on CPU with gloo: real `python -m tasks train` processes, real torchrun.
 
 1. DDP with 2 processes (and the recipe options of the optimiser step), twice: byte-identical weights.
-   The second run is the README's multi-node recipe, two torchrun launchers with --nnodes 2 and c10d
-   rendezvous on 127.0.0.1, one process each: the same bytes as one launcher with 2 processes.
+   The second run is the multi-node recipe, two launchers (the stage, and `--join`) with --nnodes 2
+   and c10d rendezvous on 127.0.0.1, one process each: the same bytes as one launcher with 2 processes.
 2. SIGKILL after epoch k, restart: byte-identical to an uninterrupted run (one process, and DDP);
    torchrun --max-restarts recovers a killed rank the same way; another world size is refused.
 """
@@ -30,13 +30,12 @@ from tasks.data.download import download
 from tasks.data.preprocess import load_split, preprocess
 from tasks.data.stats import compute_stats
 from tasks.train.checkpoints import load_checkpoint
-from tasks.train.launcher import RDZV_ID
 from tasks.train.models import predict
 from tests.conftest import ROOT, free_port, run, subprocess_env, write_params
 
 pytestmark = pytest.mark.slow
 EPOCHS = 6
-OUTPUTS = ("best.safetensors", "last.safetensors")
+OUTPUTS = ("best.safetensors", "last.safetensors", "history.json")  # history: the same bytes after a resume too
 
 
 @pytest.fixture(scope="module")
@@ -155,30 +154,17 @@ def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 
 def _two_launchers(data: Path, where: Path) -> Path:
-    """The README's multi-node recipe, with both "machines" on 127.0.0.1 sharing one directory: the
-    main node runs the train stage, which launches its own torchrun; the other node, torchrun by hand."""
+    """The multi-node recipe, both "machines" on 127.0.0.1, each in its own directory (nodes share no
+    disk): the main node runs the train stage, which hosts the rendezvous and launches its own torchrun;
+    the other node joins (`python -m tasks.train.launcher --join`). Both end with the same outputs."""
     port = free_port()
-    project = _project(data, where, strategy="ddp", nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}")
+    train = {"strategy": "ddp", "nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}"}
+    project, other_node = _project(data, where / "main", **train), _project(data, where / "other", **train)
     main = _start(project)
-    other = _start(
-        project,
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            "--nproc-per-node=1",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={RDZV_ID}",
-            "-m",
-            "tasks.train.launcher",
-            "--params",
-            "params.yaml",
-        ],
-    )
+    other = _start(other_node, [sys.executable, "-m", "tasks.train.launcher", "--join", "--params", "params.yaml"])
     _finish(main)
     _finish(other)
+    assert _weights(other_node) == _weights(project)
     return project
 
 
