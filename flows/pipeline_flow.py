@@ -161,6 +161,7 @@ def _stages(
 
     from tasks.core.hashing import data_md5
     from tasks.core.remote import push_outputs
+    from tasks.tracking.orphans import FLOW_RUN_TAG
     from tasks.tracking.runs import pipeline_run, tag_run
 
     before = data_md5()
@@ -175,6 +176,8 @@ def _stages(
         noop.record(params, flow_run_id)
         return results, summarize(results, before, before)
     with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
+        if run_id:  # from the start: a run on another host asks Prefect whether this one is over (orphans.py)
+            tag_run(run_id, {FLOW_RUN_TAG: flow_run_id})
         for name in STAGES:
             with notify.stage(name):  # a failure or crash inside names the stage
                 forced = force or (reingest and name == "download")
@@ -183,7 +186,7 @@ def _stages(
         if run_id:
             retrained = str(results["train"]["ran"]).lower()
             tags = {"lockstep.summary": summary, "lockstep.retrained": retrained}
-            tag_run(run_id, {**tags, "lockstep.flow_run": flow_run_id})
+            tag_run(run_id, {**tags, FLOW_RUN_TAG: flow_run_id})
         # A worker's checkout may be a temporary clone (deploy --git) that Prefect deletes after the
         # run: what it made goes to the DVC remote now, under the lock (tasks/core/remote.py).
         if this_deployment.id:

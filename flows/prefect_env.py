@@ -126,6 +126,61 @@ def run_allow_list() -> frozenset[str]:
     return _keys(str(own.get(DEPLOYMENT_ALLOW_VARIABLE) or ""))
 
 
+# Zombie flow runs: a flow run whose process died with its host, or lost its network, stays Running
+# on the server forever, since nothing is left to report its end (a worker that is alive reports a
+# process that exited). Prefect's answer (docs: "Detect zombie flows") is two halves: every flow run
+# sends a heartbeat event every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (the stack's client
+# environment sets it: stack/state.py FLOW_HEARTBEAT_S), and an automation on the server marks
+# Crashed a run that sent one and then neither another nor a final state within MISSED_HEARTBEATS
+# periods. `python -m stack up` makes the automation (`ensure_zombie_automation`).
+MISSED_HEARTBEATS = 3
+ZOMBIE_AUTOMATION = "lockstep: crash flow runs that stopped sending heartbeats"
+
+
+def ensure_zombie_automation(api_url: str, auth_string: str, heartbeat_s: int) -> bool:
+    """Create the zombie automation on the server at `api_url` for flow runs that send a heartbeat
+    every `heartbeat_s`, unless it has one of that name; whether it was created."""
+    from datetime import timedelta
+
+    from prefect.automations import AutomationCore
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    final = ("Completed", "Failed", "Cancelled", "Crashed")
+    after_s = MISSED_HEARTBEATS * heartbeat_s
+    automation = AutomationCore(
+        name=ZOMBIE_AUTOMATION,
+        description=f"a flow run that misses {MISSED_HEARTBEATS} heartbeats ({heartbeat_s} s apart) is marked Crashed "
+        "(made by `python -m stack up`; flows/prefect_env.py)",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{state}" for state in final)},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=after_s),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {after_s} s: its process or its host is gone, or cut off "
+                f"the network (automation {ZOMBIE_AUTOMATION!r})",
+            )
+        ],
+    )
+    settings = {PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}
+    with temporary_settings(settings), get_client(sync_client=True) as client:
+        if client.read_automations_by_name(ZOMBIE_AUTOMATION):
+            return False
+        client.create_automation(automation)
+    return True
+
+
 AUTH_FILE = "api-auth"  # in PREFECT_HOME: the project server's `user:password`
 AUTH_USER = "lockstep"
 

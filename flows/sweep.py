@@ -16,8 +16,11 @@ sweep's run; the sweep's run records the study (best trial, a table of every tri
 
 Off loopback, Dask's mutual TLS is required (tasks/tools/sweep_cluster.py: a Dask port runs code).
 
-Workers need the project at the same path with the same preprocessed data: a shared filesystem, or a
-clone at the same commit after `dvc pull preprocess` (a trial refuses other data: it checks its digest).
+Each worker runs trials in its own clone (wherever it is) with the same preprocessed data: a clone at
+the same commit after `dvc pull data.dvc && dvc repro preprocess` (or `dvc pull preprocess`); a
+trial refuses other data (it checks its digest). Machines share no disk: a trial writes its
+checkpoints into its worker's clone and logs them to its MLflow run, and the coordinator fetches the
+winner's weights from that run into its own artifacts/sweep/<name>/trial-NNNN/.
 The study survives the coordinator (a journal file in artifacts/sweep/<name>/, or `sweep.storage`):
 run the same command again and it resumes, without repeating a finished trial.
 """
@@ -64,7 +67,7 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
     from flows.pipeline import STAGE_TASKS
     from tasks.core.lock import pipeline_lock
     from tasks.tools import sweep as search
-    from tasks.tools.sweep_results import summarise
+    from tasks.tools.sweep_results import summarise, winner_weights
     from tasks.tracking.runs import pipeline_run
     from tasks.tracking.store import tracking_uri
 
@@ -85,11 +88,15 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
             study_dir = SWEEP_DIR / cfg.name
             print_fp = search.fingerprint(params, digest)
             study = search.open_study(cfg, os.environ.get(STORAGE_ENV) or cfg.storage, study_dir, print_fp)
-            context = SweepContext(str(ROOT), params, parent_id, tracking_uri(), digest, str(ROOT / study_dir))
+            context = SweepContext(params, parent_id, tracking_uri(), digest, study_dir.as_posix())
             client.run(warm_up)  # every worker has what a trial needs: the clock starts with the trials
             started = time.monotonic()
             search.run_study(study, cfg, print_fp, lambda specs: run_batch(specs, context, cfg.retries))
             summary = summarise(study, cfg, round(time.monotonic() - started, 2))
+            # the winner's weights here, whichever machine trained them (from its MLflow run)
+            weights = winner_weights(summary, study_dir, tracking_uri() if params.tracking.enabled else None)
+            if weights is not None:
+                summary["best"]["weights"] = weights.as_posix()  # relative to the project
             _record(study, summary, study_dir, parent_id, params)
     logger.info("sweep %s: %s", cfg.name, summary["line"])
     if apply:  # a thread count fixed for native trials goes with their values

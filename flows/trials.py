@@ -28,14 +28,14 @@ _ONE_TRIAL = threading.Lock()
 
 @dataclass(frozen=True)
 class SweepContext:
-    """What every trial shares, sent with it to its worker."""
+    """What every trial shares, sent with it to its worker. No path of the coordinator's: a worker on
+    another machine has its own clone, wherever its user put it."""
 
-    project: str
     params: Params  # the base params (the trial's values go into its train section)
     parent_run_id: str | None
     tracking_uri: str
     data_digest: str
-    study_dir: str
+    study_dir: str  # relative to the project: artifacts/sweep/<name>, in the worker's own clone
 
 
 # --------------------------------------------------------------------------- one trial, on a worker
@@ -79,11 +79,12 @@ def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOut
     from tasks.tools.sweep import Pruning, SweepError, data_digest, trial_params
     from tasks.tracking.runs import PARENT_ENV
 
-    project = Path(os.environ.get("LOCKSTEP_PROJECT", context.project))
+    # The worker's own clone (the code it imported), not the coordinator's path: machines share no disk.
+    project = layout.ROOT
     if not (project / layout.PREPROCESSED_DIR).is_dir():
         raise SweepError(f"this worker has no {project / layout.PREPROCESSED_DIR}: see flows/sweep.py on workers")
     os.chdir(project)
-    out_dir = Path(context.study_dir) / f"trial-{spec.number:04d}"
+    out_dir = project / context.study_dir / f"trial-{spec.number:04d}"
     kept = _kept_outcome(out_dir, spec)
     if kept is not None:
         return kept

@@ -6,13 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from flows import prefect_env
 from stack import servers
 from stack.state import (
     DVC_BUCKET,
     DVC_REMOTE,
+    FLOW_HEARTBEAT_S,
     LOCK_PASSFILE,
     REGION,
     STACK_DIR_ENV,
+    SWEEP_PASSFILE,
     Stack,
     StackError,
     open_stack,
@@ -32,6 +35,9 @@ def up(stack: Stack) -> list[str]:
             server.start()
             started.append(server.name)
     _write_env_file(stack)
+    # Prefect's zombie detection (flows/prefect_env.py): the server's half; the heartbeats are the
+    # client environment's (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, stack/state.py)
+    prefect_env.ensure_zombie_automation(f"{stack.url('prefect')}/api", stack.secret("prefect-auth"), FLOW_HEARTBEAT_S)
     return started
 
 
@@ -59,9 +65,11 @@ def join(stack: Stack, project: Path) -> None:
 
 # What a host other than the stack's own needs to use it: where it answers, the S3 keys (DVC's
 # credentialpath), the MLflow login and the Prefect auth string. Not the PostgreSQL password (the
-# database's superuser: only the servers and sweeps need it), nor the servers' own keys. The pipeline
-# lock's login (LOCK_PASSFILE) may take the lock shared by every host that runs pipelines, nothing else.
-CLIENT_SECRETS = ("aws-credentials", "mlflow-password", "prefect-auth", LOCK_PASSFILE)
+# database's superuser: only the servers need it), nor the servers' own keys. The narrow logins
+# (stack/logins.py) reach one database each: the pipeline lock's (LOCK_PASSFILE) may take the lock
+# shared by every host that runs pipelines, the sweeps' (SWEEP_PASSFILE) may read and write the
+# Optuna studies, nothing else.
+CLIENT_SECRETS = ("aws-credentials", "mlflow-password", "prefect-auth", LOCK_PASSFILE, SWEEP_PASSFILE)
 
 
 def client(stack: Stack, dest: Path) -> None:

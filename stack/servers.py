@@ -25,20 +25,18 @@ from typing import Any
 import psutil
 
 from flows import prefect_env
+from stack import logins
 from stack.sockets import local_socket
 from stack.state import (
     DATABASES,
     DVC_BUCKET,
     LOCK_DATABASE,
-    LOCK_USER,
     MLFLOW_BUCKET,
     REGION,
     STACK_DIR_ENV,
     USER,
     Stack,
     StackError,
-    ensure_lock_login,
-    lock_password,
     write_object_store_security,
     write_secret,
 )
@@ -66,7 +64,7 @@ class Postgres:
     def start(self) -> None:
         if not self.data.exists():
             self._init()
-        self._allow_network_logins()  # also on a stack made before the pipeline lock's login
+        self._allow_network_logins()  # also on a stack made before its narrow logins
         listen = "*" if self.stack.host in ("0.0.0.0", "::") else self.stack.host
         options = f"-c listen_addresses={listen} -p {self.stack.ports['postgres']} -c unix_socket_directories=''"
         self._ctl("start", "-w", "-t", str(START_TIMEOUT_S), "-l", str(self.log), "-o", options)
@@ -108,15 +106,14 @@ class Postgres:
 
     def _allow_network_logins(self) -> None:
         """Beyond loopback (`--host 0.0.0.0`, a team's address) the server must also accept password
-        logins from the network: the stack's user anywhere, the pipeline lock's login to its own
-        database only. Lines already there are kept."""
+        logins from the network (stack/logins.py: which login may reach which database). Lines already
+        there are kept."""
         if self.stack.host in ("127.0.0.1", "localhost", "::1"):
             return
         hba = self.data / "pg_hba.conf"
         present = hba.read_text().splitlines()
-        wanted = [f"host all {USER} all scram-sha-256", f"host {LOCK_DATABASE} {LOCK_USER} all scram-sha-256"]
         with open(hba, "a") as out:
-            out.writelines(f"{line}\n" for line in wanted if line not in present)
+            out.writelines(f"{line}\n" for line in logins.hba_lines() if line not in present)
 
     def _create_databases(self) -> None:
         import psycopg
@@ -133,23 +130,8 @@ class Postgres:
             for database in (*DATABASES, LOCK_DATABASE):
                 if database not in present:
                     conn.execute(f'CREATE DATABASE "{database}"')
-            self._make_lock_login(conn)
-
-    def _make_lock_login(self, conn: Any) -> None:
-        """The pipeline lock's login: it may connect to its database and nothing else (advisory locks
-        need no privilege on any table; PostgreSQL lets every role connect to every database unless
-        told otherwise)."""
-        from psycopg import sql
-
-        ensure_lock_login(self.stack)
-        password = sql.Literal(lock_password(self.stack))
-        exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (LOCK_USER,)).fetchone()
-        verb = "ALTER" if exists else "CREATE"
-        conn.execute(sql.SQL(verb + " ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(LOCK_USER), password))
-        for database in ("postgres", "template1", *DATABASES, LOCK_DATABASE):
-            conn.execute(sql.SQL("REVOKE CONNECT ON DATABASE {} FROM PUBLIC").format(sql.Identifier(database)))
-        grant = "GRANT CONNECT ON DATABASE {} TO {}"
-        conn.execute(sql.SQL(grant).format(sql.Identifier(LOCK_DATABASE), sql.Identifier(LOCK_USER)))
+            logins.make_logins(self.stack, conn)
+        logins.give_sweep_tables(lambda dbname: psycopg.connect(dbname=dbname, autocommit=True, **where))
 
     def _ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self._run("pg_ctl", "-D", str(self.data), *args, check=check)

@@ -30,6 +30,13 @@ MLFLOW_ADMIN = "admin"
 # the superuser's.
 LOCK_USER, LOCK_DATABASE = "lockstep_lock", "pipeline_lock"
 LOCK_PASSFILE = "pg-lock-pass"  # a libpq password file with that login's one line
+# A sweep's Optuna study (flows/sweep.py): its own login, owner of the `optuna` database and nothing
+# more. The host that coordinates a sweep holds its password, not the superuser's (stack/logins.py).
+SWEEP_USER, SWEEP_DATABASE = "lockstep_sweep", "optuna"
+SWEEP_PASSFILE = "pg-sweep-pass"
+# How often a flow run sends Prefect a heartbeat (PREFECT_FLOWS_HEARTBEAT_FREQUENCY in the client
+# environment; Prefect's floor is 30 s), for the zombie automation `up` makes (flows/prefect_env.py).
+FLOW_HEARTBEAT_S = 30
 MLFLOW_BUCKET, DVC_BUCKET = "lockstep-mlflow", "lockstep-dvc"
 DVC_REMOTE = "stack"
 REGION = "us-east-1"  # SeaweedFS ignores it; AWS clients want one to sign requests
@@ -104,6 +111,13 @@ class Stack:
             f"postgresql://{LOCK_USER}@{self.client_host}:{self.ports['postgres']}/{LOCK_DATABASE}?passfile={passfile}"
         )
 
+    def sweep_url(self) -> str:
+        """The sweeps' Optuna storage (SQLAlchemy, psycopg): the sweep login and its password file by
+        name, as `lock_url`; PGPASSFILE does not matter."""
+        passfile = quote(str(self.secrets / SWEEP_PASSFILE))
+        where = f"{self.client_host}:{self.ports['postgres']}/{SWEEP_DATABASE}"
+        return f"postgresql+psycopg://{SWEEP_USER}@{where}?passfile={passfile}"
+
     def secret(self, name: str) -> str:
         return (self.secrets / name).read_text().strip()
 
@@ -116,9 +130,10 @@ class Stack:
             "PREFECT_API_URL": f"{self.url('prefect')}/api",
             "PREFECT_API_AUTH_STRING": self.secret("prefect-auth"),
             "PGPASSFILE": str(self.secrets / "pgpass"),
-            "LOCKSTEP_SWEEP_STORAGE": self.database_url("optuna"),
+            "LOCKSTEP_SWEEP_STORAGE": self.sweep_url(),
             LOCK_URL_ENV: self.lock_url(),
             STACK_DIR_ENV: str(self.root),
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(FLOW_HEARTBEAT_S),  # for the zombie automation (up)
         }
 
     def env_file_text(self) -> str:
@@ -195,18 +210,16 @@ def _make_secrets(stack: Stack) -> None:
     os.chmod(stack.secrets, 0o700)
     for name, text in files.items():
         write_secret(stack.secrets / name, text + "\n")
-    ensure_lock_login(stack)
+    ensure_login_passwords(stack)
 
 
-def ensure_lock_login(stack: Stack) -> None:
-    """The pipeline lock login's password (made with the stack; added to an older stack on `up`)."""
-    if not (stack.secrets / LOCK_PASSFILE).exists():
-        # libpq's password file: host:port:database:user:password (a token_urlsafe holds no ':' or '\')
-        write_secret(stack.secrets / LOCK_PASSFILE, f"*:*:*:{LOCK_USER}:{secrets.token_urlsafe(24)}\n")
-
-
-def lock_password(stack: Stack) -> str:
-    return (stack.secrets / LOCK_PASSFILE).read_text().strip().rsplit(":", 1)[1]
+def ensure_login_passwords(stack: Stack) -> None:
+    """The password file of each narrow login (stack/logins.py: the pipeline lock's, the sweeps'), made
+    once; also on `up` of a stack made before a login existed. A token_urlsafe holds no ':' or '\\'."""
+    for user, passfile in ((LOCK_USER, LOCK_PASSFILE), (SWEEP_USER, SWEEP_PASSFILE)):
+        if not (stack.secrets / passfile).exists():
+            # libpq's password file: host:port:database:user:password
+            write_secret(stack.secrets / passfile, f"*:*:*:{user}:{secrets.token_urlsafe(24)}\n")
 
 
 def write_object_store_security(stack: Stack) -> None:

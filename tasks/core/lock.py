@@ -22,6 +22,18 @@ Where the lock lives is where its writers meet:
   releases a session's advisory locks when its connection ends, so a killed run frees it as the
   file lock does (a host that vanishes: when TCP keepalives give up, ~1 min, set below).
 
+A session can also end under a run that is alive: PostgreSQL restarted, or the run's host cut off
+the network (the server then drops the session after its keepalives, and another host may take the
+lock). The holder does not find out by itself, so it asks its session every CHECK_S seconds, and a
+question left unanswered for USER_TIMEOUT_MS fails (TCP_USER_TIMEOUT): it learns of the loss within
+CHECK_S + USER_TIMEOUT_MS, well before the server would let another host in (KEEPALIVE, ~60 s). It
+then stops at once, as a SIGKILLed run would (`_stop_the_run`: every output is written
+all-or-nothing, its MLflow runs are marked KILLED by the next run's sweep, Prefect marks its flow run
+crashed), and does not try to take the lock back: another run may hold it by then, or have held it
+and gone, and two runs must never write the registry, the champion alias or the DVC remote at once.
+A restart of PostgreSQL thus costs the run in progress; the next one (the schedule's, or a retry)
+starts clean.
+
 Not Prefect's global concurrency limits: they live in one Prefect server, and `make run` (Prefect's
 ephemeral server) and `dvc repro` (no server) would not see them; a slot held by a killed process
 stays taken until its lease expires (300 s by default in Prefect 3.8), and a slot does not say who
@@ -35,6 +47,8 @@ import json
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,7 +58,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from tasks.core.atomic import write_text
-from tasks.core.errors import ExpectedFailure, Refused
+from tasks.core.errors import ExitCode, ExpectedFailure, Refused
 from tasks.core.layout import ROOT
 
 LOCK_FILE = Path(".dvc/tmp/lockstep-pipeline.lock")
@@ -61,6 +75,12 @@ POLL_S = 1.0  # how often a waiting run asks again; the wait itself is bounded b
 # The server drops a session whose host stops answering after idle + interval * count seconds:
 # a trainer that lost its network or power releases the lock within about a minute.
 KEEPALIVE = {"tcp_keepalives_idle": 30, "tcp_keepalives_interval": 10, "tcp_keepalives_count": 3}
+# The holder's own check of its session (module doc): a query every CHECK_S seconds, and the kernel
+# drops the connection when what it sent stays unacknowledged for USER_TIMEOUT_MS (a cut link). Their
+# sum stays well under the server's drop time above (30 + 3 * 10 s), so that a host cut off knows it
+# lost the lock before any other host can take it.
+CHECK_S = 5.0
+USER_TIMEOUT_MS = 20_000
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +215,7 @@ def _database_lock(
             keepalives_idle=KEEPALIVE["tcp_keepalives_idle"],
             keepalives_interval=KEEPALIVE["tcp_keepalives_interval"],
             keepalives_count=KEEPALIVE["tcp_keepalives_count"],
+            tcp_user_timeout=USER_TIMEOUT_MS,
         )
     except psycopg.Error as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
@@ -202,17 +223,55 @@ def _database_lock(
     try:
         _acquire(conn, where, wait_s, logger)
         conn.execute("SELECT set_config('application_name', %s, false)", (_application_name(holder),))
+        done = threading.Event()
+        watch = threading.Thread(
+            target=_watch, args=(conn, done, where, logger), name="pipeline-lock-watch", daemon=True
+        )
+        watch.start()
         try:
             yield
         finally:
+            done.set()
+            watch.join()  # at most one check in flight: bounded by USER_TIMEOUT_MS
             try:
                 conn.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
             except psycopg.Error:
-                # The session is gone (PostgreSQL restarted, the network cut), and the lock with it,
-                # maybe while this run was still writing: say so; the run's result stands.
+                # lost between the watch's last check and the end of the block: the work was done
+                # while the lock was held, at most CHECK_S before
                 logger.error("%s: the connection holding the pipeline lock was lost during this run", where)
     finally:
         conn.close()  # never raises, a lost connection too
+
+
+def _watch(conn: Any, done: threading.Event, where: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """While the block runs: ask the holding session every CHECK_S whether it is still there; if not,
+    the lock is gone too, and the run is stopped (module doc)."""
+    import psycopg
+
+    while not done.wait(CHECK_S):
+        try:
+            conn.execute("SELECT 1")
+        except psycopg.Error as exc:
+            if done.is_set():  # the block ended meanwhile: the unlock reports it
+                return
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            _stop_the_run(
+                f"{where}: the connection holding the pipeline lock was lost ({reason}): another run may take "
+                "the lock now, so this run stops here, writing nothing more, as a killed run would; run it again",
+                logger,
+            )
+            return
+
+
+def _stop_the_run(message: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """End this process now, from the watching thread: the main thread may be deep in a stage, or
+    blocked on a server it cannot reach, and must not write another byte. The message goes to stderr
+    (a worker streams it to its log) and to the run's logger first."""
+    try:
+        logger.error(message)
+    finally:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        os._exit(ExitCode.FAILED)
 
 
 def _acquire(conn: Any, where: str, wait_s: float, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:

@@ -58,6 +58,19 @@ def split_address(address: str) -> tuple[str, str]:
     return scheme, host
 
 
+def route_to(host: str) -> str | None:
+    """This machine's address on the route to `host` (a UDP socket's connect: routing only, nothing is
+    sent); None when there is no route (Dask then chooses, and fails to connect with a clear error)."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), 9, type=socket.SOCK_DGRAM)
+        family, _, _, _, target = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
 def check_scheduler_address(address: str, tls_dir: Path | None, what: str) -> None:
     """Refuse to send work to (or serve) a scheduler that anyone on the network could command."""
     scheme, host = split_address(address)
@@ -166,8 +179,9 @@ def dask_arguments(
 ) -> list[str]:
     """The `dask scheduler|worker` options for our checked choices, followed by the user's others.
 
-    host None: 127.0.0.1, except for a worker of a remote (TLS) scheduler, where Dask picks the
-    interface that reaches it. dashboard None: the scheduler's on 127.0.0.1:8787, a worker's off.
+    host None: 127.0.0.1, except for a worker of a remote (TLS) scheduler, which listens on the one
+    address of this machine that reaches the scheduler (Dask's own default would be every interface).
+    dashboard None: the scheduler's on 127.0.0.1:8787, a worker's off.
     """
     what = f"python -m flows.sweep {role}"
     for option in rest:
@@ -178,6 +192,8 @@ def dask_arguments(
         check_scheduler_address(scheduler, tls, f"{what}: scheduler")
     if host is None and (scheduler is None or is_loopback(split_address(scheduler)[1])):
         host = "127.0.0.1"
+    elif host is None and scheduler is not None:
+        host = route_to(split_address(scheduler)[1])
     out: list[str] = []
     if host is not None:
         check_listen(host, tls, f"{what} --host")

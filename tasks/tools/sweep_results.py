@@ -18,12 +18,19 @@ from typing import Any
 
 from tasks.core.atomic import atomic_file, write_text
 from tasks.core.config.sweep import SweepConfig
+from tasks.core.errors import ExpectedFailure
+from tasks.core.hashing import file_digest
 from tasks.core.spreadsheet import value_cell
 from tasks.tools.sweep import best_trial, derived_seed
 
 log = logging.getLogger(__name__)
 
 SUMMARY, TRIALS = "sweep.json", "trials.csv"
+WEIGHTS = "best.safetensors"  # a trial's best checkpoint, in its folder and as its run's checkpoints/ artifact
+
+
+class WinnerUnavailable(ExpectedFailure):
+    """The winner's weights cannot be put on the coordinator with the bytes its trial reported."""
 
 
 def table(study: Any) -> list[dict[str, Any]]:
@@ -116,3 +123,50 @@ def plots(study: Any, out_dir: Path) -> list[Path]:
         plt.close(axes.figure)
         drawn.append(path)
     return drawn
+
+
+def winner_weights(summary: dict[str, Any], study_dir: Path, tracking_uri: str | None) -> Path | None:
+    """The best trial's weights on this machine (the coordinator's), at
+    `<study_dir>/trial-NNNN/best.safetensors`, with the sha256 its trial reported; None when no trial
+    completed or they cannot be had here. A trial trained on another machine left them on that
+    machine's disk and in its MLflow run (`checkpoints/best.safetensors`, in the tracking server's
+    store): they are fetched from there, and refused (WinnerUnavailable) unless their sha256 is the
+    one the trial reported. Machines share no disk; the tracking server is what they all reach."""
+    best = summary.get("best")
+    if best is None:
+        return None
+    target = study_dir / f"trial-{best['trial']:04d}" / WEIGHTS
+    wanted = best.get("best_sha256")
+    if target.exists() and file_digest(target) == wanted:
+        return target  # trained here (a local cluster, or a worker on this machine)
+    if not best.get("run_id") or tracking_uri is None:  # the study is complete all the same
+        log.warning(
+            "sweep %s: trial %d's weights are not on this machine and it has no MLflow run to fetch them from "
+            "(tracking.enabled: false): they are on the worker that trained it (`--apply` and the train stage "
+            "rebuild them)",
+            summary["study"],
+            best["trial"],
+        )
+        return None
+    import tempfile
+
+    from mlflow.artifacts import download_artifacts
+
+    with tempfile.TemporaryDirectory(prefix="lockstep-winner-") as tmp:
+        fetched = Path(
+            download_artifacts(
+                run_id=best["run_id"], artifact_path=f"checkpoints/{WEIGHTS}", dst_path=tmp, tracking_uri=tracking_uri
+            )
+        )
+        got = file_digest(fetched)
+        if got != wanted:
+            raise WinnerUnavailable(
+                f"sweep {summary['study']}: trial {best['trial']}'s run {best['run_id']} holds weights with sha256 "
+                f"{got[:12]}, not the {str(wanted)[:12]} its trial reported: not written"
+            )
+        with atomic_file(target) as staged:
+            staged.write_bytes(fetched.read_bytes())
+    log.info(
+        "sweep %s: trial %d's weights fetched from its MLflow run into %s", summary["study"], best["trial"], target
+    )
+    return target

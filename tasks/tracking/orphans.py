@@ -12,9 +12,20 @@ tag `lockstep.killed_reason`, which the MLflow UI lists under the run's tags, be
 status; a run without a description gets the reason as its description too (shown in full). A run
 is marked only if it is still RUNNING just before (one that ended meanwhile is left as it ended).
 
+A run owned by another host (or pid namespace) cannot be checked from here, except through the
+Prefect server: the pipeline's parent run carries its flow run's id (`lockstep.flow_run`, tagged
+when it starts), and its stage runs are its children. If that flow run is over on the server
+(PREFECT_API_URL: Crashed, Failed, Cancelled or Completed) while the run is still RUNNING, its owner
+is gone, or stopped writing when it lost the pipeline lock (tasks/core/lock.py), and the run is
+marked KILLED with that flow run's state in the reason. That is how a trainer that lost its link or
+its power has its runs marked by the next run on another trainer: Prefect marks the flow run Crashed
+when its heartbeats stop (flows/prefect_env.py, the zombie automation). The server is asked only
+about such runs, one request each; if it cannot be asked, they are left alone.
+
 Left alone, since their process cannot be checked from here:
-- runs owned by another host, or by another pid namespace on this one (another container): their
-  pids mean other processes here. Run the sweep on that host.
+- runs owned by another host, or by another pid namespace on this one (another container), without
+  a flow run that Prefect holds as over: their pids mean other processes here. Run the sweep on
+  that host.
 - runs without owner tags: made by an older lockstep or by someone else's code.
 `older_than_s` (the command's `--older-than 7d`) marks those too once they started that long ago,
 with a reason that says why: the one way to clear runs of a host that no longer exists, or of an
@@ -46,7 +57,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -65,6 +76,9 @@ OWNER_PIDNS = "lockstep.owner.pidns"  # the same host name in two containers: th
 OWNER_PID = "lockstep.owner.pid"
 OWNER_STARTED = "lockstep.owner.started"  # ISO 8601 UTC, ms: tells a reused pid apart
 KILLED_REASON = "lockstep.killed_reason"
+FLOW_RUN_TAG = "lockstep.flow_run"  # the Prefect flow run of a pipeline's parent run (flows/pipeline_flow.py)
+PARENT_TAG = "mlflow.parentRunId"
+FINAL_FLOW_RUN_STATES = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")  # Prefect's state types
 NOTE = "mlflow.note.content"  # the run's description in the UI, shown in full (a tag's value is cut short)
 RUNNING = "attributes.status = 'RUNNING'"
 PAGE = 1000  # runs per search request
@@ -163,13 +177,19 @@ def judge(run: Any, older_than_s: float | None = None, now: float | None = None)
     return Judged(info.run_id, info.experiment_id, info.run_name or "", verdict, why)
 
 
+def _process(tags: dict[str, str]) -> str:
+    """The owner as the reasons name it (owner tags present and well-formed)."""
+    started = datetime.fromisoformat(tags[OWNER_STARTED]).timestamp()
+    return f"process {tags[OWNER_PID]} on host {tags.get(OWNER_HOST)} (started {_iso(started)})"
+
+
 def _judge_owner(tags: dict[str, str]) -> tuple[str, str]:
     host, pidns = tags.get(OWNER_HOST), tags.get(OWNER_PIDNS)
     try:
         pid, started = int(tags[OWNER_PID]), datetime.fromisoformat(tags[OWNER_STARTED]).timestamp()
     except (KeyError, ValueError):
         return UNOWNED, "no owner recorded (an older lockstep, or not lockstep's run)"
-    process = f"process {pid} on host {host} (started {_iso(started)})"
+    process = _process(tags)
     if host != platform.node() or pidns != _pid_namespace():
         where = "another host" if host != platform.node() else f"another pid namespace ({pidns})"
         return ELSEWHERE, f"{process} is on {where}: not checked from here"
@@ -222,7 +242,64 @@ def survey(client: Any, experiment_ids: Iterable[str] | None = None, older_than_
     ids = _experiments(client) if experiment_ids is None else list(experiment_ids)
     now = time.time()
     # all pages read before any run is marked: a marked run leaves the result, and pages are offsets
-    return [judge(run, older_than_s, now) for run in _running_runs(client, ids)]
+    runs = list(_running_runs(client, ids))
+    return _ended_flow_runs(client, runs, [judge(run, older_than_s, now) for run in runs])
+
+
+def _ended_flow_runs(client: Any, runs: list[Any], judged: list[Judged]) -> list[Judged]:
+    """`judged`, with each run of another host whose Prefect flow run is over made GONE (module doc)."""
+    if not os.environ.get("PREFECT_API_URL") or all(j.verdict != ELSEWHERE for j in judged):
+        return judged
+    tags_of = {run.info.run_id: run.data.tags for run in runs}
+
+    def flow_run_of(tags: dict[str, str]) -> str | None:
+        parent = tags.get(PARENT_TAG)
+        if FLOW_RUN_TAG in tags or not parent:
+            return tags.get(FLOW_RUN_TAG)
+        if parent not in tags_of:  # a parent that ended already
+            try:
+                tags_of[parent] = client.get_run(parent).data.tags
+            except Exception:  # noqa: BLE001 - deleted meanwhile: no flow run known
+                tags_of[parent] = {}
+        return tags_of[parent].get(FLOW_RUN_TAG)
+
+    flow_runs = {j.run_id: flow_run_of(tags_of[j.run_id]) for j in judged if j.verdict == ELSEWHERE}
+    states = {flow_run: _flow_run_state(flow_run) for flow_run in set(flow_runs.values()) if flow_run}
+    result = []
+    for one in judged:
+        flow_run = flow_runs.get(one.run_id)
+        state = states.get(flow_run) if flow_run else None
+        if state is not None and state[0] in FINAL_FLOW_RUN_STATES:
+            why = f"{_process(tags_of[one.run_id])} ran Prefect flow run {flow_run}, which is {state[1]} on the server"
+            one = replace(one, verdict=GONE, why=why + (f" ({state[2]})" if state[2] else ""))
+        result.append(one)
+    return result
+
+
+def _flow_run_state(flow_run_id: str) -> tuple[str, str, str] | None:
+    """(type, name, message) of a flow run's state on the Prefect server in PREFECT_API_URL, or None if
+    it cannot be told. A plain GET (no Prefect import: a stage process sweeps too)."""
+    import base64
+    import json
+    import urllib.request
+    import uuid
+
+    try:
+        url = f"{os.environ['PREFECT_API_URL'].rstrip('/')}/flow_runs/{uuid.UUID(flow_run_id)}"
+    except ValueError:
+        return None
+    request = urllib.request.Request(url)
+    if auth := os.environ.get("PREFECT_API_AUTH_STRING"):
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    elif key := os.environ.get("PREFECT_API_KEY"):
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            state = json.load(answer).get("state") or {}
+    except (OSError, ValueError) as exc:  # unreachable, refused, not JSON: the run is left alone
+        log.debug("Prefect flow run %s: state not read: %s", flow_run_id, exc)
+        return None
+    return str(state.get("type")), str(state.get("name")), one_line(str(state.get("message") or ""))[:300]
 
 
 def mark(client: Any, orphans: Iterable[Judged], marked_by: str) -> list[Marked]:

@@ -183,24 +183,63 @@ def test_the_database_lock_waits_then_runs_and_dies_with_its_holder(
     assert order[-1] == "second ran"
 
 
-def test_a_holder_whose_session_is_lost_says_so_and_lets_the_next_run_in(
-    lock_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_a_holder_whose_session_is_lost_stops_at_once_and_lets_the_next_run_in(
+    lock_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PostgreSQL restarted, or the holder's network cut: the server ends the session and the lock
-    with it. The run goes on; when it ends it logs that it lost the lock, and raises nothing."""
+    with it. The holder's watch finds out at its next check and stops the run (in a real run: the
+    process ends, as a killed one; here the stop is recorded), and the next run is not kept waiting."""
     import psycopg
 
+    from tasks.core import lock
+
+    stopped: list[str] = []
+    seen = threading.Event()
+    monkeypatch.setattr(lock, "CHECK_S", 0.2)
+    monkeypatch.setattr(lock, "_stop_the_run", lambda message, logger: (stopped.append(message), seen.set()))
     monkeypatch.setenv(LOCK_URL_ENV, lock_db)
     order: list[str] = []
     with pipeline_lock("cut off", wait_s=0, root=tmp_path):
+        time.sleep(0.5)
+        assert not stopped  # a healthy session: checked, nothing said
         with psycopg.connect(lock_db, autocommit=True) as admin:  # the same login may end its own sessions
             ended = admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted"
             ).fetchall()
         assert ended == [(True,)]
+        assert seen.wait(10), "the holder did not notice that its session was gone"
         _take(tmp_path, order, wait_s=10)  # the next run is not kept waiting
     assert order == ["second ran"]
-    assert "the connection holding the pipeline lock was lost during this run" in caplog.text
+    (message,) = stopped
+    assert message.startswith("postgresql://127.0.0.1:") and "(advisory lock)" in message, message
+    assert "the connection holding the pipeline lock was lost" in message and "this run stops here" in message
+    assert "passfile" not in message
+
+
+def test_a_holder_that_loses_its_session_ends_its_process_with_one_line(lock_db: str, tmp_path: Path) -> None:
+    """The stop itself, in a process of its own: exit 1 at once, one `error:` line naming the lock."""
+    import psycopg
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, LOCK_URL_ENV: lock_db},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with psycopg.connect(lock_db, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted")
+        started = time.monotonic()
+        assert holder.wait(timeout=30) == 1
+        assert time.monotonic() - started < 10  # within CHECK_S (5 s), not after the holder's 120 s
+    finally:
+        holder.kill()
+    _, stderr = holder.communicate(timeout=30)
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith("error: postgresql://127.0.0.1:") and "this run stops here" in line, stderr
 
 
 HOLD = """

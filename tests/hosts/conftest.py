@@ -26,14 +26,12 @@ from tests.support.team import (
     make_team,
     push_data,
     run_by_hand,
-    wait_for_port,
     write_timings,
 )
 
 # what the test modules import from here (the fixtures' types and the team's names)
 __all__ = ["CLIENT_DIR", "DEPLOYMENT", "POOL", "PROJECT", "Pool", "Team", "Trained", "free_address_port"]
 
-_wait_for_port = wait_for_port  # TODO(integration): the sweep module imports the old name
 TIMINGS = ROOT / "test-artifacts" / "many-hosts-timings.json"
 
 

@@ -36,6 +36,7 @@ def test_the_client_folder_holds_the_client_secrets_only_and_joins_a_clone(tmp_p
         "secrets/aws-credentials",
         "secrets/mlflow-password",
         "secrets/pg-lock-pass",  # the pipeline lock's login, which reaches only its own database
+        "secrets/pg-sweep-pass",  # the sweeps' login: the Optuna database only (stack/logins.py)
         "secrets/prefect-auth",
         "state.json",
     ]
@@ -56,6 +57,12 @@ def test_the_client_folder_holds_the_client_secrets_only_and_joins_a_clone(tmp_p
     assert f'MLFLOW_TRACKING_URI="http://127.0.0.2:{stack.ports["mlflow"]}"' in env
     assert f"$(cat {client / 'secrets' / 'mlflow-password'})" in env  # the file's name, not the password
     assert stack.secret("mlflow-password") not in env
+    # the sweeps' Optuna storage: the sweep login, its password file by name (the superuser's is not here)
+    sweep_pass = client / "secrets" / "pg-sweep-pass"
+    assert (
+        f'LOCKSTEP_SWEEP_STORAGE="postgresql+psycopg://lockstep_sweep@127.0.0.2:{stack.ports["postgres"]}/optuna' in env
+    )
+    assert f"?passfile={sweep_pass}" in env, env
     assert json.loads((client / "state.json").read_text())["host"] == "127.0.0.2"
 
 

@@ -265,9 +265,8 @@ def test_a_sweep_keeps_its_study_in_postgresql_and_resumes_from_it(
     settings = ["sweep.name=team", "sweep.trials=2", "sweep.batch=2", "sweep.workers=1", "train.epochs=1"]
     command = [sys.executable, "-m", "flows.sweep", *(arg for s in settings for arg in ("--set", s))]
     run(command, repo, **team.env)
-    storage = optuna.storages.RDBStorage(
-        team.env["LOCKSTEP_SWEEP_STORAGE"], engine_kwargs={"connect_args": {"passfile": team.env["PGPASSFILE"]}}
-    )
+    # the sweep login's URL names its own password file (stack/logins.py): no PGPASSFILE needed
+    storage = optuna.storages.RDBStorage(team.env["LOCKSTEP_SWEEP_STORAGE"])
     trials = optuna.load_study(study_name="team", storage=storage).trials
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
     again = run(command, repo, **team.env)  # a finished study: nothing runs again
@@ -306,15 +305,20 @@ def test_postgresql_restarted_during_a_run_leaves_nothing_half_registered(team: 
         Postgres(team.stack).start()
         proc.wait(timeout=600)
     output = log.read_text()
+    # The restart ended the session that held the pipeline lock (the env file's
+    # LOCKSTEP_PIPELINE_LOCK_URL), so the lock was free to another run: this one stopped at once, with
+    # one line, writing nothing more (tasks/core/lock.py), as a killed run would.
+    assert proc.returncode == 1, output[-3000:]
+    lost = r"^error: postgresql://.*the connection holding the pipeline lock was lost"
+    assert re.search(lost, output, re.M), output[-3000:]
     train = _stage_runs(team, "train")[-1]
-    assert train.info.start_time / 1000 < restarted < train.info.end_time / 1000  # it did hit the training
-    if proc.returncode != 0:  # the stage gave up: one line, naming the store
-        assert re.search(r"^error: .*(MLflow|Prefect)", output, re.M), output[-3000:]
-    # every registered version got its decision; a failed run registered nothing
+    assert train.info.start_time / 1000 < restarted and train.info.status == "RUNNING", train.info  # mid-training
+    # every registered version got its decision; the stopped run registered nothing
     for version in _mlflow(team).search_model_versions("name = 'lockstep-classifier'"):
         assert version.tags.get("promotion") in ("promoted", "kept"), version
-    done = _pipeline(team)  # the next run is clean
+    done = _pipeline(team)  # the next run is clean, and marks the stopped run's runs KILLED
     assert done.returncode == 0, done.stderr[-3000:]
+    assert _mlflow(team).get_run(train.info.run_id).info.status == "KILLED"
     client = _mlflow(team)
     running = client.search_runs(
         [client.get_experiment_by_name("lockstep").experiment_id], "attributes.status = 'RUNNING'"
@@ -383,12 +387,16 @@ def test_wrong_credentials_are_one_line_naming_the_service_and_no_secret(
     elif service_name == "prefect":
         done = _pipeline(team, PREFECT_API_AUTH_STRING=f"lockstep:{wrong}")
         expected = "Prefect server"
-    elif service_name == "postgres":
+    elif service_name == "postgres":  # the sweep login with a wrong password file
         passfile = tmp_path / "pgpass"
-        passfile.write_text(f"*:*:*:lockstep:{wrong}\n")
+        passfile.write_text(f"*:*:*:lockstep_sweep:{wrong}\n")
         passfile.chmod(0o600)
+        storage = team.env["LOCKSTEP_SWEEP_STORAGE"].split("?passfile=")[0] + f"?passfile={passfile}"
         done = run(
-            [sys.executable, "-m", "flows.sweep"], team.repo, check=False, **{**team.env, "PGPASSFILE": str(passfile)}
+            [sys.executable, "-m", "flows.sweep"],
+            team.repo,
+            check=False,
+            **{**team.env, "LOCKSTEP_SWEEP_STORAGE": storage},
         )
         expected = "sweep storage postgresql"
     else:  # a fresh clone whose S3 keys are wrong: reproduce cannot fetch the data

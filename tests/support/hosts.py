@@ -12,7 +12,8 @@ host runs gets a private mount, UTS and IPC namespace set up the same way each t
   point), `$HOME`, `/tmp`, `/var/tmp` (DVC's site cache) and `/dev/shm`: its own files, caches and
   state, and no other host's (the bed's folder lies under the `/tmp` it covers);
 - the checkout's `.venv`, and the interpreter it was made from where that sits under `$HOME`,
-  read-only at their own paths: built once, shared, never written;
+  read-only at their own paths: built once, shared, never written (and whatever else `share()`
+  names: the portable op's compiled library, tests/support/team.py);
 - its own hostname, and an /etc/hosts naming every host of the bed (torchrun and gloo resolve
   hostnames to pick their address).
 
@@ -76,7 +77,10 @@ class Host:
         # originals can no longer be named.
         for shared in self.bed.shared_under_home:
             inside = disk / "home" / shared.relative_to(HOME)
-            lines.append(f"mkdir -p {shlex.quote(str(inside))}")
+            if shared.is_dir():
+                lines.append(f"mkdir -p {shlex.quote(str(inside))}")
+            else:  # a file is mounted over an empty one, in a folder of the host's own
+                lines.append(f"mkdir -p {shlex.quote(str(inside.parent))} && touch {shlex.quote(str(inside))}")
             bind(shared, inside, read_only=True)
         if venv:  # not for the `git clone` into the empty project folder, which must find it empty
             lines.append(f"mkdir -p {shlex.quote(str(self.project / '.venv'))}")
@@ -177,6 +181,13 @@ class Bed:
 
     def host(self, name: str) -> Host:
         return self.hosts[name]
+
+    def share(self, path: Path) -> None:
+        """A file or folder under $HOME that every host sees read-only at its own path, from the next
+        command on: something built once on this machine (the portable op's library), never written."""
+        if not path.is_relative_to(HOME):
+            raise ValueError(f"{path}: only what lies under {HOME} can be shared (each host has its own $HOME)")
+        self.shared_under_home.append(path)
 
     def __enter__(self) -> Bed:
         started = time.monotonic()

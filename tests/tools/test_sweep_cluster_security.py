@@ -64,6 +64,19 @@ def test_the_defaults_stay_on_loopback() -> None:
     ]  # fmt: skip
 
 
+def test_a_worker_of_a_remote_scheduler_listens_on_the_address_that_reaches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not on every interface (Dask's default without --host): on the one that routes to the scheduler."""
+    monkeypatch.setattr(cluster, "route_to", lambda host: {"192.0.2.10": "192.0.2.77"}.get(host))
+    tls = cluster.write_credentials(tmp_path / "tls")
+    options = cluster.dask_arguments("worker", None, None, tls, [], "tls://192.0.2.10:8786")
+    assert options[:2] == ["--host", "192.0.2.77"], options
+    assert "0.0.0.0" not in options
+    monkeypatch.undo()
+    assert cluster.route_to("127.0.0.1") == "127.0.0.1"  # the real one: routing only, nothing sent
+
+
 @pytest.mark.parametrize("args", [["scheduler", "--host", "0.0.0.0"], ["--set", "sweep.address=tcp://192.0.2.10:8786"]])
 def test_the_commands_refuse_in_one_line_with_nothing_written(args: list[str], tmp_path: Path) -> None:
     project = copy_project(tmp_path / "project")

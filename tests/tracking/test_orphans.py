@@ -324,3 +324,59 @@ def test_a_killed_process_not_yet_reaped_counts_as_gone(store: Store, processes:
         time.sleep(0.01)
     assert [m.run_id for m in mark_orphans(store.client, [store.experiment_id])] == [orphan]
     assert f"process {zombie.pid} on host " in store.reason(orphan) and "has exited (a zombie)" in store.reason(orphan)
+
+
+def test_runs_of_another_host_whose_prefect_flow_run_is_over_are_marked_killed(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer that lost its link: its runs (the pipeline's parent, tagged with its flow run, and a
+    stage run under it) are marked once the Prefect server holds that flow run as Crashed; another
+    host's run whose flow run is still Running, or that Prefect does not know, is left alone."""
+    import json
+    import threading
+    import uuid
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    crashed, running, unknown = (str(uuid.uuid4()) for _ in range(3))
+    states = {crashed: ("CRASHED", "Crashed", "no heartbeat for 90 s"), running: ("RUNNING", "Running", "")}
+    asked: list[tuple[str, str | None]] = []
+
+    class Prefect(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            flow_run = self.path.rsplit("/", 1)[-1]
+            asked.append((flow_run, self.headers.get("Authorization")))
+            if flow_run not in states:
+                self.send_response(404)
+                self.end_headers()
+                return
+            kind, name, message = states[flow_run]
+            body = json.dumps({"id": flow_run, "state": {"type": kind, "name": name, "message": message}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Prefect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{server.server_address[1]}/api")
+        monkeypatch.setenv("PREFECT_API_AUTH_STRING", "lockstep:secret")
+        far = {OWNER_HOST: "trainer-a.invalid"}
+        pid, started = _gone_process()
+        parent = _owned_by(store, pid, started, **far, **{orphans.FLOW_RUN_TAG: crashed})
+        child = _owned_by(store, pid, started, **far, **{orphans.PARENT_TAG: parent})
+        alive = _owned_by(store, pid, started, **far, **{orphans.FLOW_RUN_TAG: running})
+        forgotten = _owned_by(store, pid, started, **far, **{orphans.FLOW_RUN_TAG: unknown})
+        marked = {m.run_id: m.reason for m in mark_orphans(store.client, [store.experiment_id])}
+    finally:
+        server.shutdown()
+    assert set(marked) == {parent, child}
+    assert marked[parent].startswith(f"process {pid} on host trainer-a.invalid (started ")
+    assert f"ran Prefect flow run {crashed}, which is Crashed on the server (no heartbeat for 90 s)" in marked[child]
+    assert {store.status(r) for r in (parent, child)} == {"KILLED"}
+    assert {store.status(r) for r in (alive, forgotten)} == {"RUNNING"}
+    assert sorted(flow_run for flow_run, _ in asked) == sorted([crashed, running, unknown])  # once each
+    assert {auth for _, auth in asked} == {"Basic bG9ja3N0ZXA6c2VjcmV0"}
