@@ -103,6 +103,19 @@ def open_checked(source: str | IO[bytes], max_pixels: int, name: str | None = No
     return image
 
 
+def _flattened(image: PILImage) -> PILImage:
+    """A transparent image composited over white, as a viewer shows it. PIL's `convert("RGB")` (or "L")
+    drops the alpha channel: an icon or drawing whose shape is in its alpha (one colour on a transparent
+    background, as most icon themes draw them) would become a flat square, and every such image the
+    same one. Images without transparency are returned as they are (their bytes do not change)."""
+    if image.mode not in ("RGBA", "LA", "PA", "RGBa", "La") and "transparency" not in image.info:
+        return image
+    from PIL import Image
+
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+
+
 def decode(
     source: str | IO[bytes], mode: str, size: tuple[int, int] | None, max_pixels: int, name: str | None = None
 ) -> np.ndarray:
@@ -111,7 +124,7 @@ def decode(
 
     try:
         with open_checked(source, max_pixels, name) as image:
-            image = image.convert(mode)  # decodes fully: truncated files fail here, not later
+            image = _flattened(image).convert(mode)  # decodes fully: truncated files fail here, not later
             if size is not None and image.size != (size[1], size[0]):
                 image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
             pixels = np.asarray(image, dtype=np.uint8)

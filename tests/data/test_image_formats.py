@@ -197,3 +197,26 @@ def test_the_served_model_answers_an_eps_with_a_400(
         assert status == 400 and "row 0: its content is EPS" in answer, (status, answer[:2000])
         assert post(_png())[0] == 200  # and it still serves
     assert not record.exists(), f"Ghostscript ran: {record.read_text()}"
+
+
+def test_a_shape_drawn_in_the_alpha_channel_survives_decoding(tmp_path: Path) -> None:
+    """Icons are mostly one colour on a transparent background, their shape in the alpha channel:
+    dropping alpha (PIL's convert) made every such icon one flat square. Composited over white, two
+    shapes stay two images; an image without transparency decodes to exactly its pixels."""
+    from tasks.data.images import decode
+
+    def icon(box: tuple[int, int, int, int]) -> Path:
+        image = Image.new("RGBA", (16, 16), (46, 52, 54, 0))  # Adwaita's grey, fully transparent
+        image.paste((46, 52, 54, 255), box)
+        path = tmp_path / f"icon-{box[0]}-{box[2]}.png"
+        image.save(path)
+        return path
+
+    square, bar = (decode(str(icon(box)), "RGB", None, 10**6) for box in ((4, 4, 12, 12), (0, 6, 16, 10)))
+    assert not np.array_equal(square, bar)
+    assert square[0, 0].tolist() == [255, 255, 255] and square[8, 8].tolist() == [46, 52, 54]
+    grey = decode(str(icon((4, 4, 12, 12))), "L", None, 10**6)
+    assert grey[0, 0, 0] == 255 and grey[8, 8, 0] < 60
+    plain = np.arange(16 * 16 * 3, dtype=np.uint8).reshape(16, 16, 3)
+    Image.fromarray(plain).save(tmp_path / "plain.png")
+    assert np.array_equal(decode(str(tmp_path / "plain.png"), "RGB", None, 10**6), plain)
