@@ -41,8 +41,9 @@ CustomWebhookNotificationBlock: that block renders `{{...}}` templates inside th
 error line can hold braces) and its HTTP errors quote the URL; urllib logs nothing. A block's own
 `notify` formats its payload (Slack blocks: Slack; a Custom Webhook: its `{{subject}}`/`{{body}}`
 template); `format` shapes the environment webhook's JSON: `slack` `{"text": ...}`, `generic` every
-field of `Event` plus `text`. One message per run and event: a second attempt in the same process
-is dropped.
+field of `Event` plus `text`. The formats are the registry tasks/core/config/service.py `NOTIFY_FORMATS`;
+each registers here how an `Event` becomes its JSON, `@PAYLOADS.register(name)`. One message per run
+and event: a second attempt in the same process is dropped.
 """
 
 from __future__ import annotations
@@ -58,11 +59,12 @@ from typing import Any
 
 from tasks.core.cli import one_line
 from tasks.core.config.base import ConfigError
-from tasks.core.config.service import NotifyConfig
+from tasks.core.config.service import NOTIFY_FORMATS, NotifyConfig
 from tasks.core.config.yaml_io import PARAMS_FILE, load_params
 from tasks.core.errors import DataRefused, ExpectedFailure
 from tasks.core.layout import ROOT
 from tasks.core.redact import MASK
+from tasks.core.registry import Implementations
 
 MAX_ERROR_CHARS = 1000  # an error line longer than this is cut (a message, not a log)
 
@@ -99,7 +101,21 @@ class Event:
         return "\n".join(lines)
 
     def payload(self, fmt: str) -> dict[str, Any]:
-        return {"text": self.text()} if fmt == "slack" else {**asdict(self), "text": self.text()}
+        return PAYLOADS[fmt](self)
+
+
+# The JSON each format of NOTIFY_FORMATS posts to the environment's webhook, from the event.
+PAYLOADS: Implementations[Callable[[Event], dict[str, Any]]] = Implementations(NOTIFY_FORMATS)
+
+
+@PAYLOADS.register("slack")
+def _slack(event: Event) -> dict[str, Any]:
+    return {"text": event.text()}
+
+
+@PAYLOADS.register("generic")
+def _generic(event: Event) -> dict[str, Any]:
+    return {**asdict(event), "text": event.text()}
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """Stage 1 — download: ingest a data source into `data/` (format in tasks/data/formats.py).
 
-Sources (`data.source`):
+Sources (`data.source`): the registry tasks/core/config/data.py `SOURCES` names them (with what each
+is, needs, and its training recipe); each registers its loader here, `@LOADERS.register(name)`:
     digits         scikit-learn's 8x8 digits; ships inside scikit-learn, so it works offline
     mnist, fashion_mnist, cifar10, cifar100
                    the published files, URLs and md5 checksums of torchvision's dataset classes,
@@ -33,10 +34,11 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import numpy as np
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config.data import DataConfig
+from tasks.core.config.data import SOURCES, DataConfig
 from tasks.core.errors import ExpectedFailure, Refused
 from tasks.core.plain_pickle import NotPlainData, load_plain
 from tasks.core.redact import SECRET_NAME, redact
+from tasks.core.registry import Implementations
 from tasks.data.archive import ArchiveLimits, extract, is_archive
 from tasks.data.credentials import AUTH_ENV, TOKEN_ENV, Auth
 from tasks.data.fetch import Checksum, Retry, fetch, verify
@@ -57,7 +59,10 @@ class DownloadResult:
 
 
 @dataclass
-class _Context:
+class Context:
+    """What a source's loader gets: the `data` section, its cache folder, and `fetch` / `extract`, which
+    hold every download and archive to the section's limits and record what was verified."""
+
     cfg: DataConfig
     cache: Path  # this source's download cache folder
     retry: Retry
@@ -79,7 +84,20 @@ class _Context:
         return extract(archive, dest, limits)
 
 
-def _digits(ctx: _Context) -> RawDataset:
+# Each source of SOURCES writes the snapshot into the folder it is given (through tasks/data/formats.py:
+# `write_raw` for one in memory, `ingest_folder` for one streamed), fetching through `ctx` (mirror, retries,
+# limits, credentials, the receipt's list of verified files).
+LOADERS: Implementations[Callable[[Context, Path], None]] = Implementations(SOURCES)
+
+
+def in_memory(load: Callable[[Context], RawDataset]) -> Callable[[Context, Path], None]:
+    """A source small enough to hold in memory (at most CIFAR's 184 MB), written in one go."""
+    return lambda ctx, out_dir: write_raw(load(ctx), out_dir)
+
+
+@LOADERS.register("digits")
+@in_memory
+def _digits(ctx: Context) -> RawDataset:
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
@@ -93,8 +111,8 @@ def _digits(ctx: _Context) -> RawDataset:
     )
 
 
-def _mnist_like(dataset_class: str) -> Callable[[_Context], RawDataset]:
-    def load(ctx: _Context) -> RawDataset:
+def _mnist_like(dataset_class: str) -> Callable[[Context], RawDataset]:
+    def load(ctx: Context) -> RawDataset:
         import torchvision.datasets
 
         cls = getattr(torchvision.datasets, dataset_class)
@@ -113,8 +131,8 @@ def _mnist_like(dataset_class: str) -> Callable[[_Context], RawDataset]:
     return load
 
 
-def _cifar(dataset_class: str) -> Callable[[_Context], RawDataset]:
-    def load(ctx: _Context) -> RawDataset:
+def _cifar(dataset_class: str) -> Callable[[Context], RawDataset]:
+    def load(ctx: Context) -> RawDataset:
         import torchvision.datasets
 
         cls = getattr(torchvision.datasets, dataset_class)  # its URL, md5s and file names; it reads nothing
@@ -163,12 +181,14 @@ def _train_then_test(parts: list[Sized]) -> PublishedSplits:
     return {"train": (0, n_train), "test": (n_train, n_train + n_test)}
 
 
-def _in_memory(load: Callable[[_Context], RawDataset]) -> Callable[[_Context, Path], None]:
-    """Sources small enough to hold in memory (at most CIFAR's 184 MB) are written in one go."""
-    return lambda ctx, out_dir: write_raw(load(ctx), out_dir)
+LOADERS.register("mnist")(in_memory(_mnist_like("MNIST")))
+LOADERS.register("fashion_mnist")(in_memory(_mnist_like("FashionMNIST")))
+LOADERS.register("cifar10")(in_memory(_cifar("CIFAR10")))
+LOADERS.register("cifar100")(in_memory(_cifar("CIFAR100")))
 
 
-def _imagefolder(ctx: _Context, out_dir: Path) -> None:
+@LOADERS.register("imagefolder")
+def _imagefolder(ctx: Context, out_dir: Path) -> None:
     """Streamed block by block (user folders can be any size)."""
     cfg = ctx.cfg
     archive = _imagefolder_archive(ctx)
@@ -179,7 +199,7 @@ def _imagefolder(ctx: _Context, out_dir: Path) -> None:
     ctx.skipped_files = len(found.skipped)
 
 
-def _imagefolder_archive(ctx: _Context) -> Path | None:
+def _imagefolder_archive(ctx: Context) -> Path | None:
     """The verified archive to extract (fetched when `data.url`), or None for a local folder."""
     cfg = ctx.cfg
     if cfg.url is not None:
@@ -233,17 +253,6 @@ def _warn_about_credentials_in_params(cfg: DataConfig) -> None:
             )
 
 
-# Each source writes `out_dir` (atomically, through tasks/data/formats.py).
-SOURCES: dict[str, Callable[[_Context, Path], None]] = {
-    "digits": _in_memory(_digits),
-    "mnist": _in_memory(_mnist_like("MNIST")),
-    "fashion_mnist": _in_memory(_mnist_like("FashionMNIST")),
-    "cifar10": _in_memory(_cifar("CIFAR10")),
-    "cifar100": _in_memory(_cifar("CIFAR100")),
-    "imagefolder": _imagefolder,
-}
-
-
 def download(
     cfg: DataConfig,
     out_dir: Path,
@@ -262,9 +271,9 @@ def download(
     _warn_about_credentials_in_params(cfg)
     cache = Path(cache_dir) / cfg.source
     cache.mkdir(parents=True, exist_ok=True)
-    ctx = _Context(cfg, cache, retry, Auth.from_environment([cfg.mirror, cfg.url]))
+    ctx = Context(cfg, cache, retry, Auth.from_environment([cfg.mirror, cfg.url]))
     with atomic_dir(Path(out_dir)) as staging:
-        SOURCES[cfg.source](ctx, staging)
+        LOADERS[cfg.source](ctx, staging)
         if check is not None:
             check(open_raw(staging))
     written = read_raw(out_dir)  # read back: what later stages will see

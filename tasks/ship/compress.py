@@ -2,15 +2,9 @@
 
 Variants (`compress.variants`: by default only those `export.candidates` may ship; `all` for the
 full table), all written as ONNX to `artifacts/compress/models/<name>.onnx`
-beside the fp32 reference `fp32.onnx`:
-
-| variant | how |
-| --- | --- |
-| dynamic_int8 | ONNX Runtime `quantize_dynamic` (int8 weights, activations quantized at run time) |
-| static_int8 | ONNX Runtime `quantize_static`, QDQ, per-channel weights, calibrated on a seeded training subset |
-| qat_int8 | torchao pt2e quantization-aware fine-tuning, converted and exported as QDQ ONNX |
-| pruned_l1 | global unstructured L1 pruning of conv/linear weights, fine-tuned, made permanent |
-| pruned_ln | structured: conv output channels with the smallest L-n norm removed (torch-pruning), fine-tuned |
+beside the fp32 reference `fp32.onnx`. They are the registry tasks/core/config/ship.py
+`COMPRESSION_VARIANTS` (what each is: the docs render its table); each registers its builder here,
+`@BUILDERS.register(name)`, on the mechanisms of tasks/ship/quantize.py and tasks/ship/prune.py.
 
 Every model is measured in ONNX Runtime on this machine with the run's fixed thread count: test
 accuracy, top-1 agreement with fp32, file size, weight sparsity, and latency at batch 1 and 64
@@ -27,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +29,9 @@ import torch
 from torch import nn
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config.ship import VARIANTS, CompressConfig
+from tasks.core.config.ship import COMPRESSION_VARIANTS, CompressConfig
 from tasks.core.config.train import TrainConfig
+from tasks.core.registry import Implementations
 from tasks.data.formats import NpyRows
 from tasks.data.preprocess import load_split, take_rows
 from tasks.ship import prune, quantize
@@ -63,6 +58,59 @@ class VariantReport:
 
 
 @dataclass(frozen=True)
+class Build:
+    """What a variant's builder gets: it writes `out` (ONNX) from `fp32` (the reference's file) or `model`
+    (the best checkpoint's fp32 model, eval mode: deep-copy it before changing it)."""
+
+    cfg: CompressConfig
+    model: nn.Module
+    example: torch.Tensor  # a batch of training images as model input (tracing, export)
+    fp32: Path
+    out: Path
+    calibration: Callable[[], np.ndarray]  # a seeded subset of the training images (uint8), read when called
+    tune: Callable[[int, float], Callable[[nn.Module], object]] = field(repr=False)  # (epochs, lr) -> fine-tune
+
+
+# How each variant of COMPRESSION_VARIANTS is built, by name.
+BUILDERS: Implementations[Callable[[Build], None]] = Implementations(COMPRESSION_VARIANTS)
+
+
+@BUILDERS.register("dynamic_int8")
+def _dynamic_int8(job: Build) -> None:
+    quantize.dynamic_int8(job.fp32, job.out)
+
+
+@BUILDERS.register("static_int8")
+def _static_int8(job: Build) -> None:
+    quantize.static_int8(job.fp32, job.out, job.calibration())
+
+
+@BUILDERS.register("qat_int8")
+def _qat_int8(job: Build) -> None:
+    quantize.qat_int8(copy.deepcopy(job.model), job.example, job.tune(job.cfg.qat_epochs, job.cfg.qat_lr), job.out)
+
+
+@BUILDERS.register("pruned_l1")
+def _pruned_l1(job: Build) -> None:
+    _pruned(job, lambda model: prune.global_l1(model, job.cfg.prune_amount))
+
+
+@BUILDERS.register("pruned_ln")
+def _pruned_ln(job: Build) -> None:
+    _pruned(job, lambda model: prune.conv_channels_ln(model, job.cfg.prune_channels, job.cfg.prune_norm, job.example))
+
+
+def _pruned(job: Build, prune_it: Callable[[nn.Module], None]) -> None:
+    """A pruned copy of the model, fine-tuned (`finetune_epochs`), made permanent, exported."""
+    pruned = copy.deepcopy(job.model)
+    prune_it(pruned)
+    if job.cfg.finetune_epochs:
+        job.tune(job.cfg.finetune_epochs, job.cfg.finetune_lr)(pruned)
+    prune.make_permanent(pruned)
+    export_onnx(pruned.eval(), job.example, job.out)
+
+
+@dataclass(frozen=True)
 class CompressResult:
     rows: list[VariantReport]  # fp32 first, then compress.variants in order
     threads: int
@@ -84,12 +132,18 @@ def compress(
     example = torch.from_numpy(as_pixels(take_rows(train.images, np.arange(min(64, len(train.labels))))))
     history: dict[str, list[dict]] = {}
 
-    def tune(epochs: int, lr: float, name: str) -> Callable[[nn.Module], object]:
-        def run(module: nn.Module) -> None:
-            history[name] = fine_tune(module, train_cfg, seed, pre_dir, epochs, lr)
-            module.to("cpu").eval()  # fine-tuned on train.device; exported and measured for the CPU
+    def tuner(name: str) -> Callable[[int, float], Callable[[nn.Module], object]]:
+        def tune(epochs: int, lr: float) -> Callable[[nn.Module], object]:
+            def run(module: nn.Module) -> None:
+                history[name] = fine_tune(module, train_cfg, seed, pre_dir, epochs, lr)
+                module.to("cpu").eval()  # fine-tuned on train.device; exported and measured for the CPU
 
-        return run
+            return run
+
+        return tune
+
+    def calibration() -> np.ndarray:
+        return take_rows(train.images, _calibration_indices(len(train.labels), cfg, seed))
 
     with atomic_dir(out_dir) as staging:
         models = staging / "models"
@@ -98,24 +152,7 @@ def compress(
         export_onnx(model, example, fp32)
         for name in cfg.variants:
             path, started = models / f"{name}.onnx", time.perf_counter()
-            if name == "dynamic_int8":
-                quantize.dynamic_int8(fp32, path)
-            elif name == "static_int8":
-                quantize.static_int8(
-                    fp32, path, take_rows(train.images, _calibration_indices(len(train.labels), cfg, seed))
-                )
-            elif name == "qat_int8":
-                quantize.qat_int8(copy.deepcopy(model), example, tune(cfg.qat_epochs, cfg.qat_lr, name), path)
-            else:
-                pruned = copy.deepcopy(model)
-                if name == "pruned_l1":
-                    prune.global_l1(pruned, cfg.prune_amount)
-                else:
-                    prune.conv_channels_ln(pruned, cfg.prune_channels, cfg.prune_norm, example)
-                if cfg.finetune_epochs:
-                    tune(cfg.finetune_epochs, cfg.finetune_lr, name)(pruned)
-                prune.make_permanent(pruned)
-                export_onnx(pruned.eval(), example, path)
+            BUILDERS[name](Build(cfg, model, example, fp32, path, calibration, tuner(name)))
             log.info("%s: built in %.1f s", name, time.perf_counter() - started)
         names = ["fp32", *cfg.variants]
         for name in names:  # what a model file alone must say to predict with (tasks/tools/predict.py)
@@ -192,7 +229,7 @@ def _write_reports(result: CompressResult, out_dir: Path) -> None:
     writer.writerows(rows)
     (out_dir / "compression.csv").write_text(buffer.getvalue())
     header = f"Measured with ONNX Runtime on CPU, {result.threads} thread(s); latency: median per run.\n"
-    left_out = [name for name in VARIANTS if name not in {r.variant for r in result.rows}]
+    left_out = [name for name in COMPRESSION_VARIANTS if name not in {r.variant for r in result.rows}]
     if left_out:  # the default builds only what may ship: say what one switch adds to this table
         header += f"Not built: {', '.join(left_out)} (`compress.variants: all` builds every variant).\n"
     header += "\n"

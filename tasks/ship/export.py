@@ -7,7 +7,9 @@ Outputs (`artifacts/export/`):
   compression table measured;
 - `torch/`: the fp32 model in the other `export.formats`: `model.pt2` (`torch.export`, the current
   PyTorch format) and, only when asked, `model.torchscript.pt` (TorchScript is deprecated in torch;
-  kept for consumers that still load it);
+  kept for consumers that still load it). The formats are the registry tasks/core/config/ship.py
+  `EXPORT_FORMATS` (each one's file and gate label); each registers how it is written and read back
+  in tasks/ship/formats.py;
 - `gates.json` (for `dvc metrics show`; its flat `shipped` section: the shipped model's accuracy, and
   its size and latency as compress measured them) and `model_card.md`.
 
@@ -40,19 +42,18 @@ import numpy as np
 import torch
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config.ship import ExportConfig
+from tasks.core.config.ship import EXPORT_FORMATS, ExportConfig
 from tasks.core.config.train import RECIPE_KEYS, TrainConfig
 from tasks.core.errors import Refused
 from tasks.core.hashing import file_digest
 from tasks.core.redact import redact, redact_tree
 from tasks.data.preprocess import Preprocessed, load_split, take_rows
+from tasks.ship.formats import WRITERS
 from tasks.ship.onnx_model import as_pixels, predict, session
 from tasks.train.checkpoints import load_checkpoint
 
-SHIPPED, FP32 = "model.onnx", "model_fp32.onnx"
+SHIPPED, FP32 = "model.onnx", EXPORT_FORMATS["onnx"].file
 TORCH_DIR = "torch"  # the fp32 model in the torch formats of export.formats
-PT2, TORCHSCRIPT = f"{TORCH_DIR}/model.pt2", f"{TORCH_DIR}/model.torchscript.pt"
-TORCH_FORMATS = {"pt2": PT2, "torchscript": TORCHSCRIPT}
 CARD, GATES = "model_card.md", "gates.json"
 
 
@@ -146,7 +147,7 @@ def export(
         shutil.copyfile(_candidate_file(compress_dir, staging, shipped.variant), staging / SHIPPED)
         reason = f"{'; '.join(_failures(tried[:-1]))}: {shipped.variant} shipped instead" if len(tried) > 1 else ""
 
-        files = [SHIPPED, FP32, *(TORCH_FORMATS[name] for name in cfg.formats if name in TORCH_FORMATS)]
+        files = [SHIPPED, FP32, *(EXPORT_FORMATS[name].file for name in cfg.formats if name in WRITERS)]
         result = ExportResult(
             variant=shipped.variant,
             fallback_reason=reason,
@@ -250,18 +251,13 @@ def _bytes_note(mode: str) -> str:
 
 
 def _save_torch_programs(model: torch.nn.Module, parity: torch.Tensor, staging: Path, formats: tuple[str, ...]) -> None:
-    """The fp32 model in the torch formats asked for: a torch.export program (.pt2), TorchScript."""
+    """The fp32 model in the formats asked for that have a writer (all but onnx), in registry order."""
     (staging / TORCH_DIR).mkdir()
-    if "pt2" in formats:
-        program = torch.export.export(model, (parity,), dynamic_shapes=({0: torch.export.Dim("batch")},))
-        for node in program.graph.nodes:  # stack traces name this checkout's paths: bytes would depend on it
-            node.meta.pop("stack_trace", None)
-        torch.export.save(program, staging / PT2)
-    if "torchscript" in formats:
-        with torch.no_grad():
-            # Not byte-reproducible: TorchScript archives carry a random serialization id and pickled
-            # debug info. It is for legacy consumers; the ONNX and .pt2 files are reproducible.
-            torch.jit.save(torch.jit.trace(model, parity), staging / TORCHSCRIPT)
+    for name, writer in WRITERS.items():
+        if name in formats:
+            path = staging / EXPORT_FORMATS[name].file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            writer.save(model, parity, path)
 
 
 def _parity_gates(
@@ -269,11 +265,10 @@ def _parity_gates(
 ) -> list[Gate]:
     """fp32 ONNX and each torch format, reloaded from the files as written, against the eager model on
     the parity batch (`images`, uint8; `parity`, the same as model input)."""
-    reloaded = {"fp32 ONNX": predict(session(staging / FP32, threads), images)}
-    if "pt2" in cfg.formats:
-        reloaded[".pt2"] = _run_torch(torch.export.load(staging / PT2).module(), parity)
-    if "torchscript" in cfg.formats:
-        reloaded["TorchScript"] = _run_torch(torch.jit.load(staging / TORCHSCRIPT), parity)
+    reloaded = {EXPORT_FORMATS["onnx"].label: predict(session(staging / FP32, threads), images)}
+    for name, writer in WRITERS.items():
+        if name in cfg.formats:
+            reloaded[EXPORT_FORMATS[name].label] = _run_torch(writer.load(staging / EXPORT_FORMATS[name].file), parity)
     return [
         Gate(f"{name} vs eager max |logit diff|", float(np.abs(out - eager).max()), cfg.max_abs_diff, True)
         for name, out in reloaded.items()

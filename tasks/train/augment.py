@@ -28,13 +28,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from tasks.core.config.train import TrainConfig
+from tasks.core.config.train import AUGMENT_PRESETS, TrainConfig
+from tasks.core.registry import Implementations
 from tasks.data.formats import NpyRows
 from tasks.data.preprocess import Preprocessed, take_rows
 
-# The presets that shift and mirror while fetching (random_shift, hflip); resized_crop crops instead
-# of shifting (and still mirrors), none does nothing.
-SHIFTING = ("shift_flip", "affine", "elastic", "trivialaugment", "randaugment")
 # RandomResizedCrop's area range for photos: torchvision's reference recipe uses (0.08, 1) on 224 px
 # ImageNet crops; on 32 px images a crop of 8% (9x9 px) upscaled leaves little of the object.
 CROP_SCALE = (0.25, 1.0)
@@ -50,12 +48,16 @@ AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR = 10.0, (0.9, 1.1), 10.0
 ELASTIC_ALPHA, ELASTIC_SIGMA, ELASTIC_AT_PX = 34.0, 4.0, 28
 Transform = Callable[[torch.Tensor], torch.Tensor]  # a torchvision v2 transform of one uint8 image
 Policy = Callable[[torch.Tensor], torch.Tensor]  # a uint8 batch, moved by draws from torch's global generator
+# Each preset of AUGMENT_PRESETS (tasks/core/config/train.py: whether it shifts and mirrors) registers here
+# what it does after the shift and the mirror: a builder of its batch policy from the image size ([H, W]),
+# or of None (nothing more). A policy is a picklable callable (the loader's workers get it pickled).
+POLICIES: Implementations[Callable[[tuple[int, ...]], Policy | None]] = Implementations(AUGMENT_PRESETS)
 
 
 def shift_pixels(cfg: TrainConfig, image_size: tuple[int, ...]) -> int:
     """`train.random_shift` in pixels under a shifting preset: `auto` is an eighth of the shorter side,
     at least 1; 0 under the other presets."""
-    if cfg.augment not in SHIFTING:
+    if not AUGMENT_PRESETS[cfg.augment].shifts:
         return 0
     return max(1, round(min(image_size) / 8)) if cfg.random_shift == "auto" else int(cfg.random_shift)
 
@@ -105,28 +107,54 @@ class AugmentedBatches(Dataset):
 
 def augmented_batches(split: Preprocessed, cfg: TrainConfig, seed: int) -> AugmentedBatches:
     """The training split as `cfg` fetches it: shifted, mirrored and through the policy its preset names."""
-    mirror = bool(cfg.hflip) and cfg.augment != "none"
+    mirror = bool(cfg.hflip) and AUGMENT_PRESETS[cfg.augment].mirrors
     size = split.images.shape[2:]
-    return AugmentedBatches(split, shift_pixels(cfg, size), mirror, seed, _policy(cfg.augment, tuple(size)))
+    policy = POLICIES[cfg.augment](tuple(size))
+    return AugmentedBatches(split, shift_pixels(cfg, size), mirror, seed, policy)
 
 
-def _policy(preset: str, image_size: tuple[int, ...]) -> Policy | None:
-    if preset not in ("affine", "elastic", "trivialaugment", "randaugment", "resized_crop"):
-        return None
-    if preset in ("affine", "elastic"):
-        from tasks.train.warps import AffineWarp, ElasticWarp  # here: a run without a policy never loads them
+# The builders import torchvision and warps.py inside: a run without a policy never loads them.
 
-        if preset == "affine":
-            return AffineWarp(AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR)
-        scale = min(*image_size, ELASTIC_AT_PX) / ELASTIC_AT_PX
-        return ElasticWarp(ELASTIC_ALPHA * scale**2, ELASTIC_SIGMA * scale, AFFINE_DEGREES, AFFINE_SCALE,
-                           AFFINE_SHEAR)  # fmt: skip
-    from torchvision.transforms import v2  # here: a run without a policy never loads it
 
-    if preset == "trivialaugment":
-        return PerImage(v2.TrivialAugmentWide())
-    if preset == "randaugment":
-        return PerImage(v2.RandAugment())
+@POLICIES.register("shift_flip")
+@POLICIES.register("none")
+def _no_policy(image_size: tuple[int, ...]) -> None:
+    return None
+
+
+@POLICIES.register("affine")
+def _affine(image_size: tuple[int, ...]) -> Policy:
+    from tasks.train.warps import AffineWarp
+
+    return AffineWarp(AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR)
+
+
+@POLICIES.register("elastic")
+def _elastic(image_size: tuple[int, ...]) -> Policy:
+    from tasks.train.warps import ElasticWarp
+
+    scale = min(*image_size, ELASTIC_AT_PX) / ELASTIC_AT_PX
+    return ElasticWarp(ELASTIC_ALPHA * scale**2, ELASTIC_SIGMA * scale, AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR)
+
+
+@POLICIES.register("trivialaugment")
+def _trivialaugment(image_size: tuple[int, ...]) -> Policy:
+    from torchvision.transforms import v2
+
+    return PerImage(v2.TrivialAugmentWide())
+
+
+@POLICIES.register("randaugment")
+def _randaugment(image_size: tuple[int, ...]) -> Policy:
+    from torchvision.transforms import v2
+
+    return PerImage(v2.RandAugment())
+
+
+@POLICIES.register("resized_crop")
+def _resized_crop(image_size: tuple[int, ...]) -> Policy:
+    from torchvision.transforms import v2
+
     return PerImage(v2.RandomResizedCrop(list(image_size), scale=CROP_SCALE, antialias=True))
 
 

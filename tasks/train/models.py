@@ -1,6 +1,8 @@
 """The models: the architectures `train.model` can name, and running one on uint8 images.
 
-`resnet9` (the default) and `small_cnn` are ours; every other name is a torchvision classification
+`resnet9` (the default) and `small_cnn` are ours (the registry tasks/core/config/train.py `MODELS`: a
+class registered here under each of its names, `@ARCHITECTURES.register(name)`, built as
+`cls(in_channels, num_classes)`); every other name is a torchvision classification
 builder (resnet*, regnet_*, mobilenet_*, efficientnet_*, convnext_*, vit_*, ...), adapted to the
 data: the first convolution takes its channels, the head puts out its classes, and images under
 SMALL_INPUT px get a small-input stem.
@@ -17,7 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from tasks.core.config.train import MODELS
 from tasks.core.errors import ExpectedFailure
+from tasks.core.registry import Implementations
 from tasks.data.formats import NpyRows
 from tasks.data.preprocess import in_batches
 from tasks.determinism import escapes
@@ -34,11 +38,17 @@ class ModelError(ExpectedFailure):
     """`train.model` cannot be built, or cannot take the data's images."""
 
 
+# Our architectures, by their MODELS name: each takes (in_channels, num_classes) and any data size its
+# entry's summary promises (it ends in global pooling, or checks the size itself).
+ARCHITECTURES: Implementations[type[nn.Module]] = Implementations(MODELS)
+
+
 def _conv_bn_relu(c_in: int, c_out: int) -> nn.Sequential:
     # conv -> bn -> relu blocks are what quantization fuses, so keep them as one unit.
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
 
 
+@ARCHITECTURES.register("small_cnn")
 class SmallCNN(nn.Module):
     """Three conv blocks and global pooling: ~0.1M parameters, enough for 8x8..32x32 images."""
 
@@ -70,6 +80,7 @@ class _Residual(nn.Module):
         return x + self.body(x)
 
 
+@ARCHITECTURES.register("resnet9")
 class ResNet9(nn.Module):
     """The fast CIFAR-10 baseline's ResNet-9 (Myrtle.ai, D. Page 2018) at a quarter of its width.
 
@@ -94,9 +105,6 @@ class ResNet9(nn.Module):
 
     def forward(self, x):  # noqa: D102
         return self.classifier(self.features(x))
-
-
-OWN_MODELS = {"resnet9": ResNet9, "small_cnn": SmallCNN}
 
 
 def torchvision_models() -> list[str]:
@@ -260,8 +268,8 @@ def build_model(
     the architecture; None (checkpoints written before it was recorded) means a small-input stem.
     """
     in_channels = len(mean)
-    if name in OWN_MODELS:
-        net = OWN_MODELS[name](in_channels, num_classes)
+    if name in ARCHITECTURES:
+        net = ARCHITECTURES[name](in_channels, num_classes)
     else:
         net = _torchvision_net(name, in_channels, num_classes, image_size)
         if image_size is not None:
@@ -279,7 +287,7 @@ def refuse_unportable(model: nn.Module) -> None:
     graph being fine-tuned) has no recorded input size: the kernels refuse what it reaches as it runs.
     """
     arch, size = getattr(model, "arch", None), getattr(model, "image_size", None)
-    if arch is None or arch in OWN_MODELS or size is None:
+    if arch is None or arch in ARCHITECTURES or size is None:
         return
     escapes.refuse_unportable(model, arch, (model.mean.shape[1], *size))
 

@@ -1,8 +1,10 @@
-"""The data sections: `data` (what download ingests), `split`, `stats`, and `checks` (its gates)."""
+"""The data sections: `data` (what download ingests), `split`, `stats`, and `checks` (its gates); and
+`SOURCES`, the registry of what `data.source` names (tasks/core/registry.py), each with its training recipe."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -11,8 +13,82 @@ from tasks.core.config.base import (
     Section,
     Url,
 )
+from tasks.core.registry import Registry
 
-Source = Literal["digits", "mnist", "fashion_mnist", "cifar10", "cifar100", "imagefolder"]
+
+@dataclass(frozen=True)
+class SourceRecipe:
+    """What `auto` in the train section means for one data source: `train.model`, `train.epochs`,
+    `train.hflip` and `train.augment` (names of tasks/core/config/train.py's MODELS or a torchvision
+    model, and of its AUGMENT_PRESETS)."""
+
+    model: str
+    epochs: int
+    hflip: bool
+    augment: str = "shift_flip"
+    greyscale_augment: str | None = None  # `augment` when data.channels is 1, if it differs
+
+    def augment_for(self, channels: int | None) -> str:
+        return self.greyscale_augment if channels == 1 and self.greyscale_augment else self.augment
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """A `data.source` value (tasks/data/download.py registers its loader under the same name)."""
+
+    summary: str  # what it is, for the docs' table
+    needs: str  # what the download stage needs to fetch it
+    recipe: SourceRecipe  # what `auto` in the train section resolves to
+    folder_options: bool = False  # takes data.path / url / sha256 / image_size / channels
+
+
+# The recipes: resnet9 for real images; on 8x8 digits its stages end at 1x1 pixel and small_cnn is as
+# accurate, and int8 speeds it up more. Epochs: what fits minutes to tens of minutes of a 2-core CPU at the
+# source's published size (docs/data.md, "Accuracy and time per source"). Mirroring keeps the class of a
+# garment or a CIFAR photo, not of a digit (a mirrored 2 is no 2); of an ImageFolder nothing is known: set
+# it for photos. An ImageFolder's images are also rotated, scaled and sheared a little (augment: affine: up
+# to 10 degrees and 10%), too little to turn a digit, a letter or a photo into another class; on real
+# handwritten digits and on generated glyphs it did as well as shift alone or better (docs/training.md).
+# Greyscale folders (data.channels: 1: handwriting, glyphs, scans) add an elastic distortion: on real
+# handwritten digits it beat `affine` on validation over three split seeds, on generated glyphs it tied
+# on two and was two images worse on one; 12 or 10 epochs of it did worse than 15 (docs/training.md).
+# Not on colour folders: unmeasured on photos.
+_PUBLISHED = "the published files (torchvision's URLs and md5s)"
+SOURCES: Registry[DataSource] = Registry(
+    "data.source",
+    {
+        "digits": DataSource(
+            "scikit-learn's 8×8 digits, 1,797 greyscale images",
+            "nothing (ships offline)",
+            SourceRecipe(model="small_cnn", epochs=30, hflip=False),
+        ),
+        "mnist": DataSource(
+            "70,000 28×28 greyscale handwritten digits",
+            _PUBLISHED,
+            SourceRecipe(model="resnet9", epochs=5, hflip=False),
+        ),
+        "fashion_mnist": DataSource(
+            "70,000 28×28 greyscale garments", _PUBLISHED, SourceRecipe(model="resnet9", epochs=8, hflip=True)
+        ),
+        "cifar10": DataSource(
+            "60,000 32×32 RGB photos, 10 classes",
+            "the published archive (torchvision's URL and md5)",
+            SourceRecipe(model="resnet9", epochs=12, hflip=True),
+        ),
+        "cifar100": DataSource(
+            "60,000 32×32 RGB photos, 100 classes",
+            "the published archive (torchvision's URL and md5)",
+            SourceRecipe(model="resnet9", epochs=12, hflip=True),
+        ),
+        "imagefolder": DataSource(
+            "your images: `root/<class>/**/*.png` (jpg, bmp, tif, webp, ...)",
+            "`data.path` (a folder or archive), or `data.url` + `data.sha256`",
+            SourceRecipe(model="resnet9", epochs=15, hflip=False, augment="affine", greyscale_augment="elastic"),
+            folder_options=True,
+        ),
+    },
+)
+Source = SOURCES.named()
 
 
 class DataConfig(Section):
@@ -65,13 +141,14 @@ class DataConfig(Section):
             "image_size": self.image_size,
             "channels": self.channels,
         }
-        if self.source != "imagefolder":
+        if not SOURCES[self.source].folder_options:
             misplaced = [key for key, value in folder_only.items() if value is not None]
             if misplaced:
-                raise ValueError(f"{', '.join(misplaced)}: only for source 'imagefolder' (source is {self.source!r})")
+                takes = " or ".join(repr(name) for name, entry in SOURCES.items() if entry.folder_options)
+                raise ValueError(f"{', '.join(misplaced)}: only for source {takes} (source is {self.source!r})")
             return self
         if (self.path is None) == (self.url is None):
-            raise ValueError("source 'imagefolder' needs exactly one of path (local) or url (archive)")
+            raise ValueError(f"source {self.source!r} needs exactly one of path (local) or url (archive)")
         if self.url is not None and self.sha256 is None:
             raise ValueError("url needs sha256: downloads are verified before use")
         return self

@@ -1,7 +1,9 @@
-"""The sections read by no stage: `tracking`, `orchestration` and its `notify`."""
+"""The sections read by no stage: `tracking`, `orchestration` and its `notify`; and `NOTIFY_FORMATS`, the
+registry of what `notify.format` names (tasks/core/registry.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -9,6 +11,27 @@ from pydantic import Field, field_validator
 from tasks.core.config.base import (
     Section,
 )
+from tasks.core.registry import Registry
+
+
+@dataclass(frozen=True)
+class NotifyFormat:
+    """A `notify.format` value: the JSON a webhook in `notify.url_env` is sent (flows/notify.py registers
+    how an event becomes that JSON under the same name)."""
+
+    summary: str  # for the docs' table
+
+
+NOTIFY_FORMATS: Registry[NotifyFormat] = Registry(
+    "orchestration.notify.format",
+    {
+        "slack": NotifyFormat('`{"text": ...}`: what a Slack incoming webhook takes'),
+        "generic": NotifyFormat(
+            "every field of the event (`event`, `flow`, `flow_run`, `stage`, `error`, ...) and `text`"
+        ),
+    },
+)
+NotifyFormatName = NOTIFY_FORMATS.named()
 
 
 class NotifyConfig(Section):
@@ -22,7 +45,7 @@ class NotifyConfig(Section):
     )
     block: str | None = Field(None, max_length=256, pattern=r"^[a-z0-9-]+/[a-z0-9-]+$")  # <block type>/<name>
     url_env: str = Field("LOCKSTEP_NOTIFY_URL", max_length=128, pattern=r"^[A-Z_][A-Z0-9_]*$")
-    format: Literal["slack", "generic"] = "slack"  # slack: {"text": ...}; generic: the event as JSON fields
+    format: NotifyFormatName = "slack"  # slack: {"text": ...}; generic: the event as JSON fields
     timeout_s: float = Field(5.0, gt=0, le=60)  # per message; a slow or dead receiver never stalls a run
 
 

@@ -1,9 +1,12 @@
-"""The shipping sections: `compress`, `export` and `promotion`."""
+"""The shipping sections: `compress`, `export` and `promotion`; and two registries (tasks/core/registry.py):
+`COMPRESSION_VARIANTS`, what `compress.variants` names (tasks/ship/compress.py builds them), and
+`EXPORT_FORMATS`, what `export.formats` names (tasks/ship/formats.py writes them)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -13,9 +16,43 @@ from tasks.core.config.base import (
     MAX_LR,
     Section,
 )
+from tasks.core.registry import Registry
 
-Variant = Literal["dynamic_int8", "static_int8", "qat_int8", "pruned_l1", "pruned_ln"]
-VARIANTS: tuple[Variant, ...] = get_args(Variant)  # what `compress.variants: all` builds, in this order
+
+@dataclass(frozen=True)
+class CompressionVariant:
+    """A `compress.variants` value (tasks/ship/compress.py registers how it is built under the same name):
+    a smaller model, written as `artifacts/compress/models/<name>.onnx` and measured beside fp32."""
+
+    summary: str  # how it is made, for the docs' table
+
+
+COMPRESSION_VARIANTS: Registry[CompressionVariant] = Registry(
+    "compress.variants",
+    {
+        "dynamic_int8": CompressionVariant(
+            "ONNX Runtime `quantize_dynamic` (int8 weights, activations quantized at run time)"
+        ),
+        "static_int8": CompressionVariant(
+            "ONNX Runtime `quantize_static`: QDQ, per-channel int8 weights, activations calibrated (MinMax) on "
+            "`calibration_size` training images drawn with `seed`"
+        ),
+        "qat_int8": CompressionVariant(
+            "torchao pt2e quantization-aware fine-tuning (`qat_epochs`), converted and exported as QDQ ONNX"
+        ),
+        "pruned_l1": CompressionVariant(
+            "global unstructured L1 pruning of `prune_amount` of the conv/linear weights, fine-tuned with the "
+            "mask held, made permanent"
+        ),
+        "pruned_ln": CompressionVariant(
+            "structured: `prune_channels` of each conv's output channels with the smallest L-`prune_norm` norm "
+            "removed (torch-pruning), fine-tuned"
+        ),
+    },
+)
+VariantName = COMPRESSION_VARIANTS.named()
+Variant = Literal[tuple(COMPRESSION_VARIANTS)]  # for type hints and argparse choices; validation reads the registry
+VARIANTS: tuple[str, ...] = tuple(COMPRESSION_VARIANTS)  # what `compress.variants: all` builds, in this order
 
 
 class CompressConfig(Section):
@@ -24,7 +61,7 @@ class CompressConfig(Section):
     # auto: the variants export.candidates may ship, resolved by Params (`for_candidates`): the others
     # fine-tune for epochs only to fill the comparison table. all: every variant (VARIANTS), that table.
     # A CompressConfig made alone keeps `auto` until `for_candidates`; `all` becomes the list here.
-    variants: Annotated[tuple[Variant, ...], Field(strict=False)] | Literal["auto", "all"] = "auto"
+    variants: Annotated[tuple[VariantName, ...], Field(strict=False)] | Literal["auto", "all"] = "auto"
     calibration_size: int = Field(512, ge=1, le=1_000_000)  # static int8: seeded subset of the training split
     qat_epochs: int = Field(2, ge=1, le=MAX_EPOCHS)  # quantization-aware fine-tuning epochs (qat_int8)
     qat_lr: float = Field(0.001, gt=0, le=MAX_LR)
@@ -38,9 +75,9 @@ class CompressConfig(Section):
 
     @field_validator("variants")
     @classmethod
-    def _all_or_unique(cls, value: tuple[Variant, ...] | str) -> tuple[Variant, ...] | str:
+    def _all_or_unique(cls, value: tuple[str, ...] | str) -> tuple[str, ...] | str:
         if value == "all":
-            return VARIANTS
+            return tuple(COMPRESSION_VARIANTS)
         if isinstance(value, tuple) and len(set(value)) != len(value):
             raise ValueError(f"lists a variant twice: {list(value)}")
         return value
@@ -52,7 +89,32 @@ class CompressConfig(Section):
         return self.model_copy(update={"variants": tuple(name for name in candidates if name != "fp32")})
 
 
-ExportFormat = Literal["onnx", "pt2", "torchscript"]
+@dataclass(frozen=True)
+class ExportFormat:
+    """An `export.formats` value: the fp32 model in one more format, beside `model.onnx` (tasks/ship/formats.py
+    registers how it is written and read back for its parity gate under the same name)."""
+
+    summary: str  # for the docs' table
+    file: str  # where it is written, under artifacts/export/
+    label: str  # how its parity gate names it
+
+
+EXPORT_FORMATS: Registry[ExportFormat] = Registry(
+    "export.formats",
+    {
+        "onnx": ExportFormat(
+            "fp32 ONNX (required: what int8 candidates are made from and compared with)", "model_fp32.onnx", "fp32 ONNX"
+        ),
+        "pt2": ExportFormat("`torch.export` program, the current PyTorch format", "torch/model.pt2", ".pt2"),
+        "torchscript": ExportFormat(
+            "TorchScript (deprecated in torch; its bytes are not reproducible: the archive carries a random id)",
+            "torch/model.torchscript.pt",
+            "TorchScript",
+        ),
+    },
+)
+FormatName = EXPORT_FORMATS.named()
+VariantOrFp32 = COMPRESSION_VARIANTS.named("fp32")
 
 
 class ExportConfig(Section):
@@ -60,8 +122,8 @@ class ExportConfig(Section):
 
     # tried in order; the first that passes its gates ships as model.onnx. fp32, if listed, comes last:
     # it has no gates of its own, so nothing after it could ever be tried.
-    candidates: tuple[Literal["fp32"] | Variant, ...] = Field(("static_int8", "fp32"), min_length=1, strict=False)
-    formats: tuple[ExportFormat, ...] = Field(("onnx", "pt2"), min_length=1, strict=False)
+    candidates: tuple[VariantOrFp32, ...] = Field(("static_int8", "fp32"), min_length=1, strict=False)
+    formats: tuple[FormatName, ...] = Field(("onnx", "pt2"), min_length=1, strict=False)
     parity_batch: int = Field(256, ge=1, le=MAX_BATCH)  # the first N test images: exported fp32 formats vs eager
     max_abs_diff: float = Field(1e-4, gt=0, le=1e3)  # fp32 ONNX / torch formats' logits vs eager
     min_top1_agreement: float = Field(0.99, ge=0, le=1)  # a candidate vs fp32 top-1, where fp32 is confident

@@ -1,5 +1,7 @@
-"""The training sections: `determinism`, `train` (with the model names and per-source recipes `auto`
-resolves to) and `evaluate`."""
+"""The training sections: `determinism`, `train` and `evaluate`, with two registries (tasks/core/registry.py):
+`MODELS`, the architectures of our own that `train.model` names (tasks/train/models.py builds them), and
+`AUGMENT_PRESETS`, what `train.augment` names (tasks/train/augment.py draws them). The per-source recipes
+`auto` resolves to are the data sources' (tasks/core/config/data.py `SOURCES`)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from tasks.core.config.base import (
     Url,
     is_loopback,
 )
+from tasks.core.config.data import SOURCES, SourceRecipe
+from tasks.core.registry import Registry
 
 
 class DeterminismConfig(Section):
@@ -35,8 +39,8 @@ class DeterminismConfig(Section):
 # torchvision 0.29): written out because importing torchvision to ask costs 3-6 s in every process that
 # reads params.yaml. tests/train/test_zoo.py holds the list to the installed torchvision; tasks/train/models.py asks
 # torchvision again when it builds (an older torchvision, e.g. on a GPU box, may lack a name). The names
-# and recipes live here rather than beside the models: params.yaml is validated before torch loads, and
-# tasks/core imports nothing from the packages above it.
+# live here rather than beside the models: params.yaml is validated before torch loads, and tasks/core
+# imports nothing from the packages above it.
 TORCHVISION_MODELS = frozenset(
     """
     alexnet convnext_base convnext_large convnext_small convnext_tiny densenet121 densenet161 densenet169
@@ -54,52 +58,69 @@ TORCHVISION_MODELS = frozenset(
 # bytes; the largest torchvision classifier (regnet_y_128gf) is ~2.6 GB in fp32. The file is read into memory
 # (hashed, then parsed, from the same bytes), so the bound is one a machine can hold, not 1 TiB.
 MAX_WEIGHTS_FILE = 8 << 30
-OWN_MODELS = ("resnet9", "small_cnn")  # tasks/train/models.py
 
 
 @dataclass(frozen=True)
-class SourceRecipe:
-    """What `auto` in the train section means for one data source."""
+class OwnModel:
+    """An architecture of ours (tasks/train/models.py registers its class under the same name)."""
 
-    model: str
-    epochs: int
-    hflip: bool
-    augment: str = "shift_flip"
-    greyscale_augment: str | None = None  # `augment` when data.channels is 1, if it differs
-
-    def augment_for(self, channels: int | None) -> str:
-        return self.greyscale_augment if channels == 1 and self.greyscale_augment else self.augment
+    summary: str  # one line for the docs' table
 
 
-# `train.model`, `train.epochs`, `train.hflip` and `train.augment: auto`, per data.source. resnet9 for
-# real images; on 8x8 digits its stages end at 1x1 pixel and small_cnn is as accurate, and int8 speeds it up more.
-# Epochs: what fits minutes to tens of minutes of a 2-core CPU at the source's published size
-# (docs/data.md, "Accuracy and time per source"). Mirroring keeps the class of a garment or a CIFAR photo,
-# not of a digit (a mirrored 2 is no 2); of an ImageFolder nothing is known: set it for photos.
-# An ImageFolder's images are also rotated, scaled and sheared a little (augment: affine: up to 10
-# degrees and 10%), too little to turn a digit, a letter or a photo into another class; on real
-# handwritten digits and on generated glyphs it did as well as shift alone or better (docs/training.md).
-# Greyscale folders (data.channels: 1: handwriting, glyphs, scans) add an elastic distortion: on real
-# handwritten digits it beat `affine` on validation over three split seeds, on generated glyphs it tied
-# on two and was two images worse on one; 12 or 10 epochs of it did worse than 15 (docs/training.md).
-# Not on colour folders: unmeasured on photos.
-SOURCE_RECIPES: dict[str, SourceRecipe] = {
-    "digits": SourceRecipe(model="small_cnn", epochs=30, hflip=False),
-    "mnist": SourceRecipe(model="resnet9", epochs=5, hflip=False),
-    "fashion_mnist": SourceRecipe(model="resnet9", epochs=8, hflip=True),
-    "cifar10": SourceRecipe(model="resnet9", epochs=12, hflip=True),
-    "cifar100": SourceRecipe(model="resnet9", epochs=12, hflip=True),
-    "imagefolder": SourceRecipe(model="resnet9", epochs=15, hflip=False, augment="affine", greyscale_augment="elastic"),
-}
+# `train.model`: ours, beside every name in TORCHVISION_MODELS. Ours are not probed for portable mode
+# (tasks/train/models.py `refuse_unportable`): their ops are fixed and tests/determinism/ trains them.
+MODELS: Registry[OwnModel] = Registry(
+    "train.model",
+    {
+        "resnet9": OwnModel("the fast CIFAR-10 ResNet-9 at a quarter of its width: ~0.5M parameters, 8-32 px images"),
+        "small_cnn": OwnModel("three conv blocks and global pooling: ~0.1M parameters, for 8x8..32x32 images"),
+    },
+)
 
 
-Augment = Literal["shift_flip", "affine", "elastic", "none", "trivialaugment", "randaugment", "resized_crop"]
+@dataclass(frozen=True)
+class AugmentPreset:
+    """A `train.augment` value (tasks/train/augment.py registers its batch policy under the same name)."""
+
+    summary: str  # what happens to each training image, for the docs' table
+    shifts: bool  # `random_shift` applies (a random translation, while the batch is fetched)
+    mirrors: bool = True  # `hflip` applies (a random mirror, after the shift)
+
+
+AUGMENT_PRESETS: Registry[AugmentPreset] = Registry(
+    "train.augment",
+    {
+        "shift_flip": AugmentPreset("random shift by up to `random_shift` px, mirrored when `hflip`", shifts=True),
+        "affine": AugmentPreset(
+            "shift and mirror, then a random affine map (as torchvision's `RandomAffine`): rotated up to 10°, "
+            "scaled 0.9-1.1, sheared up to 10°",
+            shifts=True,
+        ),
+        "elastic": AugmentPreset(
+            "`affine`, then an elastic displacement (as torchvision's `ElasticTransform`, alpha 34, sigma 4: "
+            "Simard et al.'s distortion for handwriting)",
+            shifts=True,
+        ),
+        "none": AugmentPreset("nothing (`random_shift` and `hflip` are ignored)", shifts=False, mirrors=False),
+        "trivialaugment": AugmentPreset("shift and mirror, then torchvision's `TrivialAugmentWide`", shifts=True),
+        "randaugment": AugmentPreset("shift and mirror, then torchvision's `RandAugment`", shifts=True),
+        "resized_crop": AugmentPreset(
+            "`RandomResizedCrop` to the image size (area 25-100%), mirrored when `hflip`: for photos", shifts=False
+        ),
+    },
+)
+AugmentName = AUGMENT_PRESETS.named("auto")
+
+
+# `train.model`, `train.epochs`, `train.hflip` and `train.augment: auto`, per data.source: each source's
+# recipe, kept with its entry (tasks/core/config/data.py SOURCES, which says why each is what it is).
+SOURCE_RECIPES: dict[str, SourceRecipe] = {name: source.recipe for name, source in SOURCES.items()}
 
 
 class TrainConfig(Section):
-    # resnet9 or small_cnn (ours), or any of TORCHVISION_MODELS: adapted to the data's channels and
+    # one of MODELS (ours: resnet9, small_cnn), or any of TORCHVISION_MODELS: adapted to the data's channels and
     # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py).
-    # auto (model, epochs, hflip, augment): SOURCE_RECIPES[data.source], resolved by Params (params.yaml
+    # auto (model, epochs, hflip, augment): SOURCES[data.source].recipe, resolved by Params (params.yaml
     # says auto, and a params file that leaves them out gets auto: FILE_DEFAULTS in params.py); a
     # TrainConfig made alone gets the defaults below, or resolves with `for_source`.
     model: str = Field("resnet9", max_length=64)
@@ -116,7 +137,7 @@ class TrainConfig(Section):
     # augmentation: a random translation by up to N pixels (auto: an eighth of the shorter image side,
     # at least 1: 1 px on 8x8 digits, 4 px on 28-32 px images, as the CIFAR baselines pad and crop)
     random_shift: Annotated[int, Field(ge=0, le=64)] | Auto = "auto"
-    hflip: bool | Auto = False  # a random horizontal mirror, half the images (auto: SOURCE_RECIPES)
+    hflip: bool | Auto = False  # a random horizontal mirror, half the images (auto: the source's recipe)
     num_workers: int = Field(0, ge=0, le=256)
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$")
     max_batches: int | None = Field(None, ge=1, le=MAX_STEPS)
@@ -158,21 +179,21 @@ class TrainConfig(Section):
     accumulate_steps: int = Field(1, ge=1, le=MAX_BATCH)  # batches per optimiser step (ddp: synced once per step)
     ema_decay: float | None = Field(None, gt=0, lt=1)  # an exponential moving average of the weights ships
     class_balance: Literal["none", "loss", "sampler"] = "none"  # inverse-frequency loss weights, or sampling
-    augment: Augment | Auto = "shift_flip"
+    augment: AugmentName = "shift_flip"  # AUGMENT_PRESETS, or auto
     mixup_alpha: float = Field(0.0, ge=0, le=100)  # > 0: mix image pairs (Beta(alpha, alpha) weights)
     cutmix_alpha: float = Field(0.0, ge=0, le=100)  # > 0: paste a patch of another image (both: one per batch)
 
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        if value == "auto" or value in OWN_MODELS or value in TORCHVISION_MODELS:
+        if value == "auto" or value in MODELS or value in TORCHVISION_MODELS:
             return value
         import difflib
 
-        close = difflib.get_close_matches(value, [*OWN_MODELS, *sorted(TORCHVISION_MODELS)], n=3)
+        close = difflib.get_close_matches(value, [*MODELS, *sorted(TORCHVISION_MODELS)], n=3)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise ValueError(
-            "unknown model: auto, resnet9, small_cnn or a torchvision classification model (resnet18, "
+            f"unknown model: auto, {', '.join(MODELS)} or a torchvision classification model (resnet18, "
             "mobilenet_v3_small, efficientnet_b0, convnext_tiny, regnet_x_400mf, vit_b_16, ...; "
             f"see TORCHVISION_MODELS in tasks/core/config/train.py){hint}"
         )
@@ -180,7 +201,7 @@ class TrainConfig(Section):
     def for_source(self, source: str, channels: int | None = None) -> TrainConfig:
         """This config with `auto` model, epochs, hflip and augment replaced by `source`'s recipe
         (augment's also by the images' `channels`, data.channels)."""
-        recipe = SOURCE_RECIPES[source]
+        recipe = SOURCES[source].recipe
         resolved = dict(
             model=recipe.model, epochs=recipe.epochs, hflip=recipe.hflip, augment=recipe.augment_for(channels)
         )
@@ -212,7 +233,7 @@ class TrainConfig(Section):
         if self.pretrained is not None:
             if self.pretrained_url is not None:
                 raise ValueError("pretrained and pretrained_url: give one (a torchvision weights name, or a URL)")
-            if self.model in OWN_MODELS:
+            if self.model in MODELS:
                 raise ValueError(f"pretrained: {self.model} has no published weights (give pretrained_path)")
             # Straight from torchvision's host over https, the name's 32-bit prefix is what torch.hub checks
             # too (and the whole digest goes into the lineage); a mirror or a file anyone could have made
