@@ -1,6 +1,7 @@
 # lockstep — the two commands a new user needs are `make run` and `make test`; `make` alone lists the rest.
 # Only Python 3.11 and make are assumed; everything else comes from uv.lock into .venv/.
-# Arguments go to a target one way: make <target> ARGS="..." (e.g. make run ARGS="--set train.epochs=3").
+# Arguments go to a target one way: make <target> ARGS="..." (e.g. make run ARGS="--set train.epochs=3");
+# a target whose command takes none refuses them (TAKES_NO_ARGS).
 
 PYTHON ?= python3.11
 UV_VERSION := 0.13.8
@@ -25,6 +26,14 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 # What a target passes on to its command (the one way to give a target arguments).
 ARGS ?=
+# The targets whose command takes no arguments refuse ARGS rather than ignore them, while the Makefile is
+# read: nothing is built or run first (README.md, "Other commands", lists the targets that take ARGS).
+TAKES_NO_ARGS := help plots lint docs serve-model mlflow-server stack stack-down stack-join env clean
+ifneq ($(strip $(ARGS)),)
+ifneq ($(filter $(TAKES_NO_ARGS),$(or $(MAKECMDGOALS),help)),)
+$(error make $(firstword $(filter $(TAKES_NO_ARGS),$(or $(MAKECMDGOALS),help))) takes no ARGS (it would ignore ARGS="$(ARGS)"))
+endif
+endif
 # Servers listen on the loopback interface only, unless asked otherwise (e.g. `make mlflow-server
 # MLFLOW_HOST=0.0.0.0` behind a firewall or a reverse proxy with authentication).
 MLFLOW_HOST ?= 127.0.0.1
@@ -57,10 +66,10 @@ sweep: $(STAMP)  ## hyperparameter search: params.yaml's sweep section, Optuna t
 ##@ Check it
 
 # Tests run in a new random order each time (pytest-randomly; it prints the seed to repeat one with
-# `ARGS='-p randomly -p "randomly_seed=N"'`), so a test that leans on another's leftovers fails. Three
+# `ARGS=--randomly-seed=N`), so a test that leans on another's leftovers fails. Three
 # xdist workers on a 2-core machine, each taking whole modules (their fixtures are built once), longest
 # first (tests/conftest.py): most tests spend their time waiting on a single-threaded subprocess or a
-# server, which leaves a core idle with two workers (measured: CHANGELOG).
+# server, which leaves a core idle with two workers (measured: docs/design-history.md, "Test tiers").
 PYTEST := $(VENV)/bin/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow; ARGS="-k config"
 	$(PYTEST) -m "not slow" $(ARGS)

@@ -83,7 +83,7 @@ class ElasticWarp(AffineWarp):
 def _resample(images: torch.Tensor, grids: torch.Tensor, mode: str) -> torch.Tensor:
     """Each image sampled at its grid (N x H x W x 2) by torchvision's kernel (fill 0, rounded back to
     uint8), a few images per call: the kernel's float copies of a whole batch of large images would
-    outgrow the CPU's caches and make each image slower than alone (CHANGELOG has the figures)."""
+    outgrow the CPU's caches and make each image slower than alone (docs/design-history.md has the figures)."""
     per_call = max(1, CHUNK_PIXELS // (images.shape[-2] * images.shape[-1]))
     parts = zip(images.split(per_call), grids.split(per_call), strict=True)
     return torch.cat([_apply_grid_transform(part, grid, mode, fill=FILL) for part, grid in parts])
