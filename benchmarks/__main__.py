@@ -26,12 +26,13 @@ from tasks.determinism.bootstrap import bootstrap
 
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
+    # the suites load numpy and torch: after main's bootstrap pinned the process
     from benchmarks import (
         compression,
         contention,
-        cpu_mode,
         large_split,
         pipeline_overhead,
+        portable_cost,
         scaling,
         stats_loop,
         sweeps,
@@ -47,8 +48,8 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
             "B5": lambda work: [stats_loop.b5(work, rounds=1, scale=1)],
             "B6": lambda work: compression.b6(work, rounds=1, runs=20, smoke=True),
             "B7": lambda work: scaling.b7(work, smoke=True),
-            "B9": lambda work: cpu_mode.b9(
-                work, rounds=1, epochs=1, steps=1, batch=4, one_process=True, models=cpu_mode.SMOKE_STEP_MODELS
+            "B9": lambda work: portable_cost.b9(
+                work, rounds=1, epochs=1, steps=1, batch=4, one_process=True, models=portable_cost.SMOKE_STEP_MODELS
             ),
             "B10": lambda work: sweeps.b10(work, smoke=True),
             "B11": lambda work: contention.b11(rounds=1, steps=1),
@@ -62,7 +63,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B5": lambda work: [stats_loop.b5(work, rounds=5)],
         "B6": lambda work: compression.b6(work, rounds=5, runs=50),
         "B7": lambda work: scaling.b7(work),
-        "B9": lambda work: cpu_mode.b9(work, rounds=3, epochs=4, steps=6, epoch_rounds=8),
+        "B9": lambda work: portable_cost.b9(work, rounds=3, epochs=4, steps=6, epoch_rounds=8),
         "B10": lambda work: sweeps.b10(work),
         "B11": lambda work: contention.b11(rounds=3, steps=4),
         "B12": lambda work: large_split.b12(work),

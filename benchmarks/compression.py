@@ -16,21 +16,21 @@ import statistics
 from pathlib import Path
 
 from benchmarks.data import params, prepared
-from benchmarks.harness import Figure, fixed_threads
+from benchmarks.harness import Figure
 from tasks.core.config.ship import VARIANTS
+from tasks.determinism.bootstrap import start
 from tasks.determinism.threads import resolve
 
 
 def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
+    # the stages' modules (torch, ONNX Runtime) load only when this benchmark runs (`--only` another skips it)
     from tasks.data.preprocess import load_split
-    from tasks.determinism.pinning import pin_everything
     from tasks.ship.compress import compress, latency_batch, markdown_table
     from tasks.ship.onnx_model import median_latency_ms, session
     from tasks.train.stage import train
 
     p = params()
     threads = resolve(p.determinism.num_threads)
-    fixed_threads(threads)
     pre = prepared(work)
     train_cfg = p.train.model_copy(update={"epochs": 1, "max_batches": 3}) if smoke else p.train
     cfg = p.compress.model_copy(update={"variants": VARIANTS})  # the full comparison table
@@ -44,9 +44,9 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
                 "latency_warmup": 1,
             }
         )
-    pin_everything(p.seed, threads, p.determinism.strict)
+    start(p.seed, threads, strict=p.determinism.strict)
     train(train_cfg, p.seed, pre, work / "b6-train")
-    pin_everything(p.seed, threads, p.determinism.strict)
+    start(p.seed, threads, strict=p.determinism.strict)
     result = compress(cfg, train_cfg, p.seed, threads, work / "b6-train" / "best.safetensors", pre, work / "b6")
     rows = {row.variant: row for row in result.rows}
     fp32, static = rows["fp32"], rows["static_int8"]

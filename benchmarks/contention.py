@@ -18,9 +18,9 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from benchmarks.cpu_mode import step_seconds
 from benchmarks.data import params
 from benchmarks.harness import Figure, median
+from benchmarks.portable_cost import step_seconds
 from tasks.determinism.threads import cores_given
 
 MODEL, BATCH = "efficientnet_b0", 32

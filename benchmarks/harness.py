@@ -2,7 +2,8 @@
 
 Every figure is a ratio of two things measured in the same run: the cases take turns (A, B, A,
 B, ...) after untimed warm-up rounds, so a slow moment of the machine hits both, and the median of
-each is reported. Thread counts are fixed by the caller (`fixed_threads`) before anything is timed.
+each is reported. Thread counts are fixed before anything is timed: each benchmark starts its process as
+every entry point does (tasks/determinism/bootstrap.py `start`) with the count it measures at.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -75,15 +77,6 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def fixed_threads(threads: int) -> None:
-    """Pin the thread pools of this process (and of the processes it starts) to `threads`."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(threads)
-    import torch
-
-    torch.set_num_threads(threads)
-
-
 def run_timed(cmd: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None, expect: str = "") -> float:
     """Wall seconds of `cmd` as a fresh process, which must succeed and print `expect`."""
     start = time.perf_counter()
@@ -105,8 +98,6 @@ def run_python(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = N
 def machine() -> dict[str, Any]:
     """What the numbers were measured on: the CPU as a run's fingerprint records it (its `hw.cpu.*`
     tags, tasks/determinism/fingerprint.py), and the software."""
-    from importlib.metadata import version
-
     cpu = cpu_facts()
     return {
         "cpu": cpu["hw.cpu.model"],

@@ -29,7 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.data import params
 from benchmarks.harness import ROOT, Figure
+from benchmarks.scaling import _start_peak, _status_mib
+from tasks.core.hashing import file_digest
+from tasks.data.formats import NpyWriter
+from tasks.data.preprocess import FORMAT, load_split
+from tasks.determinism.bootstrap import start
 
 GIB, MIB = 2**30, 2**20
 SHAPE = (1, 64, 64)  # C, H, W
@@ -41,10 +47,6 @@ BUDGET_MIB = 1536
 def write_split_folder(out: Path, train_bytes: int, seed: int = 0) -> int:
     """A preprocessed folder with `train_bytes` of training images (rounded down to whole images) and
     small val and test splits; the number of training images."""
-    from tasks.core.hashing import file_digest
-    from tasks.data.formats import NpyWriter
-    from tasks.data.preprocess import FORMAT
-
     rng = np.random.default_rng(seed)
     templates = rng.integers(0, 256, (CLASSES, *SHAPE), dtype=np.uint8)
     sizes = {"train": train_bytes // int(np.prod(SHAPE)), "val": 2048, "test": 2048}
@@ -75,22 +77,19 @@ def write_split_folder(out: Path, train_bytes: int, seed: int = 0) -> int:
 
 def child(pre: Path) -> dict[str, Any]:
     """The train stage's data path for one epoch, in this (fresh) process: peak RSS and seconds."""
+    p = params()
+    start(p.seed, p.determinism.num_threads, strict=p.determinism.strict)
+    # torch and the training loop load in the child alone, pinned first: the parent only writes the split
     import torch
     from torch import nn
 
-    from benchmarks.data import params
-    from benchmarks.scaling import _start_peak, _status_mib
-    from tasks.data.preprocess import load_split
-    from tasks.determinism.pinning import pin_everything
     from tasks.train.loop import build_training
     from tasks.train.models import predict
 
-    p = params()
-    pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
     probe = nn.Sequential(nn.AvgPool2d(16), nn.Flatten(), nn.Linear(16, CLASSES))
     cfg = p.train.model_copy(update={"model": "small_cnn", "epochs": 1, "hflip": False, "batch_size": 512})
     before, reset = _start_peak()
-    start = time.perf_counter()
+    began = time.perf_counter()
     train, val = load_split(pre, "train", stream=True), load_split(pre, "val", stream=True)
     loaded = time.perf_counter()
     training = build_training(cfg, p.seed, train, torch.device("cpu"), model=probe)
@@ -105,7 +104,7 @@ def child(pre: Path) -> dict[str, Any]:
         "before_mib": before,
         "peak_mib": peak,
         "peak_reset": reset,
-        "load_s": loaded - start,  # both splits' sha256 checked
+        "load_s": loaded - began,  # both splits' sha256 checked
         "epoch_s": done - loaded,
         "predict_s": scored - done,  # with the file's sha256 check
         "logits": list(logits.shape),

@@ -17,13 +17,14 @@ import sys
 from pathlib import Path
 
 from tasks.core import layout
-from tasks.core.config.yaml_io import load_params
-from tasks.determinism.pinning import pin_everything
+from tasks.determinism.bootstrap import bootstrap, start
 from tasks.determinism.threads import resolve
 
 
 def run(params_file: Path, skip_download: bool) -> float:
     """Every stage after (or with) download; returns the test accuracy of the shipped model."""
+    p = bootstrap(params_file)  # as `python -m tasks` starts: before the stages load numpy and torch
+    # the stages' modules load numpy and torch: after bootstrap pinned the process
     from tasks.data.download import download
     from tasks.data.preprocess import preprocess
     from tasks.data.stats import compute_stats
@@ -32,10 +33,8 @@ def run(params_file: Path, skip_download: bool) -> float:
     from tasks.train.evaluate import evaluate
     from tasks.train.stage import train
 
-    p = load_params(params_file)
-
     def pin() -> None:  # as run_stage does before every stage
-        pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
+        start(p.seed, p.determinism.num_threads, strict=p.determinism.strict, cpu=p.determinism.cpu)
 
     best = layout.TRAIN_DIR / "best.safetensors"
     if not skip_download:

@@ -60,7 +60,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.harness import ROOT, Figure
-from tasks.determinism.threads import resolve
+from tasks.core.config.yaml_io import load_params
+from tasks.determinism.bootstrap import start
+from tasks.determinism.threads import pool_env, resolve
 
 if TYPE_CHECKING:
     from tasks.core.config.params import Params
@@ -115,12 +117,11 @@ def child(step: str, data: Path, folder: Path, repeats: int, smoke: bool = False
 
     The step runs once (cold: its peak RSS is read after it), then `repeats` times timed.
     """
-    from tasks.core.config.yaml_io import load_params
-
     p = load_params(ROOT / "params.yaml")
     output: Path | None = None
     held = lambda: 0  # noqa: E731 - bytes the step keeps in memory by design
     if step == "stats":
+        # each step's modules load in its own child, alone: the child's peak RSS is the step's
         from tasks.data.stats import compute_stats
 
         output = folder / "stats.json"
@@ -129,6 +130,7 @@ def child(step: str, data: Path, folder: Path, repeats: int, smoke: bool = False
             output.write_text(json.dumps(compute_stats(data, p.split, p.seed, p.stats.chunk_size).__dict__))
 
     elif step == "preprocess":
+        # each step's modules load in its own child, alone: the child's peak RSS is the step's
         from tasks.data.preprocess import preprocess
         from tasks.data.stats import ChannelStats
 
@@ -172,19 +174,19 @@ def child(step: str, data: Path, folder: Path, repeats: int, smoke: bool = False
 def _epoch(pre: Path, p: Params, cfg: TrainConfig) -> tuple[Callable[[], None], Callable[[], int]]:
     """One epoch of the train stage's loop as a callable; set-up happens on its first call.
 
-    As `tasks.train.stage.train` runs it for one process: pin_everything (as the stage runner does), then
+    As `tasks.train.stage.train` runs it for one process: pinned (`start`, as the stage runner does), then
     `tasks.train.loop.build_training` (the split's images read from their file per batch, the model,
     optimiser, loss, the seeded loader with whole-batch fetches and persistent workers) and
     `train_epoch` per epoch.
     Validation, checkpoints and tracking are per-epoch costs of the stage but not of "an epoch" of
     training. The loader's workers are processes of their own: their RSS is not in this one's.
     """
+    start(p.seed, p.determinism.num_threads, strict=p.determinism.strict)
+    # the epoch's modules (torch) load in its child alone, after it is pinned: its RSS is the epoch's
     from tasks.data.preprocess import load_split
-    from tasks.determinism.pinning import pin_everything
     from tasks.train.devices import resolve_device
     from tasks.train.loop import build_training
 
-    pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
     state: dict[str, Any] = {"epoch": 0}
 
     def run() -> None:
@@ -273,14 +275,14 @@ def b7(
     one timed run each, an "epoch" of 3 batches without loader workers, no verdicts (`met` is
     None): a check that the machinery works, in seconds.
     """
+    # the children import this module: only the parent loads the data helpers (numpy, the data stages)
     from benchmarks.data import params, prepared, raw
 
     if smoke:
         scales, data_unit, epoch_unit = (1, 2), 1, 1
-    threads = str(resolve(params().determinism.num_threads))
-    # the children's thread pools, pinned as harness.fixed_threads would (the epoch child also calls
-    # pin_everything); set in their environment only, so this process stays free of torch
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+    # the children's thread pools, from their start (the epoch child also pins its own: `start`); set in
+    # their environment only, so this process stays free of torch
+    env = {**os.environ, **pool_env(resolve(params().determinism.num_threads))}
     rows: dict[str, list[dict[str, Any]]] = {step: [] for step in STEPS}
 
     def measure(step: str, scale: int, unit: int, data: Path, folder: Path) -> None:

@@ -80,14 +80,14 @@ def b10(work: Path, smoke: bool = False) -> list[Figure]:
 _TRAIN = """
 import sys, time
 from pathlib import Path
-from tasks.determinism.bootstrap import bootstrap
+from tasks.determinism.bootstrap import bootstrap, start
 params = bootstrap()
-from tasks.determinism.pinning import pin_everything
+d = params.determinism
+start(params.seed, d.num_threads, strict=d.strict, cpu=d.cpu)
 from tasks.train.stage import train
-pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu)
-start = time.perf_counter()
+began = time.perf_counter()
 train(params.train, params.seed, Path("artifacts/preprocessed"), Path(sys.argv[1]))
-print(time.perf_counter() - start)
+print(time.perf_counter() - began)
 """
 
 

@@ -9,8 +9,9 @@ B1  the train stage's epoch (uint8 tensors in memory, whole-batch fetches, augme
     floor no loop can go under) and each loop's data path without the model (B1-data).
 B4  the train stage (`python -m tasks train`, a fresh process each time) with MLflow tracking on
     (sqlite store: params, per-epoch metrics, checkpoints as artifacts) vs `tracking.enabled: false`.
-B8  the stage's epoch with the deterministic settings (`tasks.determinism.pinning.pin_everything`) vs fast
-    ones (nondeterministic algorithms allowed, `cudnn.benchmark`); a report on CPU, a target on GPU.
+B8  the stage's epoch with the deterministic settings (`tasks.determinism.bootstrap.start`) vs fast
+    ones (`pinning.allow_fast_kernels`: nondeterministic algorithms allowed, `cudnn.benchmark`), each set
+    before its own epochs (they are the process's); a report on CPU, a target on GPU.
 """
 
 from __future__ import annotations
@@ -18,17 +19,29 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from torchvision import transforms
 
 from benchmarks.data import params, prepared
-from benchmarks.harness import ROOT, Figure, alternate, fixed_threads, median, run_python
-from tasks.core.config.yaml_io import with_overrides
+from benchmarks.harness import ROOT, Figure, alternate, median, run_python
+from tasks.core.config.params import Params
+from tasks.core.config.yaml_io import load_params, with_overrides
+from tasks.data.preprocess import load_split
+from tasks.determinism.bootstrap import start
+from tasks.determinism.pinning import allow_fast_kernels
 from tasks.determinism.threads import resolve
+from tasks.train.augment import shift_pixels
+from tasks.train.devices import resolve_device
+from tasks.train.loop import build_training
+from tasks.train.models import build_model, to_float
 
 
 class TutorialDigits(Dataset):
@@ -41,30 +54,30 @@ class TutorialDigits(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
-
         return self.transform(Image.fromarray(self.images[i], mode="L")), int(self.labels[i])
 
 
-def _stage_epoch(pre: Path, deterministic: bool = True):
-    """One epoch of the train stage's own loop (tasks/train/loop.py), as a callable returning nothing."""
-    from tasks.data.preprocess import load_split
-    from tasks.determinism.pinning import pin_everything
-    from tasks.train.devices import resolve_device
-    from tasks.train.loop import build_training
+def _pin(p: Params) -> None:
+    """The process as the stage pins it, with the benchmark's thread count."""
+    start(p.seed, resolve(p.determinism.num_threads), strict=p.determinism.strict)
 
+
+def _stage_epoch(pre: Path, deterministic: bool = True):
+    """One epoch of the train stage's own loop (tasks/train/loop.py), as a callable returning its seconds:
+    the settings (deterministic, or fast) are the process's, so each epoch sets its own first, untimed."""
     p = params()
-    pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict)
-    if not deterministic:
-        torch.use_deterministic_algorithms(False)
-        torch.backends.cudnn.benchmark = True
-        torch.backends.cudnn.deterministic = False
+    _pin(p)
     training = build_training(p.train, p.seed, load_split(pre, "train"), resolve_device(p.train.device))
     epoch = [0]
 
-    def one_epoch() -> None:
+    def one_epoch() -> float:
+        _pin(p)
+        if not deterministic:
+            allow_fast_kernels()
         epoch[0] += 1
+        started = time.perf_counter()
         training.train_epoch(epoch[0])
+        return time.perf_counter() - started
 
     return one_epoch
 
@@ -73,15 +86,9 @@ def _tutorial_epoch(pre: Path, num_workers: int):
     """The tutorial loop: PIL per sample, `RandomCrop(padding)` for the stage's random shift (the
     same augmentation: a translation by up to `random_shift` pixels, zero-filled), `ToTensor`,
     `Normalize`, a `DataLoader` built per epoch as tutorials write it."""
-    from torchvision import transforms
-
-    from tasks.data.preprocess import load_split
-    from tasks.train.augment import shift_pixels
-    from tasks.train.models import build_model
-
     p = params()
     cfg = p.train
-    torch.manual_seed(p.seed)
+    _pin(p)
     split = load_split(pre, "train")
     shift = shift_pixels(cfg, split.images.shape[-2:])
     steps = [transforms.RandomCrop(split.images.shape[-2:], padding=shift)] if shift else []
@@ -113,12 +120,9 @@ def _tutorial_epoch(pre: Path, num_workers: int):
 def _compute_floor(pre: Path):
     """What any loop pays: the model's forward + backward + step over batches already stacked as
     normalised floats (no sampling, no augmentation, no conversion)."""
-    from tasks.data.preprocess import load_split
-    from tasks.train.loop import build_training
-
     p = params()
     cfg = p.train
-    torch.manual_seed(p.seed)
+    _pin(p)
     split = load_split(pre, "train")
     training = build_training(cfg, p.seed, split, torch.device("cpu"))  # its model, optimiser and loss
     model, optimizer, criterion = training.model, training.optimizer, training.criterion
@@ -139,11 +143,6 @@ def _compute_floor(pre: Path):
 
 def _stage_data_only(pre: Path):
     """The stage's data path alone: its loader (same settings) and the conversion to floats."""
-    from tasks.data.preprocess import load_split
-    from tasks.train.devices import resolve_device
-    from tasks.train.loop import build_training
-    from tasks.train.models import to_float
-
     p = params()
     device = resolve_device(p.train.device)
     training = build_training(p.train, p.seed, load_split(pre, "train"), device)
@@ -160,7 +159,7 @@ def _stage_data_only(pre: Path):
 
 def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
     p = params()
-    fixed_threads(resolve(p.determinism.num_threads))
+    _pin(p)
     pre = prepared(work)
     tutorial, tutorial_data = _tutorial_epoch(pre, p.train.num_workers)
     # what tutorials write (PyTorch's CIFAR-10 tutorial: num_workers=2): the baseline is the faster
@@ -252,8 +251,7 @@ def _b4_project(work: Path, epochs: int | None) -> Path:
 def b4(work: Path, rounds: int, epochs: int | None = None, warmup: int = 1) -> list[Figure]:
     """Tracking on vs off, the train stage as the flow runs it (in one process: MLflow imported
     once per pipeline) and as `dvc repro` runs it (a fresh process: the import paid every time)."""
-    from tasks.core.config.yaml_io import load_params
-    from tasks.stages import run_stage
+    from tasks.stages import run_stage  # the runner loads MLflow: only for B4
 
     project = _b4_project(work, epochs)
     uri = f"sqlite:///{project / 'mlflow.db'}"
@@ -297,8 +295,6 @@ def b4(work: Path, rounds: int, epochs: int | None = None, warmup: int = 1) -> l
 
 
 if __name__ == "__main__":
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         for fig in [*b1_b8(Path(tmp), rounds=int(sys.argv[1]) if len(sys.argv) > 1 else 3), *b4(Path(tmp), 2)]:
             print(fig.id, f"{fig.lockstep:.3f} vs {fig.baseline:.3f}: {fig.ratio:.3f}x", fig.target, fig.met)

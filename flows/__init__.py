@@ -1,10 +1,5 @@
 """The Prefect flows: the pipeline, its deployments, sweeps and notifications.
 
-Prefect reads its settings once, when it is imported; importing this package applies the project's
-(flows/prefect_env.py) first, so that every module here imports Prefect at its top, whichever entry
-point loaded it.
+Importing a module here configures nothing: each entry point applies Prefect's settings first, by an
+explicit call (flows/prefect_settings.py `configure`), and pins its process (tasks/determinism/bootstrap.py).
 """
-
-from flows import prefect_env
-
-prefect_env.configure()

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows import prefect_env
+from flows import prefect_env, prefect_settings
 from tasks.core.cli import exit_code
 from tasks.core.config.params import is_params_key
 from tasks.core.config.policy import API_OVERRIDABLE, REMOTE_KEYS
@@ -64,6 +64,7 @@ from tasks.core.layout import ROOT
 
 def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:
     """What the served and the work-pool deployment share."""
+    # Prefect (and the flow) load after main's prefect_settings.configure: Prefect reads its settings then
     from prefect.schedules import Cron
 
     return {
@@ -89,6 +90,7 @@ def local_server(host: str, port: int) -> Iterator[prefect_env.LocalServer]:
 
 def serve(cfg: OrchestrationConfig) -> None:
     """Serve the deployment from this process until interrupted (runs execute in subprocesses)."""
+    # Prefect (and the flow) load after main's prefect_settings.configure: Prefect reads its settings then
     from prefect import serve as prefect_serve
 
     from flows.pipeline import pipeline
@@ -134,6 +136,7 @@ class PoolNotLocked(Refused):
 
 def _ensure_locked_pool(client: Any, pool: str) -> None:
     """Create `pool` (type process) with `locked_job_template()`, or refuse one that differs from it."""
+    # Prefect (and the flow) load after main's prefect_settings.configure: Prefect reads its settings then
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
 
@@ -166,6 +169,7 @@ def deploy(
     workers run the flow from this checkout, or with `git`, from a clone of that commit made by the
     deployment's pull steps (git_pull_steps). `allow` (--allow-override) is stored in the
     deployment's own record, where the flow reads it. Returns the deployment's full name."""
+    # Prefect (and the flow) load after main's prefect_settings.configure: Prefect reads its settings then
     from prefect.client.orchestration import get_client
 
     from flows.pipeline import FLOW_NAME, pipeline
@@ -240,6 +244,7 @@ def git_pull_steps(source: GitSource) -> list[dict[str, Any]]:
 
 def _git_storage(source: GitSource) -> Any:
     """Prefect's git storage (what `from_source` stores) whose pull steps also fetch the data."""
+    # Prefect (and the flow) load after main's prefect_settings.configure: Prefect reads its settings then
     from prefect.runner.storage import GitRepository
 
     class GitWithData(GitRepository):
@@ -322,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "keys are refused without it",
         )
     args = parser.parse_args(argv)
+    prefect_settings.configure()  # before Prefect loads
     return exit_code(lambda: _run(args))
 
 

@@ -25,14 +25,18 @@ import sys
 import time
 from typing import Any
 
-from flows import noop, prefect_env
+from flows import noop, prefect_env, prefect_settings
 from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
 from flows.run_params import params_file_changes
 from tasks.core.cli import exit_code
 from tasks.core.config.params import Params
-from tasks.core.config.yaml_io import PARAMS_FILE
+from tasks.core.config.yaml_io import PARAMS_FILE, load_yaml
 from tasks.core.layout import ROOT
+from tasks.core.redact import redact
 from tasks.determinism.bootstrap import bootstrap
+from tasks.tracking import sqlite_record
+from tasks.tracking.dashboard import headline, runs_page
+from tasks.tracking.store import check_store, tracking_uri
 
 
 def __getattr__(name: str) -> Any:
@@ -40,6 +44,7 @@ def __getattr__(name: str) -> Any:
     deployments load `flows/pipeline.py:pipeline`, and a no-op run never needs them."""
     if name.startswith("__"):
         raise AttributeError(name)
+    # Prefect loads with the flow, on first use: a no-op run never needs it (flows/noop.py)
     from flows import pipeline_flow
 
     try:
@@ -49,11 +54,13 @@ def __getattr__(name: str) -> Any:
 
 
 def _warm_imports() -> None:
+    # what the flow's first stage needs, loaded in a thread while the server starts (prefect_env.local_api)
     import dvc.repo  # noqa: F401
     import mlflow  # noqa: F401
 
 
 def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    # Prefect loads with the flow, on first use: a no-op run never needs it (flows/noop.py)
     from flows.pipeline_flow import pipeline
 
     with prefect_env.local_api(while_starting=_warm_imports):
@@ -66,8 +73,6 @@ def _override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. train.lr=0.01), got {text!r}")
-    from tasks.core.config.yaml_io import load_yaml
-
     return key, load_yaml(value)  # 0.01 -> float, [a, b] -> list, like `dvc exp run -S`
 
 
@@ -88,12 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         help="write a value into params.yaml first (repeatable)",
     )
     args = parser.parse_args(argv)
+    prefect_settings.configure()  # before Prefect loads
     return exit_code(lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tasks.tracking.store import check_store
-
     params = bootstrap(ROOT / args.params, dict(args.overrides))  # fail fast, before a server starts
     # the user at this prompt may change any key, with --set or --params: only API-started runs are restricted
     typed = [key for key, _ in args.overrides] + params_file_changes(args.params)
@@ -113,8 +117,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def closing_summary(results: dict[str, dict[str, Any]], seconds: float, params: Params) -> list[str]:
     """What a person reads at the end of a run: what ran, how good the model is, what shipped, where."""
-    from tasks.tracking.dashboard import headline
-
     ran = [name for name, result in results.items() if result["ran"]]
     lines = [f"done in {seconds:.0f} s; stages run: {', '.join(ran) or 'none (everything up to date)'}"]
     numbers = headline()
@@ -137,16 +139,11 @@ def closing_summary(results: dict[str, dict[str, Any]], seconds: float, params: 
 
 def _runs_page(params: Params) -> str:
     """Where the runs are: the tracking server's runs table, or the local store's under `make ui`."""
-    from tasks.core.redact import redact
-    from tasks.tracking import sqlite_record
-    from tasks.tracking.dashboard import runs_page
-    from tasks.tracking.store import tracking_uri
-
     uri = tracking_uri()
     # read from the sqlite file where it can be: MLflow's client costs ~3 s to start (sqlite_record.py)
     experiment_id = sqlite_record.experiment_id(uri, params.tracking.experiment)
     if experiment_id is None:
-        from mlflow import MlflowClient
+        from mlflow import MlflowClient  # ~3 s to load: only where the sqlite file cannot be read
 
         experiment_id = MlflowClient(uri).get_experiment_by_name(params.tracking.experiment).experiment_id
     served = uri.startswith(("http://", "https://"))

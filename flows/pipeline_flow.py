@@ -21,10 +21,13 @@ import os
 from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import deployment as this_deployment
+from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from flows import noop, notify, prefect_env
+from flows import noop, notify, prefect_env, prefect_settings
 from flows.noop import anything_stale, stale_stages
 from flows.run_params import check_run_params
 from flows.summary import brief, summarize
@@ -32,8 +35,14 @@ from tasks.core.atomic import write_text
 from tasks.core.cli import dvc_logs_once
 from tasks.core.config.params import STAGES, Params
 from tasks.core.config.yaml_io import PARAMS_FILE
+from tasks.core.hashing import data_md5
 from tasks.core.layout import ROOT
-from tasks.determinism.bootstrap import pin
+from tasks.core.lock import pipeline_lock
+from tasks.core.remote import push_outputs
+from tasks.data.fetch import DownloadError
+from tasks.determinism.bootstrap import prepare
+from tasks.tracking.orphans import FLOW_RUN_TAG
+from tasks.tracking.runs import pipeline_run, tag_run
 
 FLOW_NAME = "lockstep-pipeline"
 
@@ -43,7 +52,7 @@ def _is_stale(stage: str) -> bool:
 
 
 def _commit(stage: str) -> None:
-    from dvc.repo import Repo
+    from dvc.repo import Repo  # ~1 s to load: only once a stage ran (a no-op flow run commits nothing)
 
     dvc_logs_once()
     with Repo(str(ROOT)) as repo:
@@ -57,7 +66,7 @@ def _run_if_stale(stage: str, params: Params, force: bool, up_to_date: bool = Fa
     if not force and (up_to_date or not _is_stale(stage)):
         logger.info("%s: up to date (dvc.lock), skipped", stage)
         return {"ran": False}
-    from tasks.stages import run_stage  # imports torch (~1.7 s): only once a stage has to run
+    from tasks.stages import run_stage  # imports torch (~1.7 s): only once a stage has to run, pinned (prepare)
 
     metrics = run_stage(stage, params)
     _commit(stage)
@@ -68,8 +77,6 @@ def _run_if_stale(stage: str, params: Params, force: bool, up_to_date: bool = Fa
 def _source_was_unreachable(task: Any, task_run: Any, state: Any) -> bool:
     """Retry the download task only when the source itself failed after the fetcher's own retries
     (a mirror rebooting at 3 a.m.); bad params, 404s and checksum mismatches fail at once."""
-    from tasks.data.fetch import DownloadError
-
     try:
         state.result()
     except DownloadError as exc:
@@ -125,11 +132,8 @@ def pipeline(
             unchanged data leaves every later stage up to date.
         overrides: dotted keys written into params.yaml before the run, e.g. {"train.lr": 0.01}.
     """
-    from prefect.artifacts import create_markdown_artifact
-    from prefect.runtime import flow_run
-
-    from tasks.core.lock import pipeline_lock
-
+    # a work pool's flow-run process starts in Prefect's engine, not at flows.pipeline's main
+    prefect_settings.send_logs()
     os.chdir(ROOT)
     logger = get_run_logger()
     # A run started through the API changes only the keys it may (tasks/core/config/policy.py), be it
@@ -138,7 +142,8 @@ def pipeline(
     # is read once: what was checked is what runs, whatever happens to the file meanwhile (run_params.py).
     checked = check_run_params(params_file, overrides, prefect_env.run_allow_list())
     notify.checked(checked.params.orchestration.notify)  # the hooks route by these, not by the file
-    params = pin(checked.params)  # the stages run in this process, on these params
+    params = checked.params
+    prepare(params.determinism.cpu)  # the stages run in this process, on these params: before torch loads
     with pipeline_lock(
         f"Prefect flow run {flow_run.name or FLOW_NAME}", params.orchestration.lock_wait_s, logger=logger
     ):
@@ -157,13 +162,6 @@ def _stages(
     params: Params, force: bool, reingest: bool, flow_run_id: str, logger: Any
 ) -> tuple[dict[str, dict[str, Any]], str]:
     """The seven stage tasks, under the pipeline lock; their results and the run's one-line summary."""
-    from prefect.runtime import deployment as this_deployment
-
-    from tasks.core.hashing import data_md5
-    from tasks.core.remote import push_outputs
-    from tasks.tracking.orphans import FLOW_RUN_TAG
-    from tasks.tracking.runs import pipeline_run, tag_run
-
     before = data_md5()
     results: dict[str, dict[str, Any]] = {}
     # Nothing stale now (the lock is held: nothing changes it) is nothing stale at every task, and a

@@ -1,7 +1,6 @@
-"""Prefect's settings for this project, applied before Prefect is imported (it reads them then),
-and the local Prefect server the project's commands start.
-
-Every default yields to what the user has set: PREFECT_HOME / PREFECT_API_URL elsewhere, say.
+"""The Prefect server the project's commands talk to: the local one they start (`LocalServer`,
+`local_api`), a check of the one in PREFECT_API_URL, what a flow run may override, and the zombie-run
+automation. Prefect's own settings are flows/prefect_settings.py's.
 
 The servers we start are locked down with what Prefect offers, since by default one answers any
 origin with no credentials: a web page, or DNS rebinding, could otherwise start runs through the
@@ -13,7 +12,9 @@ server's own origin. `make schedule`'s string is made once and kept in PREFECT_H
 
 from __future__ import annotations
 
-import logging
+import atexit
+import base64
+import ctypes
 import os
 import secrets
 import signal
@@ -21,55 +22,25 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
 
-from tasks.core.cli import quiet_libraries
+from flows import prefect_settings
+from tasks.core.config.base import OverrideRefused
 from tasks.core.errors import ExpectedFailure
-from tasks.core.layout import ROOT
 from tasks.core.redact import redact
 
 # a cold `prefect server start` (database migrations) takes ~20 s on 2 cores; a warm one ~3 s
 SERVER_START_TIMEOUT_S = 180
-
-
-def configure() -> None:
-    from tasks.core.redact import install
-
-    install()  # every log record masked, those Prefect sends to its server too
-    quiet_libraries()  # before MLflow and torch load (tasks/core/cli.py)
-    # analytics off (else sqlite "database is locked" tracebacks from the local server)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # a cold ephemeral-server start takes ~17 s on 2 cores; the default timeout is 20 s
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    # Prefect's state (its sqlite database) inside the project, like MLflow's and DVC's
-    os.environ.setdefault("PREFECT_HOME", str(ROOT / ".prefect"))
-    # the stages' own log lines (download retries, epochs, gates, lock waits) in Prefect's run logs;
-    # inherited by the processes that serve and run deployments. At INFO: Prefect leaves an extra
-    # logger's level to the root's (WARNING), which would keep the epoch lines out.
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "tasks")
-    logging.getLogger("tasks").setLevel(logging.INFO)
-    _send_stage_logs_to_prefect()
-
-
-def _send_stage_logs_to_prefect() -> None:
-    """In a work pool's flow-run process (`python -m prefect.engine`), Prefect set its logging up with
-    the worker's environment before importing this package, and the deployment passes no environment
-    (its pool lets none be set): give the `tasks` logger Prefect's handlers for extra loggers now."""
-    configuration = sys.modules.get("prefect.logging.configuration")
-    if configuration is None or not getattr(configuration, "PROCESS_LOGGING_CONFIG", None):
-        return  # Prefect is not set up yet: it will read PREFECT_LOGGING_EXTRA_LOGGERS itself
-    stages = logging.getLogger("tasks")
-    for handler in logging.getLogger("prefect.extra").handlers:
-        if handler not in stages.handlers:
-            stages.addHandler(handler)
 
 
 # Comma-separated keys beyond the API allow-list (tasks/core/config/policy.py API_OVERRIDABLE; remote keys
@@ -103,10 +74,9 @@ def run_allow_list() -> frozenset[str]:
     A deployment's run that sets job variables of its own (env, command...; a pool made by `deploy`
     refuses them, but POST /flow_runs/ and other pools do not) is refused here, before its parameters
     are read: OverrideRefused, one line."""
+    # Prefect loads where a server is talked to: stack/ and the tests import this module without it (~2 s)
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
-
-    from tasks.core.config.base import OverrideRefused
 
     context = FlowRunContext.get()
     flow_run = context.flow_run if context else None
@@ -140,8 +110,7 @@ ZOMBIE_AUTOMATION = "lockstep: crash flow runs that stopped sending heartbeats"
 def ensure_zombie_automation(api_url: str, auth_string: str, heartbeat_s: int) -> bool:
     """Create the zombie automation on the server at `api_url` for flow runs that send a heartbeat
     every `heartbeat_s`, unless it has one of that name; whether it was created."""
-    from datetime import timedelta
-
+    # Prefect loads where a server is talked to: stack/ and the tests import this module without it (~2 s)
     from prefect.automations import AutomationCore
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
@@ -194,9 +163,7 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[None
     here instead, it comes up while the caller's `while_starting` runs (imports): a no-op pipeline run
     is mostly start-up (B3 in benchmarks/: 11.6 -> 7.7 s on 2 cores).
     """
-    import atexit
-    import threading
-
+    # Prefect loads where a server is talked to: stack/ and the tests import this module without it (~2 s)
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     server = None
@@ -221,8 +188,7 @@ class PrefectUnavailable(ExpectedFailure):
 def check_api(timeout_s: float = 10) -> None:
     """Fail in seconds, in one line, when the server in PREFECT_API_URL is unreachable or refuses the
     auth string: Prefect's client would raise a traceback from deep inside the flow's start."""
-    import base64
-
+    # Prefect loads where a server is talked to: stack/ and the tests import this module without it (~2 s)
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY, PREFECT_API_URL
 
     url, auth, key = (_plain(s.value()) for s in (PREFECT_API_URL, PREFECT_API_AUTH_STRING, PREFECT_API_KEY))
@@ -256,7 +222,7 @@ def _plain(value: Any) -> str:
 
 
 def prefect_home() -> Path:
-    return Path(os.environ.get("PREFECT_HOME", str(ROOT / ".prefect")))
+    return Path(os.environ.get("PREFECT_HOME", prefect_settings.defaults()["PREFECT_HOME"]))
 
 
 def new_auth_string() -> str:
@@ -323,7 +289,8 @@ class LocalServer:
         die_with_parent: bool = False,
     ) -> None:
         self.host, self.port = host, port or free_port(host)
-        env = {**os.environ, "PREFECT_HOME": str(prefect_home())}
+        # the project's settings (analytics off...) for the server whoever starts it, the user's first
+        env = {**prefect_settings.defaults(), **os.environ, "PREFECT_HOME": str(prefect_home())}
         if "PREFECT_SERVER_API_AUTH_STRING" not in env:
             auth = new_auth_string() if ephemeral else project_auth_string(prefect_home())
             secure_server_env(env, host, self.port, auth)
@@ -402,8 +369,6 @@ def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM it when the process that started it dies, even by SIGKILL
     (Linux; `prefect server start` with one worker is a single process, so this reaches uvicorn)."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows import prefect_env
+from flows import prefect_env, prefect_settings
 from flows.trials import SweepContext, run_batch, warm_up
 from tasks.core import layout
 from tasks.core.cli import exit_code
@@ -214,6 +214,7 @@ def _keep_malloc_defaults() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    prefect_settings.configure()  # Prefect loaded with this module: it reads its settings again
     if argv[:1] in (["worker"], ["scheduler"]):
         return exit_code(lambda: _dask(argv[0], argv[1:]))
     if argv[:1] == ["tls"]:

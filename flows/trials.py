@@ -16,6 +16,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows import prefect_settings
 from tasks.core import layout
 from tasks.core.cli import one_line
 from tasks.core.config.params import Params
@@ -46,6 +47,7 @@ def dask_setup(worker: object) -> None:
     worker waits for its first one. The first trial in a fresh process otherwise spends ~10 s of
     its time importing torch (and torch._dynamo, which the optimisers pull in), MLflow and the stages.
     In a thread: the worker must go on answering its scheduler meanwhile."""
+    prefect_settings.configure()  # the worker's own: importing flows/ configures nothing
     threading.Thread(target=warm_up, name="lockstep-warm-up", daemon=True).start()
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flows import prefect_env
+from flows import prefect_env, prefect_settings
 from stack import servers
 from stack.state import (
     DVC_BUCKET,
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     restart = commands.add_parser("restart", help="stop and start one server")
     restart.add_argument("name", choices=[kind.name for kind in servers.SERVERS])
     args = parser.parse_args(argv)
+    prefect_settings.configure()  # for `up`'s Prefect client (the zombie automation) and the servers it starts
     return exit_code(lambda: _run(args), context="stack: ")
 
 

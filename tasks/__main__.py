@@ -14,6 +14,7 @@ import sys
 from tasks.core.cli import configure_logging, exit_code
 from tasks.core.config.params import STAGES
 from tasks.core.config.yaml_io import PARAMS_FILE
+from tasks.core.lock import pipeline_lock
 from tasks.determinism.bootstrap import bootstrap
 
 
@@ -29,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(stage: str, params_file: str) -> int:
     params = bootstrap(params_file)  # before torch and numpy load
 
-    from tasks.core.lock import pipeline_lock
-    from tasks.stages import run_stage  # heavy imports (torch, MLflow) only after validation
+    # after bootstrap pinned the process: the runner loads numpy and MLflow (torch once a stage needs it)
+    from tasks.stages import run_stage
 
     # one pipeline run at a time: under `dvc repro` each stage holds the project lock while it runs
     with pipeline_lock(f"python -m tasks {stage}", params.orchestration.lock_wait_s):

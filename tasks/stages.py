@@ -20,9 +20,8 @@ from tasks.core import layout
 from tasks.core.atomic import write_text
 from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5, file_digest
-from tasks.determinism import cpu_mode
+from tasks.determinism.bootstrap import start
 from tasks.determinism.fingerprint import fingerprint
-from tasks.determinism.seeds import pin_seeds
 from tasks.determinism.threads import resolve
 from tasks.tracking.dashboard import log_dataset
 from tasks.tracking.lineage import lineage_tags
@@ -295,15 +294,12 @@ def _pin(stage: str, params: Params) -> dict[str, Any]:
     and the machine's `hw.*` fingerprint)."""
     if stage in NUMPY_STAGES:
         # (the mode numpy's OpenBLAS was started in: the data stages make no BLAS call, so not a dep)
-        without_torch = "not loaded: the stage computes with numpy alone"
-        pinned = {**pin_seeds(params.seed), "cpu": cpu_mode.current(), "torch": without_torch}
+        pinned = start(params.seed, params.determinism.num_threads, cpu=params.determinism.cpu, torch=False)
         machine = fingerprint(with_torch=False)
     else:
-        from tasks.determinism.pinning import pin_everything  # loads torch
-
         seed = params.train_seed if stage == "train" else params.seed  # train.seed: a sweep trial's, applied
         d = params.determinism
-        pinned, machine = pin_everything(seed, d.num_threads, d.strict, d.cpu), fingerprint()
+        pinned, machine = start(seed, d.num_threads, strict=d.strict, cpu=d.cpu), fingerprint()  # loads torch
     return {**{f"determinism.{k}": v for k, v in pinned.items()}, **machine}
 
 

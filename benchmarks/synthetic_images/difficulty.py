@@ -7,10 +7,12 @@ import time
 import numpy as np
 
 from benchmarks.synthetic_images.datasets import generate
+from tasks.determinism.bootstrap import start
 
 
 def _linear_accuracy(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> dict:
     """Multinomial logistic regression on standardised raw pixels: what a model without spatial structure gets."""
+    # torch and scikit-learn load only to check a dataset: generating and writing one needs numpy alone
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
@@ -25,6 +27,7 @@ def _linear_accuracy(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarra
 def _pooled_cnn(channels: int, classes: int, width: int = 32):  # -> torch.nn.Module (torch imported lazily)
     """A CIFAR-style small CNN: four conv blocks with three 2x2 pools, so that its view (~40 px) takes in a
     whole object; small_cnn (one pool, ~10 px) sees corners and strokes, not shapes."""
+    # torch and scikit-learn load only to check a dataset: generating and writing one needs numpy alone
     from torch import nn
 
     def block(c_in: int, c_out: int) -> nn.Sequential:
@@ -43,6 +46,7 @@ def _cnn_accuracy(
 ) -> dict:
     """`model_name` (pooled_cnn, or a tasks.train.models name) trained with params.yaml's recipe, plain
     PyTorch on the CPU."""
+    # torch and scikit-learn load only to check a dataset: generating and writing one needs numpy alone
     import torch
     import torch.nn.functional as F
 
@@ -91,10 +95,7 @@ def difficulty(
     The test images are the numbers after the training ones: unseen. A dataset with real structure
     separates the two clearly; one that a CNN gets entirely right is too easy to tell models apart.
     """
-    import torch
-
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
+    start(seed, threads, strict=False)  # as every process starts (tasks/determinism/bootstrap.py); warn-only
     t0 = time.perf_counter()
     x_train, y_train, _ = generate(name, train_per_class, seed)
     x_test, y_test, _ = generate(name, test_per_class, seed, start=train_per_class)

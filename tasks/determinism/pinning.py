@@ -1,8 +1,8 @@
-"""Every source of randomness, pinned in one place.
+"""torch's half of pinning: its seeds, thread count and switches, and the RNG states checkpoints keep.
 
-`pin_everything` is called first by every stage; the dict it returns is logged with the run, so a
-run records the settings it was produced under. DataLoaders get their generator and worker seeding
-from `loader_kwargs`.
+`pin_everything` is what tasks/determinism/bootstrap.py's `start` calls (every entry point's one start)
+once torch may load; the dict it returns is logged with the run, so a run records the settings it was
+produced under. DataLoaders get their generator and worker seeding from `loader_kwargs`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ def pin_everything(seed: int, num_threads: NumThreads, strict: bool = True, cpu:
     torch.backends.cudnn.allow_tf32 = False
     _use_deterministic_algorithms(warn_only=not strict)
     return {**settings(), **cpu_settings}
+
+
+def allow_fast_kernels() -> None:
+    """The other side of a benchmark of pinning's cost (B8, gpu_check's throughput): nondeterministic
+    kernels allowed and cuDNN's autotuner on, after `pin_everything`; TF32 stays off, so a ratio is the
+    price of determinism alone. Nothing that records a run computes this way."""
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic = False
+    torch.backends.cudnn.benchmark = True
 
 
 def follow_load() -> None:

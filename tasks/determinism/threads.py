@@ -186,6 +186,17 @@ class LoadFollower:
         return max(1, min(self.ceiling, len(cores) - math.ceil(others - self.FREE_BELOW)))
 
 
+# The thread pools' own variables, read when each library loads: OpenMP's (torch's pool), MKL's, OpenBLAS's (numpy's)
+POOL_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def pool_env(threads: int) -> dict[str, str]:
+    """The environment that gives a child process's thread pools `threads` threads from their start: for
+    one that does not pin its own before computing (numpy's data steps, a benchmark's child), or a
+    launcher that reads them (torchrun sets OMP_NUM_THREADS=1 where it is unset, and warns)."""
+    return dict.fromkeys(POOL_VARIABLES, str(threads))
+
+
 def shared_env(processes: int) -> dict[str, str]:
     """The environment for `processes` processes started side by side from this one on its cores."""
     return {SHARE_ENV: str(min(MAX_SHARE, sharing() * processes))}

@@ -56,8 +56,8 @@ from tasks.core.cli import configure_logging, exit_code
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import PARAMS_FILE
 from tasks.core.errors import ExpectedFailure
-from tasks.determinism.bootstrap import bootstrap
-from tasks.determinism.threads import resolve, shared_env
+from tasks.determinism.bootstrap import bootstrap, start
+from tasks.determinism.threads import pool_env, resolve, shared_env
 
 if TYPE_CHECKING:
     from tasks.train.stage import TrainResult
@@ -171,7 +171,7 @@ def launch_env(params: Params, private_dir: Path) -> dict[str, str]:
         # this node's ranks share its cores (`auto` threads: cores / ranks); torchrun would otherwise
         # set OMP_NUM_THREADS=1 and warn, and each rank pins its own count anyway
         **shared_env(params.train.nproc_per_node),
-        "OMP_NUM_THREADS": str(resolve(params.determinism.num_threads, params.train.nproc_per_node)),
+        **pool_env(resolve(params.determinism.num_threads, params.train.nproc_per_node)),
     }
     # The agent would host a TCP store for the ranks on every interface; rank 0 hosts it on its
     # node's address (loopback on one node), a new one every round
@@ -227,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun starts ranks itself, with --params
     params = Params.model_validate_json(from_launcher) if from_launcher else bootstrap(args.params)
 
-    from tasks.determinism.pinning import pin_everything
-    from tasks.train.stage import train
+    d = params.determinism
+    start(params.train_seed, d.num_threads, strict=d.strict, cpu=d.cpu)
+    from tasks.train.stage import train  # torch and the stage: after the process is pinned
 
-    pin_everything(params.train_seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu)
     try:
         train(
             params.train,

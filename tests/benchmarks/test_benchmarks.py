@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import markdown, unargued_misses
-from benchmarks.cpu_mode import SMOKE_STEP_MODELS
 from benchmarks.harness import Figure
+from benchmarks.portable_cost import SMOKE_STEP_MODELS
 from tests.conftest import ROOT, run
 
 

@@ -14,11 +14,17 @@ from pathlib import Path
 import torch
 
 from tasks.core.atomic import write_text
-from tasks.core.config.ship import CompressConfig, ExportConfig
+from tasks.core.config.ship import EXPORT_FORMATS, CompressConfig, ExportConfig
 from tasks.core.config.train import TrainConfig
-from tasks.determinism.pinning import pin_everything
 from tasks.tools.gpu_check.report import FAIL, PASS, SKIPPED, Check, describe
-from tasks.tools.gpu_check.workload import COMPRESS_MODEL, NUM_CLASSES, CheckOptions, synthetic_images, train_config
+from tasks.tools.gpu_check.workload import (
+    COMPRESS_MODEL,
+    NUM_CLASSES,
+    CheckOptions,
+    pin,
+    synthetic_images,
+    train_config,
+)
 from tasks.train.checkpoints import checkpoint_bytes, checkpoint_metadata, cpu_state
 from tasks.train.loop import build_training
 
@@ -94,7 +100,7 @@ def _checkpoint(options: CheckOptions, work: Path) -> TrainConfig:
     cfg = train_config(
         options, model=COMPRESS_MODEL, epochs=sizes.compress_epochs, batch_size=sizes.compress_batch, scheduler="cosine"
     )
-    pin_everything(options.seed, options.threads, True)
+    pin(options)
     training = build_training(cfg, options.seed, train, device)
     history = [training.epoch(epoch, val) for epoch in range(1, cfg.epochs + 1)]
     metadata = {
@@ -120,7 +126,7 @@ def _compress(options: CheckOptions, train_cfg: TrainConfig, variants: tuple[str
         latency_runs=20,
         latency_warmup=1,
     )
-    pin_everything(options.seed, options.threads, True)  # as the compress stage runs (tasks/stages.py)
+    pin(options)  # as the compress stage runs (tasks/stages.py)
     try:
         result = compress(
             cfg,
@@ -146,11 +152,11 @@ def _export(options: CheckOptions, variant: str, work: Path) -> Check:
     from tasks.ship.export import CardContext, export
 
     # The gates on a compressed model's quality are for real data; here they are opened, and the fp32
-    # parity gates (ONNX, .pt2, TorchScript vs eager) keep their defaults: those are about the code.
+    # parity gates (every format of EXPORT_FORMATS vs eager) keep their defaults: those are about the code.
     cfg = ExportConfig(
-        candidates=(variant,), formats=("onnx", "pt2", "torchscript"), min_top1_agreement=0.0, max_accuracy_drop=1.0
+        candidates=(variant,), formats=tuple(EXPORT_FORMATS), min_top1_agreement=0.0, max_accuracy_drop=1.0
     )
-    pin_everything(options.seed, options.threads, True)
+    pin(options)
     try:
         params = {"seed": options.seed, "export": cfg.model_dump()}
         card = CardContext(data_md5="synthetic (tasks/tools/gpu_check)", params=params)

@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from tasks.data.preprocess import Preprocessed
-from tasks.determinism.pinning import pin_everything
+from tasks.determinism.pinning import allow_fast_kernels
 from tasks.tools.gpu_check.report import FAIL, PASS, REPORT, Check, describe
 from tasks.tools.gpu_check.workload import (
     BENCH_MODEL,
     IMAGE_SHAPE,
     NUM_CLASSES,
     CheckOptions,
+    pin,
     synthetic_split,
     train_config,
 )
@@ -31,7 +32,6 @@ class _PlainLoop:
     def __init__(self, split: Preprocessed, batch_size: int, device: torch.device, seed: int) -> None:
         from torchvision.models import resnet18
 
-        torch.manual_seed(seed)
         model = resnet18(weights=None, num_classes=NUM_CLASSES)
         model.conv1 = nn.Conv2d(IMAGE_SHAPE[0], 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
@@ -59,11 +59,9 @@ def _set_pinned(options: CheckOptions, pinned: bool) -> None:
     """Pinned: tasks/determinism/pinning.py's settings. Fast: nondeterministic kernels allowed and cuDNN's
     autotuner on; TF32 stays off in both, so the ratio is the price of determinism alone."""
     if pinned:
-        pin_everything(options.seed, options.threads, True)
-        return
-    torch.use_deterministic_algorithms(False)
-    torch.backends.cudnn.deterministic = False
-    torch.backends.cudnn.benchmark = True
+        pin(options)
+    else:
+        allow_fast_kernels()
 
 
 def _sync(device: torch.device) -> None:
@@ -77,23 +75,24 @@ def _median_seconds(options: CheckOptions, amp: str) -> dict[str, float]:
     sizes, device = options.sizes, torch.device(options.device)
     split = synthetic_split(sizes.bench_batch * sizes.bench_steps, options.seed)
     cfg = train_config(options, model=BENCH_MODEL, batch_size=sizes.bench_batch, max_batches=sizes.bench_steps, amp=amp)
-    pin_everything(options.seed, options.threads, True)
+    pin(options)
     pinned, fast = (build_training(cfg, options.seed, split, device) for _ in range(2))
     modes = {"pinned": (True, pinned.train_epoch), "fast": (False, fast.train_epoch)}
     if amp == "none":
+        pin(options)  # the plain loop's model starts from the seed, as the others' do
         plain = _PlainLoop(split, sizes.bench_batch, device, options.seed)
         modes["plain"] = (True, lambda epoch: plain.run(sizes.bench_steps))
     times: dict[str, list[float]] = {name: [] for name in modes}
     for round_ in range(sizes.bench_warmup + sizes.bench_runs):
-        for name, (pin, run) in modes.items():
-            _set_pinned(options, pin)
+        for name, (pinned_mode, run) in modes.items():
+            _set_pinned(options, pinned_mode)
             _sync(device)
             start = time.perf_counter()
             run(round_ + 1)
             _sync(device)
             if round_ >= sizes.bench_warmup:
                 times[name].append(time.perf_counter() - start)
-    pin_everything(options.seed, options.threads, True)
+    pin(options)
     return {name: float(np.median(values)) for name, values in times.items()}
 
 

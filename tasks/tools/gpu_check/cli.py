@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import typing
@@ -19,7 +18,6 @@ from tasks.core.cli import exit_code
 from tasks.core.config.ship import Variant
 from tasks.core.config.train import DeterminismConfig
 from tasks.core.errors import ExitCode
-from tasks.determinism.pinning import CUBLAS_WORKSPACE_CONFIG
 from tasks.determinism.threads import resolve
 from tasks.tools.gpu_check.report import Check
 from tasks.tools.gpu_check.runner import run_checks
@@ -136,7 +134,6 @@ def _options(args: argparse.Namespace) -> CheckOptions:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # bad arguments: argparse's message, exit 2
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)  # before anything touches CUDA
     problem = _device_problem(args.device)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -3,7 +3,6 @@ project's pinning; the machine described by the runs' own fingerprint (tasks/det
 
 from __future__ import annotations
 
-import os
 import platform
 import time
 from collections.abc import Callable, Iterator
@@ -14,12 +13,11 @@ import numpy as np
 import torch
 
 from tasks.determinism.fingerprint import fingerprint
-from tasks.determinism.pinning import CUBLAS_WORKSPACE_CONFIG, pin_everything
 from tasks.tools.gpu_check.checks_ship import compress_export_checks
 from tasks.tools.gpu_check.checks_throughput import throughput_checks
 from tasks.tools.gpu_check.checks_training import determinism_checks, strict_checks
 from tasks.tools.gpu_check.report import FAIL, Check, GpuCheckReport, describe
-from tasks.tools.gpu_check.workload import CheckOptions
+from tasks.tools.gpu_check.workload import CheckOptions, pin
 
 STEPS: dict[str, Callable[[CheckOptions], Iterator[Check]]] = {
     "strict": strict_checks,
@@ -32,11 +30,10 @@ STEPS: dict[str, Callable[[CheckOptions], Iterator[Check]]] = {
 def run_checks(options: CheckOptions, on_check: Callable[[Check], None] | None = None) -> GpuCheckReport:
     """Run the checks in `options.groups` on `options.device`; each finished row also goes to `on_check`."""
     started = time.perf_counter()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)  # before CUDA starts
+    determinism = pin(options)  # first: CUBLAS_WORKSPACE_CONFIG before CUDA starts
     device = torch.device(options.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # autocast, empty_cache and friends act on the current device
-    determinism = pin_everything(options.seed, options.threads, True)
     machine = fingerprint(_index(device))
     report = GpuCheckReport(
         device=_device_info(device, machine),

@@ -14,7 +14,7 @@ import torch
 from tasks.core.config.train import TrainConfig
 from tasks.data.preprocess import Preprocessed
 from tasks.data.stats import channel_stats
-from tasks.determinism.pinning import pin_everything
+from tasks.determinism.bootstrap import start
 from tasks.determinism.threads import resolve
 from tasks.train.checkpoints import checkpoint_bytes
 from tasks.train.loop import Training, build_training
@@ -128,12 +128,18 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     ).hexdigest()
 
 
+def pin(options: CheckOptions) -> dict[str, Any]:
+    """This process pinned as a stage pins its own (strict), in the CPU mode it was started in: the
+    first call of each case, so that none depends on what ran before it; the settings in force."""
+    return start(options.seed, options.threads, strict=True)
+
+
 def trained(options: CheckOptions, cfg: TrainConfig, split: Preprocessed) -> tuple[Training, str]:
     """Pin everything (strict), build the project's training loop and run `cfg.max_batches` steps.
 
     Returns the loop and the sha256 of its parameters before the first step.
     """
-    pin_everything(options.seed, options.threads, True)
+    pin(options)
     training = build_training(cfg, options.seed, split, torch.device(options.device))
     initial = digest(dict(training.model.named_parameters()))
     training.train_epoch(1)

@@ -42,16 +42,24 @@ NO_ROUTE = "http://127.0.0.1:9"
 _PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 # Run in the workspace, by its code and with the stages' environment: what the rebuilt train saw.
 # The pinning values come from the record as validated here (argv), not through the workspace's
-# params reader, whose module has moved between commits (tasks/core/config.py, then a package).
+# params reader, whose module has moved between commits (tasks/core/config.py, then a package). It
+# starts as every entry point does (tasks/determinism/bootstrap.py `start`); a commit from before
+# `start` pinned with the two functions it is made of.
 _PROBE = """
 import json, sys
 pinned = json.loads(sys.argv[1])
-from tasks.determinism.cpu_mode import pin_env
-pin_env(pinned["cpu"])  # before torch and numpy load
+seed, threads, strict, cpu = (pinned[key] for key in ("seed", "num_threads", "strict", "cpu"))
+try:
+    from tasks.determinism.bootstrap import start
+except ImportError:
+    from tasks.determinism.cpu_mode import pin_env
+    pin_env(cpu)  # before torch and numpy load
+    from tasks.determinism.pinning import pin_everything
+    settings = pin_everything(seed, threads, strict, cpu)
+else:
+    settings = start(seed, threads, strict=strict, cpu=cpu)
 from tasks.determinism.fingerprint import fingerprint
-from tasks.determinism.pinning import pin_everything
 from tasks.tracking.lineage import lineage_tags
-settings = pin_everything(pinned["seed"], pinned["num_threads"], pinned["strict"], pinned["cpu"])
 tags = {k: v for k, v in lineage_tags().items() if k.startswith("version.")}
 print(json.dumps({**tags, **{f"determinism.{k}": str(v) for k, v in settings.items()}, **fingerprint()}))
 """

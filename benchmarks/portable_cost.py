@@ -18,41 +18,40 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.data import params, prepared
-from benchmarks.harness import ROOT, Figure, fixed_threads, median
+from benchmarks.harness import ROOT, Figure, median
 from tasks.determinism import cpu_mode
 from tasks.determinism.threads import resolve
 
+# Each script starts its process in the mode it is given, as every entry point starts (tasks/determinism/
+# bootstrap.py): `prepare` before anything loads numpy or torch, then `start`.
 _EPOCHS = """
 import json, sys, time
 from pathlib import Path
-from tasks.determinism import cpu_mode
-cpu_mode.pin_env(sys.argv[1])
+from tasks.determinism.bootstrap import prepare, start
+prepare(sys.argv[1])
 from benchmarks.data import params
-from tasks.determinism.pinning import pin_everything
 from tasks.train.devices import resolve_device
 from tasks.data.preprocess import load_split
 from tasks.train.loop import build_training
 p = params()
-pin_everything(p.seed, p.determinism.num_threads, p.determinism.strict, sys.argv[1])
+start(p.seed, p.determinism.num_threads, strict=p.determinism.strict, cpu=sys.argv[1])
 training = build_training(p.train, p.seed, load_split(Path(sys.argv[2]), "train"), resolve_device(p.train.device))
 training.train_epoch(1)  # warm-up: allocations, kernel set-up
 seconds = []
 for epoch in range(2, 2 + int(sys.argv[3])):
-    start = time.perf_counter()
+    began = time.perf_counter()
     training.train_epoch(epoch)
-    seconds.append(time.perf_counter() - start)
+    seconds.append(time.perf_counter() - began)
 print(json.dumps(seconds))
 """
 
 
 _STEPS = """
 import json, sys, time
-from tasks.determinism import cpu_mode
-cpu_mode.pin_env(sys.argv[1])
+from tasks.determinism.bootstrap import start
+start(0, sys.argv[2] if sys.argv[2] == "auto" else int(sys.argv[2]), cpu=sys.argv[1])
 import torch
-from tasks.determinism.pinning import pin_everything
 from tasks.train.models import build_model
-pin_everything(0, sys.argv[2] if sys.argv[2] == "auto" else int(sys.argv[2]), True, sys.argv[1])
 batch = int(sys.argv[5])
 generator = torch.Generator().manual_seed(0)
 images = torch.rand(batch, 3, 32, 32, generator=generator)
@@ -63,11 +62,11 @@ for name in sys.argv[4].split(","):
     optimiser = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     seconds = []
     for step in range(2 + int(sys.argv[3])):  # two untimed steps first
-        start = time.perf_counter()
+        began = time.perf_counter()
         optimiser.zero_grad()
         torch.nn.functional.cross_entropy(model(images), labels).backward()
         optimiser.step()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(time.perf_counter() - began)
     timed[name] = seconds[2:]
 print(json.dumps(timed))
 """
@@ -122,8 +121,7 @@ def b9(
     round: the host's speed drifts over minutes, so two modes a model apart would be compared at two
     speeds. Each round's ratio goes in the figure, and the row's ratio is their median."""
     p = params()
-    threads = resolve(p.determinism.num_threads)
-    fixed_threads(threads)
+    threads = resolve(p.determinism.num_threads)  # each mode's process starts with it (the scripts above)
     pre = prepared(work)
     runs: dict[str, list[float]] = {"portable": [], "native": []}
     round_ratios: list[float] = []
