@@ -35,7 +35,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         portable_cost,
         scaling,
         stats_loop,
-        sweeps,
+        sweep_scaling,
         train_epoch,
     )
 
@@ -51,7 +51,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
             "B9": lambda work: portable_cost.b9(
                 work, rounds=1, epochs=1, steps=1, batch=4, one_process=True, models=portable_cost.SMOKE_STEP_MODELS
             ),
-            "B10": lambda work: sweeps.b10(work, smoke=True),
+            "B10": lambda work: sweep_scaling.b10(work, smoke=True),
             "B11": lambda work: contention.b11(rounds=1, steps=1),
             "B12": lambda work: large_split.b12(work, smoke=True),
         }
@@ -64,7 +64,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B6": lambda work: compression.b6(work, rounds=5, runs=50),
         "B7": lambda work: scaling.b7(work),
         "B9": lambda work: portable_cost.b9(work, rounds=3, epochs=4, steps=6, epoch_rounds=8),
-        "B10": lambda work: sweeps.b10(work),
+        "B10": lambda work: sweep_scaling.b10(work),
         "B11": lambda work: contention.b11(rounds=3, steps=4),
         "B12": lambda work: large_split.b12(work),
     }

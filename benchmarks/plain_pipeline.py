@@ -4,7 +4,7 @@
 
 Run in a folder of its own (the stages read and write `data/` and `artifacts/` relative to the
 working directory, as in the project). The same public functions, arguments and determinism
-settings as `tasks/stages.py`, each stage once, in order; what is left out is what B2 charges to
+settings as `tasks/runner.py`, each stage once, in order; what is left out is what B2 charges to
 orchestration: no Prefect, no DVC (no staleness check, no `dvc add`/`commit` hashing), no MLflow
 (no runs, artifacts or registry). `--skip-download`: start from the raw snapshot already in
 `data/` (B2 on a generated dataset, which has no source to download from).

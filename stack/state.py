@@ -37,6 +37,7 @@ SWEEP_PASSFILE = "pg-sweep-pass"
 # How often a flow run sends Prefect a heartbeat (PREFECT_FLOWS_HEARTBEAT_FREQUENCY in the client
 # environment; Prefect's floor is 30 s), for the zombie automation `up` makes (flows/prefect_env.py).
 FLOW_HEARTBEAT_S = 30
+START_TIMEOUT_S = 180  # a server's first start: initdb, MLflow's and Prefect's migrations on 2 cores
 MLFLOW_BUCKET, DVC_BUCKET = "lockstep-mlflow", "lockstep-dvc"
 DVC_REMOTE = "stack"
 REGION = "us-east-1"  # SeaweedFS ignores it; AWS clients want one to sign requests

@@ -31,7 +31,7 @@ def _run(stage: str, params_file: str) -> int:
     params = bootstrap(params_file)  # before torch and numpy load
 
     # after bootstrap pinned the process: the runner loads numpy and MLflow (torch once a stage needs it)
-    from tasks.stages import run_stage
+    from tasks.runner import run_stage
 
     # one pipeline run at a time: under `dvc repro` each stage holds the project lock while it runs
     with pipeline_lock(f"python -m tasks {stage}", params.orchestration.lock_wait_s):

@@ -9,9 +9,9 @@ from tests.support.code_graph import PACKAGES, ROOT, imports, module_path, proje
 # Lower layers never import higher ones: the stages know nothing of the orchestrator or benchmarks.
 LAYER = {"tasks": 0, "flows": 1, "stack": 2, "benchmarks": 2}
 # Inside tasks/, the roles in the same order: what every stage shares, then determinism, the data
-# stages, training, shipping, tracking, the tools; the stage runner (tasks.stages, tasks.__main__) on top.
+# stages, training, shipping, tracking, the tools; the stage runner (tasks.runner, tasks.__main__) on top.
 ROLES = ("core", "determinism", "data", "train", "ship", "tracking", "tools")
-ENTRY_MODULES = {"tasks.__main__", "tasks.stages"}
+ENTRY_MODULES = {"tasks.__main__", "tasks.runner"}
 MAX_FUNCTION_LINES = 60
 
 

@@ -34,7 +34,7 @@ def quiet_libraries() -> None:
     # MLflow's INFO lines: its database migrations, "Detected uv project", "View run ... at"
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     # "Failed to resolve installed pip version": a uv environment has no pip, and every model is
-    # logged with explicit requirements (tasks/stages.py), so the conda.yaml it is about is unused
+    # logged with explicit requirements (tasks/runner.py), so the conda.yaml it is about is unused
     logging.getLogger("mlflow.utils.environment").setLevel(logging.ERROR)
     # torchao registers an Enum with torch's pytree on import, which torch now calls deprecated:
     # a note to torchao's developers, printed on every run that quantizes

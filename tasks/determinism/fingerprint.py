@@ -1,7 +1,7 @@
 """The machine a run computed on, as flat `hw.*` tags: what can change weight bytes, what names the
 machine, and nothing secret. The one place that reads machine facts (/proc, sysfs, the NVIDIA driver).
 
-Every stage run carries it (tasks/stages.py), the model card repeats the train stage's,
+Every stage run carries it (tasks/runner.py), the model card repeats the train stage's,
 `make reproduce` compares it with the rebuilding machine's (`explain`) to say why bytes differ, and
 the GPU check (tasks/tools/gpu_check/) and the benchmarks (benchmarks/harness.py) report it. It loads
 nothing the pinning (pinning.py) does not: the GPU check runs it on a bare CUDA machine.

@@ -18,7 +18,7 @@ the request with a 400 naming the row; the server never sees more than `MAX_IMAG
 
 MLflow loads this file as "models from code" (no pickle): `load_context` opens the ONNX artifact.
 It imports only tasks/data/images.py, tasks/core/errors.py and tasks/ship/onnx_model.py (logged with the model as its
-code, tasks/stages.py `_register`), never torch.
+code, tasks/tracking/registry.py `_log_models`), never torch.
 """
 
 from __future__ import annotations

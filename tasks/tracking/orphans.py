@@ -1,9 +1,10 @@
 """Orphaned runs: MLflow runs left RUNNING by a process that was killed, marked KILLED with the reason.
 
-Every run lockstep opens records its owner as tags (`owner_tags`): the host name, the pid namespace,
-the pid and the process's start time. The owner is the process that ends the run: the flow process
-for the pipeline's parent run, the stage process for a stage run, and for the parent run of a
-`dvc repro` / `dvc exp run` session the dvc process (several stage processes share that run).
+Every run lockstep opens records its owner as tags (tasks/tracking/owners.py `owner_tags`): the host
+name, the pid namespace, the pid and the process's start time. The owner is the process that ends the
+run: the flow process for the pipeline's parent run, the stage process for a stage run, and for the
+parent run of a `dvc repro` / `dvc exp run` session the dvc process (several stage processes share
+that run).
 
 `mark_orphans` looks at the RUNNING runs only (searched page by page) and marks KILLED each one whose
 owner was on this host and in this pid namespace and whose process is gone: its pid is not alive,
@@ -48,33 +49,36 @@ prints one line per run marked and a count, and exits 0 (1 if the store cannot b
 from __future__ import annotations
 
 import argparse
-import getpass
 import logging
 import os
-import platform
 import re
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from tasks.core.cli import configure_logging, exit_code, one_line
 from tasks.core.errors import ExpectedFailure
 from tasks.core.redact import redact
+from tasks.tracking.owners import (
+    ALIVE,
+    ELSEWHERE,
+    GONE,
+    STALE,
+    UNOWNED,
+    flow_run_state,
+    iso_time,
+    judge_owner,
+    owner_of,
+    who,
+)
 from tasks.tracking.store import tracking_uri
 
 log = logging.getLogger("tasks.tracking.orphans")  # not __name__: that is "__main__" under -m
 
-OWNER_HOST = "lockstep.owner.host"
-OWNER_PIDNS = "lockstep.owner.pidns"  # the same host name in two containers: their pids differ
-OWNER_PID = "lockstep.owner.pid"
-OWNER_STARTED = "lockstep.owner.started"  # ISO 8601 UTC, ms: tells a reused pid apart
 KILLED_REASON = "lockstep.killed_reason"
 FLOW_RUN_TAG = "lockstep.flow_run"  # the Prefect flow run of a pipeline's parent run (flows/pipeline_flow.py)
 PARENT_TAG = "mlflow.parentRunId"
@@ -83,13 +87,6 @@ NOTE = "mlflow.note.content"  # the run's description in the UI, shown in full (
 RUNNING = "attributes.status = 'RUNNING'"
 PAGE = 1000  # runs per search request
 EXPERIMENTS_PER_SEARCH = 100
-# Linux derives a start time from the boot time, which NTP can shift by a second; a pid reused
-# within a second of its previous owner's start is far rarer than that shift.
-SAME_START_S = 1.0
-
-# verdicts
-GONE, STALE = "gone", "stale"  # marked
-ALIVE, ELSEWHERE, UNOWNED = "alive", "another host", "no owner"  # left alone
 
 
 @dataclass(frozen=True)
@@ -115,90 +112,16 @@ class Marked:
     reason: str
 
 
-# --------------------------------------------------------------------------- owners
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")  # e.g. "pid:[4026531836]"
-    except OSError:
-        return "none"  # no /proc (macOS): no pid namespaces either
-
-
-def _iso(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def owner_tags(proc: psutil.Process | None = None) -> dict[str, str]:
-    """The tags that name `proc` (default: this process) as a run's owner."""
-    proc = proc or psutil.Process()
-    return {
-        OWNER_HOST: platform.node(),
-        OWNER_PIDNS: _pid_namespace(),
-        OWNER_PID: str(proc.pid),
-        OWNER_STARTED: _iso(proc.create_time()),
-    }
-
-
-def who(what: str) -> str:
-    """`what`, with this process, host and user: who marked a run."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # a container's uid without a passwd entry
-        user = str(os.getuid())
-    return f"{what} (pid {os.getpid()} on {platform.node()}, user {user})"
-
-
-def _process_gone(pid: int, started: float) -> str | None:
-    """How the process `pid` started at `started` is gone, or None if it runs (or cannot be told)."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return "has exited (a zombie)"
-        now_started = proc.create_time()
-    except psutil.NoSuchProcess:
-        return "is gone"
-    except psutil.Error:  # access denied: it exists, someone else's
-        return None
-    if abs(now_started - started) > SAME_START_S:
-        return f"is gone (pid {pid} is now another process, started {_iso(now_started)})"
-    return None
-
-
 def judge(run: Any, older_than_s: float | None = None, now: float | None = None) -> Judged:
     """What the sweep makes of one RUNNING run (an mlflow Run)."""
     tags, info = run.data.tags, run.info
-    verdict, why = _judge_owner(tags)
+    verdict, why = judge_owner(tags)
     if verdict in (ELSEWHERE, UNOWNED) and older_than_s is not None:
         age = (now if now is not None else time.time()) - info.start_time / 1000
         if age >= older_than_s:
             verdict = STALE
-            why = f"{why}; it started {_iso(info.start_time / 1000)}, more than {_age_text(older_than_s)} ago"
+            why = f"{why}; it started {iso_time(info.start_time / 1000)}, more than {_age_text(older_than_s)} ago"
     return Judged(info.run_id, info.experiment_id, info.run_name or "", verdict, why)
-
-
-def _process(tags: dict[str, str]) -> str:
-    """The owner as the reasons name it (owner tags present and well-formed)."""
-    started = datetime.fromisoformat(tags[OWNER_STARTED]).timestamp()
-    return f"process {tags[OWNER_PID]} on host {tags.get(OWNER_HOST)} (started {_iso(started)})"
-
-
-def _judge_owner(tags: dict[str, str]) -> tuple[str, str]:
-    host, pidns = tags.get(OWNER_HOST), tags.get(OWNER_PIDNS)
-    try:
-        pid, started = int(tags[OWNER_PID]), datetime.fromisoformat(tags[OWNER_STARTED]).timestamp()
-    except (KeyError, ValueError):
-        return UNOWNED, "no owner recorded (an older lockstep, or not lockstep's run)"
-    process = _process(tags)
-    if host != platform.node() or pidns != _pid_namespace():
-        where = "another host" if host != platform.node() else f"another pid namespace ({pidns})"
-        return ELSEWHERE, f"{process} is on {where}: not checked from here"
-    if pid <= 0:
-        return UNOWNED, f"owner pid {pid} is not a process"
-    gone = _process_gone(pid, started)
-    if gone is None:
-        return ALIVE, f"{process} is running"
-    return GONE, f"{process} {gone}"
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -264,47 +187,21 @@ def _ended_flow_runs(client: Any, runs: list[Any], judged: list[Judged]) -> list
         return tags_of[parent].get(FLOW_RUN_TAG)
 
     flow_runs = {j.run_id: flow_run_of(tags_of[j.run_id]) for j in judged if j.verdict == ELSEWHERE}
-    states = {flow_run: _flow_run_state(flow_run) for flow_run in set(flow_runs.values()) if flow_run}
+    states = {flow_run: flow_run_state(flow_run) for flow_run in set(flow_runs.values()) if flow_run}
     result = []
     for one in judged:
         flow_run = flow_runs.get(one.run_id)
         state = states.get(flow_run) if flow_run else None
         if state is not None and state[0] in FINAL_FLOW_RUN_STATES:
-            why = f"{_process(tags_of[one.run_id])} ran Prefect flow run {flow_run}, which is {state[1]} on the server"
+            why = f"{owner_of(tags_of[one.run_id])} ran Prefect flow run {flow_run}, which is {state[1]} on the server"
             one = replace(one, verdict=GONE, why=why + (f" ({state[2]})" if state[2] else ""))
         result.append(one)
     return result
 
 
-def _flow_run_state(flow_run_id: str) -> tuple[str, str, str] | None:
-    """(type, name, message) of a flow run's state on the Prefect server in PREFECT_API_URL, or None if
-    it cannot be told. A plain GET (no Prefect import: a stage process sweeps too)."""
-    import base64
-    import json
-    import urllib.request
-    import uuid
-
-    try:
-        url = f"{os.environ['PREFECT_API_URL'].rstrip('/')}/flow_runs/{uuid.UUID(flow_run_id)}"
-    except ValueError:
-        return None
-    request = urllib.request.Request(url)
-    if auth := os.environ.get("PREFECT_API_AUTH_STRING"):
-        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
-    elif key := os.environ.get("PREFECT_API_KEY"):
-        request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            state = json.load(answer).get("state") or {}
-    except (OSError, ValueError) as exc:  # unreachable, refused, not JSON: the run is left alone
-        log.debug("Prefect flow run %s: state not read: %s", flow_run_id, exc)
-        return None
-    return str(state.get("type")), str(state.get("name")), one_line(str(state.get("message") or ""))[:300]
-
-
 def mark(client: Any, orphans: Iterable[Judged], marked_by: str) -> list[Marked]:
     """Mark each orphan KILLED with its reason; one that cannot be marked is a warning, not an error."""
-    stamp = f"marked KILLED by {marked_by} at {_iso(time.time())}"
+    stamp = f"marked KILLED by {marked_by} at {iso_time(time.time())}"
     marked = []
     for run in orphans:
         reason = redact(f"{run.why}; {stamp}")
@@ -336,7 +233,7 @@ def mark_orphans(
     return mark(client, orphans, marked_by or who("lockstep"))
 
 
-def sweep(client: Any, experiment_ids: Iterable[str] | None, marked_by: str) -> list[Marked]:
+def mark_orphans_or_warn(client: Any, experiment_ids: Iterable[str] | None, marked_by: str) -> list[Marked]:
     """`mark_orphans` at the start of a pipeline execution: its failure is a warning, never the pipeline's."""
     try:
         return mark_orphans(client, experiment_ids, marked_by=who(marked_by))

@@ -9,10 +9,11 @@ How a stage finds its parent run, whichever entry point started it:
    (`lockstep.session`). The first stage creates it, later ones resume it, and each stage marks it
    finished when it is done, so it is never left "running".
 
-Every run records its owner (tasks/tracking/orphans.py `owner_tags`): the process that ends it, which for a DVC
-session's parent run is the dvc process. A run whose owner was killed stays RUNNING; the next pipeline
-execution marks it KILLED, with the reason (`sweep`, at the start of `pipeline_run` and of a stage
-that creates or resumes a session's parent run).
+Every run records its owner (tasks/tracking/owners.py `owner_tags`): the process that ends it, which
+for a DVC session's parent run is the dvc process. A run whose owner was killed stays RUNNING; the
+next pipeline execution marks it KILLED, with the reason (tasks/tracking/orphans.py
+`mark_orphans_or_warn`, at the start of `pipeline_run` and of a stage that creates or resumes a
+session's parent run).
 
 MLflow is imported lazily: a GPU box with torch alone can still run the train stage with
 `tracking.enabled: false`.
@@ -34,15 +35,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from tasks.core.config.params import Params
 from tasks.core.config.service import TrackingConfig
 from tasks.core.layout import project_root
 from tasks.core.redact import redact, redact_mapping
 from tasks.tracking.dashboard import ensure_training_view, record_pipeline, start_pipeline
 from tasks.tracking.lineage import lineage_tags, redacted_context_tags
-from tasks.tracking.orphans import owner_tags, sweep
+from tasks.tracking.orphans import mark_orphans_or_warn
+from tasks.tracking.owners import owner_tags, session_key, session_owner
 from tasks.tracking.store import TrackingUnavailable, check_store, default_uri, mlflow_module, tracking_uri
 
 log = logging.getLogger(__name__)
@@ -142,26 +142,6 @@ def _text_of(path: Path, limit: int = 16 * 2**20) -> str | None:
         return None
 
 
-def _session_owner() -> tuple[str, psutil.Process]:
-    """The process every stage process of one `dvc repro` / `dvc exp run` invocation shares: that dvc
-    process ("dvc"), or this process itself ("process") outside DVC."""
-    me = psutil.Process()
-    for proc in me.parents():
-        try:
-            cmd = proc.cmdline()
-        except psutil.Error:
-            continue
-        if "dvc" in (Path(part).name for part in cmd[:3]):  # `dvc ...` or `python -m dvc ...`
-            return "dvc", proc
-    return "process", me
-
-
-def _session_key(owner: tuple[str, psutil.Process] | None = None) -> str:
-    """An id shared by every stage process of one `dvc repro` / `dvc exp run` invocation."""
-    kind, proc = owner or _session_owner()
-    return f"{kind}:{proc.pid}:{proc.create_time():.3f}"
-
-
 def _experiment_id(mlflow: Any, name: str) -> str:
     experiment = mlflow.get_experiment_by_name(name)
     if experiment:
@@ -188,9 +168,9 @@ def _experiment_id(mlflow: Any, name: str) -> str:
 
 def _find_or_create_session_parent(mlflow: Any, experiment_id: str, entry_point: str, params: Params | None) -> str:
     client = mlflow.MlflowClient()
-    sweep(client, [experiment_id], f"a {entry_point} stage")
-    owner = _session_owner()
-    key = _session_key(owner)
+    mark_orphans_or_warn(client, [experiment_id], f"a {entry_point} stage")
+    owner = session_owner()
+    key = session_key(owner)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{SESSION_TAG}` = '{key}'", max_results=1)
     if found:
         run_id = found[0].info.run_id
@@ -223,7 +203,7 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str, params: Params | None = 
     mlflow = mlflow_module()
     client = mlflow.MlflowClient()
     experiment_id = _experiment_id(mlflow, cfg.experiment)
-    sweep(client, [experiment_id], f"the {entry_point} pipeline run")
+    mark_orphans_or_warn(client, [experiment_id], f"the {entry_point} pipeline run")
     run = client.create_run(
         experiment_id, run_name=f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}", tags=pipeline_tags(entry_point)
     )

@@ -107,7 +107,7 @@ def test_the_download_task_retries_only_an_unreachable_source(tmp_path: Path) ->
 def lock_db() -> Iterator[str]:
     """The stack's PostgreSQL (initdb in a temporary folder, as `make stack` does), on loopback: the
     pipeline lock's URL, as the stack's client environment gives it (LOCKSTEP_PIPELINE_LOCK_URL)."""
-    from stack.servers import Postgres, lock_folder
+    from stack.postgres import Postgres, lock_folder
     from stack.state import open_stack
 
     if not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")) and not shutil.which("initdb"):

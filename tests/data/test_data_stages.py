@@ -18,7 +18,7 @@ from tasks.data.formats import FORMAT, RawDataset, open_raw, read_raw, write_raw
 from tasks.data.preprocess import load_split, preprocess
 from tasks.data.splits import split_indices
 from tasks.data.stats import channel_stats, compute_stats
-from tasks.stages import NUMPY_STAGES
+from tasks.runner import NUMPY_STAGES
 from tests.conftest import client_for, copy_project, run
 
 SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # assign: hash, the default (tests/data/test_splits.py)

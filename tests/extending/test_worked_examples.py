@@ -160,7 +160,7 @@ def registered() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def project(registered: None, tmp_path_factory: pytest.TempPathFactory) -> Project:
     """The new source downloaded and preprocessed; the new model trained on it with the new preset,
-    evaluated, and compressed into the new variant: the stage functions, as tasks/stages.py calls them."""
+    evaluated, and compressed into the new variant: the stage functions, as tasks/runner.py calls them."""
     work = tmp_path_factory.mktemp("extending")
     pin_everything(SEED, THREADS)
     download(DataConfig(source="shapes"), work / "data", work / "cache")

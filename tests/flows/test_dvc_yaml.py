@@ -11,7 +11,7 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.config.params import STAGE_PARAMS, STAGES
-from tasks.stages import NUMPY_STAGES
+from tasks.runner import NUMPY_STAGES
 from tests.conftest import write_params
 from tests.support.code_graph import PACKAGES, ROOT, closure, module_path
 
@@ -38,9 +38,9 @@ def test_outputs_never_overlap_the_dvc_tracked_data_dir() -> None:
 
 
 # What each stage's command computes with: its module, and the determinism pinning it runs under
-# (tasks/stages.py's run_stage: numpy's seeds alone for the data stages, which never load torch; every
+# (tasks/runner.py's run_stage: numpy's seeds alone for the data stages, which never load torch; every
 # seed and switch for the others); train also runs tasks/train/launcher.py's ranks. The rest of the runner
-# (tasks/stages.py, tracking.py) is the edge that logs, not a dep: how a run is logged does not
+# (tasks/runner.py, tracking.py) is the edge that logs, not a dep: how a run is logged does not
 # change what it computes.
 STAGE_MODULE = {
     "download": "tasks.data.download",

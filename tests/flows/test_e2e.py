@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tasks.core.config.params import STAGES
-from tasks.stages import NUMPY_STAGES
+from tasks.runner import NUMPY_STAGES
 from tasks.tracking.dashboard import run_page
 from tests.conftest import TINY, client_for, clone_project, run, sha256
 from tests.support.first_run import TwoRuns

@@ -23,7 +23,7 @@ Then the same sweep on one host: trainer-a alone, coordinator and a local cluste
 processes, no address), the same storage (the stack's PostgreSQL), another study name. Both must give
 the same trials (params, seeds), states, values, and winner, and the winner's weights must be the same
 bytes. No disk is shared: the winner's weights reach the laptop through its trial's MLflow run
-(`tasks/tools/sweep_results.py` `winner_weights`), checked against the sha256 its trial reported.
+(`tasks/tools/sweep/results.py` `winner_weights`), checked against the sha256 its trial reported.
 
 Every host finds the portable CPU mode's op library that the team fixture built once and shares
 (tests/support/team.py `share_op_library`): without it each worker's first trial compiles it (3 minutes
@@ -65,7 +65,7 @@ WORKERS = """
 import json, sys, time
 from pathlib import Path
 from distributed import Client
-from tasks.tools.sweep_cluster import security
+from tasks.tools.sweep.cluster import security
 wanted, deadline = int(sys.argv[3]), time.monotonic() + float(sys.argv[4])
 with Client(sys.argv[1], security=security(Path(sys.argv[2])), timeout=30) as client:
     while True:

@@ -26,7 +26,7 @@ from pydantic.fields import FieldInfo
 
 import flows.pipeline
 import tasks.__main__
-import tasks.stages
+import tasks.runner
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import load_params
 from tests.conftest import ROOT
@@ -195,7 +195,7 @@ def _run_main(entry: str, params: Path, workdir: Path) -> tuple[int, str]:
         patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir / 'mlflow.db'}")
         # tripwires, should validation let bad params through: never run anything on the repository
         patch.setattr(flows.pipeline, "_run_with_local_api", _never_run)
-        patch.setattr(tasks.stages, "run_stage", _never_run)
+        patch.setattr(tasks.runner, "run_stage", _never_run)
         if entry == "tasks":
             code = tasks.__main__.main(["train", "--params", str(params)])
         else:

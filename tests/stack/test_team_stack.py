@@ -42,7 +42,8 @@ import pytest
 import yaml
 
 from stack.__main__ import down, join, up
-from stack.servers import ObjectStore, Postgres, s3_client
+from stack.postgres import Postgres
+from stack.servers import ObjectStore, s3_client
 from stack.state import DVC_BUCKET, MLFLOW_BUCKET, Stack, open_stack
 from tasks.tracking.dashboard import run_page
 from tests.conftest import ROOT, commit_all, copy_project, listening, run, service, sha256, subprocess_env

@@ -1,4 +1,4 @@
-"""Sweeps (tasks/tools/sweep.py, flows/sweep.py): a study's trials, pruning and winner depend on the sweep
+"""Sweeps (tasks/tools/sweep/, flows/sweep.py): a study's trials, pruning and winner depend on the sweep
 params and the data only — not on the order trials finish in, the number of workers, a restarted
 coordinator or a killed worker.
 
@@ -20,8 +20,9 @@ from tasks.core.cli import one_line
 from tasks.core.config.base import ConfigError
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import load_params
-from tasks.tools import sweep as search
-from tasks.tools import sweep_results as results
+from tasks.tools.sweep import results
+from tasks.tools.sweep import study as search
+from tasks.tools.sweep.trials import Pruning, TrialOutcome, TrialSpec, best_value, derived_seed, trial_params
 from tests.conftest import write_params
 
 SPACE = {
@@ -37,7 +38,7 @@ def _params(tmp_path: Path, **sweep: Any) -> Params:
     return load_params(write_params(tmp_path / "params.yaml", {"sweep": settings}))
 
 
-def _curve(spec: search.TrialSpec) -> list[dict[str, float]]:
+def _curve(spec: TrialSpec) -> list[dict[str, float]]:
     """A made-up validation curve: best near lr 0.1, rising with the epochs."""
     lr = spec.values["train.lr"]
     ceiling = 0.95 - 0.2 * abs(math.log10(lr) + 1) - 10 * spec.values["train.weight_decay"]
@@ -53,7 +54,7 @@ class Trainer:
         self.cfg, self.order, self.fail_at_call = cfg, order, fail_at_call
         self.ran: list[int] = []  # trial numbers, one per training
 
-    def __call__(self, specs: list[search.TrialSpec]) -> list[search.TrialOutcome]:
+    def __call__(self, specs: list[TrialSpec]) -> list[TrialOutcome]:
         if self.fail_at_call is not None and len(self.ran) >= self.fail_at_call:
             raise KeyboardInterrupt("the coordinator dies")
         outcomes = [self._train(spec) for spec in specs]
@@ -63,15 +64,15 @@ class Trainer:
             random.Random(len(self.ran)).shuffle(outcomes)
         return outcomes
 
-    def _train(self, spec: search.TrialSpec) -> search.TrialOutcome:
+    def _train(self, spec: TrialSpec) -> TrialOutcome:
         self.ran.append(spec.number)
-        pruning, history = search.Pruning(self.cfg, spec.earlier), []
+        pruning, history = Pruning(self.cfg, spec.earlier), []
         for row in _curve(spec):
             history.append(row)
             if pruning.should_stop(spec.number, row):
-                return search.TrialOutcome(spec.number, "pruned", row["val_accuracy"], history)
-        value = search.best_value(history, self.cfg.metric, self.cfg.direction)
-        return search.TrialOutcome(spec.number, "complete", value, history, fingerprint=spec.fingerprint)
+                return TrialOutcome(spec.number, "pruned", row["val_accuracy"], history)
+        value = best_value(history, self.cfg.metric, self.cfg.direction)
+        return TrialOutcome(spec.number, "complete", value, history, fingerprint=spec.fingerprint)
 
 
 def _run(params: Params, study_dir: Path, trainer: Trainer, storage: str | None = None) -> list[dict[str, Any]]:
@@ -94,7 +95,7 @@ def test_results_do_not_depend_on_the_order_trials_finish_in(tmp_path: Path) -> 
     assert any(row["state"] == "pruned" for row in rows[3:])
     # each trial's seed is its own, from the sweep seed and its number
     assert len({row["seed"] for row in rows}) == 12
-    assert rows[0]["seed"] == search.derived_seed(0, 0, "train")
+    assert rows[0]["seed"] == derived_seed(0, 0, "train")
 
 
 def test_each_trial_told_is_a_line_with_the_study_s_progress_and_the_best_so_far(
@@ -155,8 +156,8 @@ def test_more_trials_continue_a_finished_study(tmp_path: Path) -> None:
 def test_a_failed_trial_is_a_result(tmp_path: Path) -> None:
     params = _params(tmp_path, trials=3)
 
-    def crashing(specs: list[search.TrialSpec]) -> list[search.TrialOutcome]:
-        return [search.TrialOutcome(spec.number, "failed", error="RuntimeError: boom", attempts=2) for spec in specs]
+    def crashing(specs: list[TrialSpec]) -> list[TrialOutcome]:
+        return [TrialOutcome(spec.number, "failed", error="RuntimeError: boom", attempts=2) for spec in specs]
 
     study = search.open_study(params.sweep, None, tmp_path / "study", "fp")
     search.run_study(study, params.sweep, "fp", crashing)
@@ -169,8 +170,8 @@ def test_a_failed_trial_is_a_result(tmp_path: Path) -> None:
 def test_the_best_trial_breaks_ties_by_number(tmp_path: Path) -> None:
     params = _params(tmp_path, trials=4, batch=4, pruner="none")
 
-    def flat(specs: list[search.TrialSpec]) -> list[search.TrialOutcome]:
-        return [search.TrialOutcome(s.number, "complete", 0.9, [{"epoch": 1, "val_accuracy": 0.9}]) for s in specs]
+    def flat(specs: list[TrialSpec]) -> list[TrialOutcome]:
+        return [TrialOutcome(s.number, "complete", 0.9, [{"epoch": 1, "val_accuracy": 0.9}]) for s in specs]
 
     study = search.open_study(params.sweep, None, tmp_path / "study", "fp")
     search.run_study(study, params.sweep, "fp", flat)
@@ -179,8 +180,8 @@ def test_the_best_trial_breaks_ties_by_number(tmp_path: Path) -> None:
 
 def test_trial_params_put_the_values_and_the_seed_in_train(tmp_path: Path) -> None:
     params = _params(tmp_path)
-    spec = search.TrialSpec(3, {"train.lr": 0.02, "train.epochs": 4}, seed=1234)
-    trial = search.trial_params(params, spec)
+    spec = TrialSpec(3, {"train.lr": 0.02, "train.epochs": 4}, seed=1234)
+    trial = trial_params(params, spec)
     assert (trial.train.lr, trial.train.epochs, trial.train.seed, trial.train_seed) == (0.02, 4, 1234, 1234)
     assert trial.seed == params.seed  # the split is the project's
     assert trial.train.strategy == "single"
@@ -188,9 +189,9 @@ def test_trial_params_put_the_values_and_the_seed_in_train(tmp_path: Path) -> No
 
 def test_derived_seeds_are_pinned() -> None:
     # numpy's SeedSequence is documented stable; a change here changes every recorded sweep
-    assert search.derived_seed(0, 0, "train") != search.derived_seed(0, 1, "train")
-    assert search.derived_seed(0, 0, "train") != search.derived_seed(0, 0, "sampler")
-    assert [search.derived_seed(0, n, "train") for n in range(3)] == PINNED_SEEDS
+    assert derived_seed(0, 0, "train") != derived_seed(0, 1, "train")
+    assert derived_seed(0, 0, "train") != derived_seed(0, 0, "sampler")
+    assert [derived_seed(0, n, "train") for n in range(3)] == PINNED_SEEDS
 
 
 PINNED_SEEDS = [4147804363, 2919965486, 4152727838]

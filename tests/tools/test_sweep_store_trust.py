@@ -18,8 +18,10 @@ from optuna.trial import TrialState, create_trial
 from flows.sweep import _apply
 from tasks.core.cli import exit_code
 from tasks.core.config.yaml_io import load_params
-from tasks.tools import sweep as search
-from tasks.tools.sweep_results import summarise
+from tasks.tools.sweep.results import summarise
+from tasks.tools.sweep.space import distributions
+from tasks.tools.sweep.study import JOURNAL, open_study, run_study
+from tasks.tools.sweep.trials import TrialOutcome, TrialSpec, derived_seed
 from tests.conftest import write_params
 
 SPACE = {
@@ -42,14 +44,14 @@ def _setup(tmp_path: Path, storage: str, trials: int = 2) -> tuple[Path, Any, st
     params_file = write_params(tmp_path / "params.yaml", {"sweep": {"trials": trials, "batch": 1, "space": SPACE}})
     cfg = load_params(params_file).sweep
     url = f"sqlite:///{tmp_path / 'optuna.db'}" if storage == "rdb" else None
-    search.open_study(cfg, url, tmp_path / "study", "fp")  # the sweep made the study (a first run)
+    open_study(cfg, url, tmp_path / "study", "fp")  # the sweep made the study (a first run)
     return params_file, cfg, url
 
 
 def _plant(tmp_path: Path, cfg: Any, url: str | None, params: dict[str, Any], state: TrialState) -> None:
     """Another writer of the storage adds a trial (with distributions that fit its forged values)."""
     storage: Any = url or optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(tmp_path / "study" / search.JOURNAL))
+        optuna.storages.journal.JournalFileBackend(str(tmp_path / "study" / JOURNAL))
     )
     study = optuna.load_study(study_name=cfg.name, storage=storage)
     dists = {
@@ -80,9 +82,9 @@ class NoTraining:
     def __init__(self) -> None:
         self.ran: list[int] = []
 
-    def __call__(self, specs: list[search.TrialSpec]) -> list[search.TrialOutcome]:
+    def __call__(self, specs: list[TrialSpec]) -> list[TrialOutcome]:
         self.ran += [spec.number for spec in specs]
-        return [search.TrialOutcome(s.number, "complete", 0.5, [{"epoch": 1, "val_accuracy": 0.5}]) for s in specs]
+        return [TrialOutcome(s.number, "complete", 0.5, [{"epoch": 1, "val_accuracy": 0.5}]) for s in specs]
 
 
 def _refused(fn: Any, capsys: pytest.CaptureFixture[str]) -> str:
@@ -106,10 +108,10 @@ def test_a_forged_complete_trial_is_neither_learnt_from_nor_applied(
     }
     _plant(tmp_path, cfg, url, forged, TrialState.COMPLETE)
     before = params_file.read_bytes()
-    study = search.open_study(cfg, url, tmp_path / "study", "fp")  # the fingerprint is the study's own
+    study = open_study(cfg, url, tmp_path / "study", "fp")  # the fingerprint is the study's own
 
     # the study looks finished (1 of 1 trials): resuming it, then --apply
-    err = _refused(lambda: search.run_study(study, cfg, "fp", NoTraining()), capsys)
+    err = _refused(lambda: run_study(study, cfg, "fp", NoTraining()), capsys)
     assert "trial 0: data.url reaches the network or other machines" in err, err
     err = _refused(lambda: _apply(str(params_file), summarise(study, cfg, 0.0), cfg.name), capsys)
     assert "trial 0: data.url" in err and "params.yaml untouched" in err, err
@@ -142,9 +144,9 @@ def test_a_planted_unfinished_trial_is_not_run(
     params_file, cfg, url = _setup(tmp_path, storage)
     _plant(tmp_path, cfg, url, planted, TrialState.RUNNING)
     before = params_file.read_bytes()
-    study = search.open_study(cfg, url, tmp_path / "study", "fp")
+    study = open_study(cfg, url, tmp_path / "study", "fp")
     trainer = NoTraining()
-    err = _refused(lambda: search.run_study(study, cfg, "fp", trainer), capsys)
+    err = _refused(lambda: run_study(study, cfg, "fp", trainer), capsys)
     assert f"study 'lockstep' trial 0: {fragment}" in err, err
     assert trainer.ran == [] and params_file.read_bytes() == before
 
@@ -152,14 +154,14 @@ def test_a_planted_unfinished_trial_is_not_run(
 def test_the_sweeps_own_trials_pass_and_apply(tmp_path: Path) -> None:
     """The check lets through what the sweep asked for, interrupted or not, and --apply still writes."""
     params_file, cfg, url = _setup(tmp_path, "journal", trials=3)
-    study = search.open_study(cfg, url, tmp_path / "study", "fp")
-    study.ask(fixed_distributions=search.distributions(cfg.space))  # a trial left RUNNING by a dead coordinator
+    study = open_study(cfg, url, tmp_path / "study", "fp")
+    study.ask(fixed_distributions=distributions(cfg.space))  # a trial left RUNNING by a dead coordinator
     trainer = NoTraining()
-    search.run_study(study, cfg, "fp", trainer)
+    run_study(study, cfg, "fp", trainer)
     assert trainer.ran == [0, 1, 2]
     summary = summarise(study, cfg, 0.0)
     summary["best"]["run_id"] = RUN_ID
     _apply(str(params_file), summary, cfg.name)
     applied = load_params(params_file)
     assert applied.sweep.applied is not None and applied.sweep.applied.trial == summary["best"]["trial"]
-    assert applied.train.seed == search.derived_seed(cfg.seed, summary["best"]["trial"], "train")
+    assert applied.train.seed == derived_seed(cfg.seed, summary["best"]["trial"], "train")

@@ -1,4 +1,4 @@
-"""The winner's weights on the coordinator (tasks/tools/sweep_results.py `winner_weights`): machines share no
+"""The winner's weights on the coordinator (tasks/tools/sweep/results.py `winner_weights`): machines share no
 disk, so weights trained on another machine come from the trial's MLflow run, and only with the sha256 the
 trial reported. The fetch itself (MLflow's `download_artifacts`) is replaced here by a stand-in that
 writes given bytes; across real hosts and a real server: tests/hosts/test_sweep_hosts.py."""
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tasks.tools.sweep_results import WinnerUnavailable, winner_weights
+from tasks.tools.sweep.results import WinnerUnavailable, winner_weights
 
 WEIGHTS = b"the winner's weights"
 

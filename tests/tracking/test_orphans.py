@@ -26,7 +26,8 @@ import pytest
 
 from tasks.core.config.service import TrackingConfig
 from tasks.tracking import orphans
-from tasks.tracking.orphans import KILLED_REASON, OWNER_HOST, OWNER_PID, OWNER_PIDNS, OWNER_STARTED, mark_orphans
+from tasks.tracking.orphans import KILLED_REASON, mark_orphans
+from tasks.tracking.owners import OWNER_HOST, OWNER_PID, OWNER_PIDNS, OWNER_STARTED, iso_time
 from tasks.tracking.runs import PARENT_ENV, pipeline_run, stage_run
 from tasks.tracking.store import tracking_uri
 from tests.conftest import ROOT, subprocess_env
@@ -123,7 +124,7 @@ def _owned_by(store: Store, pid: int, started: float, **tags: str) -> str:
         OWNER_HOST: platform.node(),
         OWNER_PIDNS: os.readlink("/proc/self/ns/pid"),
         OWNER_PID: str(pid),
-        OWNER_STARTED: orphans._iso(started),
+        OWNER_STARTED: iso_time(started),
     }
     return store.client.create_run(store.experiment_id, run_name=f"owned by {pid}", tags={**owner, **tags}).info.run_id
 

@@ -12,7 +12,7 @@ from tasks.core.config.base import OverrideRefused
 # server allowed it (`python -m flows.deployments serve --allow-override KEY`): else a web page or
 # anyone who can reach the API could point the data at their server or the train stage at their
 # rendezvous, and the flow would write it into params.yaml for good. Sweeps refuse them in trial
-# params read back from the study's storage too (tasks/tools/sweep.py).
+# params read back from the study's storage too (tasks/tools/sweep/space.py).
 REMOTE_KEYS = (
     "data.url",
     "data.mirror",

@@ -62,13 +62,13 @@ class AppliedSweep(Section):
 
 
 class SweepConfig(Section):
-    """A hyperparameter search over train keys (flows/sweep.py, tasks/tools/sweep.py). Read by no stage but
+    """A hyperparameter search over train keys (flows/sweep.py, tasks/tools/sweep/). Read by no stage but
     `applied`, which train records."""
 
     name: str = Field("lockstep", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # the Optuna study
     trials: int = Field(8, ge=1, le=10_000)
     # Trials asked together, run in parallel and told back in trial-number order: results depend on
-    # this, never on how many workers run them (tasks/tools/sweep.py).
+    # this, never on how many workers run them (tasks/tools/sweep/study.py).
     batch: int = Field(2, ge=1, le=256)
     seed: int = Field(0, ge=0, lt=2**32)
     sampler: Literal["tpe", "random"] = "tpe"

@@ -166,7 +166,7 @@ class TrainConfig(Section):
     freeze_backbone_epochs: int = Field(0, ge=0, le=MAX_EPOCHS)  # epochs 1..N train the head alone
     head_lr: float | None = Field(None, gt=0, le=MAX_LR)  # the head's peak learning rate (null: lr)
     # The seed of the model's initialisation, the batch order and the augmentation; null: the top-level
-    # seed. A sweep trial trains with its own (tasks/tools/sweep.py) on the data the top-level seed split.
+    # seed. A sweep trial trains with its own (tasks/tools/sweep/trials.py) on the data the top-level seed split.
     seed: int | None = Field(None, ge=0, lt=2**32)
     # The training recipe (tasks/train/recipe.py, tasks/train/augment.py, tasks/train/batches.py): every
     # option off by default, each a function of (seed, epoch, step), so deterministic and resumable.

@@ -126,7 +126,7 @@ def _compress(options: CheckOptions, train_cfg: TrainConfig, variants: tuple[str
         latency_runs=20,
         latency_warmup=1,
     )
-    pin(options)  # as the compress stage runs (tasks/stages.py)
+    pin(options)  # as the compress stage runs (tasks/runner.py)
     try:
         result = compress(
             cfg,

@@ -1,7 +1,7 @@
 """`python -m tasks.tools.reproduce RUN_ID`: re-run a past training run and check its weights byte for byte.
 
 RUN_ID is a train stage run, or the pipeline run it belongs to. The run carries what it was made
-from (tasks/stages.py logs it under `reproduce/`): the resolved params, `data.dvc` and `dvc.lock`,
+from (tasks/runner.py logs it under `reproduce/`): the resolved params, `data.dvc` and `dvc.lock`,
 with the git commit as a tag. In a temporary workspace this rebuilds it — the code at that commit,
 those params (tracking off), that data version from the project's DVC cache or default remote —
 runs stats → preprocess → train, and compares the sha256 of the new best/last weights with the
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # runs left RUNNING by kills
-    orphans.sweep(tracking_client(store.tracking_uri()), None, "python -m tasks.tools.reproduce")
+    orphans.mark_orphans_or_warn(tracking_client(store.tracking_uri()), None, "python -m tasks.tools.reproduce")
     try:
         report = reproduce(
             args.run_id,

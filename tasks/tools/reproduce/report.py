@@ -18,7 +18,7 @@ from tasks.core.hashing import file_digest
 from tasks.core.redact import redact
 from tasks.determinism.fingerprint import explain
 from tasks.tools.reproduce.record import WEIGHTS, inside
-from tasks.tracking import orphans
+from tasks.tracking import owners
 
 UPSTREAM = ("stats", "preprocess")  # their outputs are checked against the run's dvc.lock
 # Tags that describe the machine rather than the run's inputs; a difference explains different bytes.
@@ -167,7 +167,7 @@ def log_outcome(client: Any, report: ReproduceReport, workdir: Path) -> str:
         **{f"reproduce.logged_sha256.{c.name}": c.logged for c in report.weights},
         **{f"reproduce.sha256.{c.name}": str(c.rebuilt) for c in report.weights},
         **report.machine_now,
-        **orphans.owner_tags(),  # a kill before it ends leaves it to the next sweep
+        **owners.owner_tags(),  # a kill before it ends leaves it to the next sweep
     }
     run = client.create_run(report.experiment_id, run_name=f"reproduce {report.run_id[:8]}", tags=tags)
     report.reproduce_run_id = run.info.run_id

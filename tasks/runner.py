@@ -160,12 +160,12 @@ def train_trial(
 ) -> tuple[TrainResult | None, str | None]:
     """One sweep trial: the train stage with the trial's params (train.seed its own), writing to
     `out_dir` rather than artifacts/train, as a train run nested in the sweep's MLflow run (tracking's
-    PARENT_ENV). (result, run id); result None when `on_epoch` pruned it (raised tasks.tools.sweep.Pruned).
+    PARENT_ENV). (result, run id); result None when `on_epoch` pruned it (raised tasks.tools.sweep.trials.Pruned).
 
     Its run carries what reproduce needs, as the train stage's does: `make reproduce ARGS=<its id>`.
     A failure raises, its run marked FAILED.
     """
-    from tasks.tools.sweep import Pruned
+    from tasks.tools.sweep.trials import Pruned
     from tasks.train.stage import train
 
     pinned = _pin("train", params)

@@ -20,7 +20,7 @@ from flows import prefect_settings
 from tasks.core import layout
 from tasks.core.cli import one_line
 from tasks.core.config.params import Params
-from tasks.tools.sweep import TrialOutcome, TrialSpec
+from tasks.tools.sweep.trials import TrialOutcome, TrialSpec
 
 # One trial at a time per process: a trial seeds the process-wide RNGs and sets torch's thread
 # count, so two in one process (a Dask worker with several threads) would draw from each other's.
@@ -43,7 +43,7 @@ class SweepContext:
 
 
 def dask_setup(worker: object) -> None:
-    """Dask's hook for a preloaded module (`--preload flows.trials`): load what a trial needs while the
+    """Dask's hook for a preloaded module (`--preload flows.sweep_worker`): load what a trial needs while the
     worker waits for its first one. The first trial in a fresh process otherwise spends ~10 s of
     its time importing torch (and torch._dynamo, which the optimisers pull in), MLflow and the stages.
     In a thread: the worker must go on answering its scheduler meanwhile."""
@@ -55,7 +55,7 @@ def warm_up() -> None:
     import mlflow  # noqa: F401
     import torch._dynamo  # noqa: F401
 
-    import tasks.stages  # noqa: F401
+    import tasks.runner  # noqa: F401
     import tasks.train.stage  # noqa: F401
 
 
@@ -77,8 +77,9 @@ def run_trial(spec: TrialSpec, context: SweepContext) -> TrialOutcome:
 def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOutcome:
     from tasks.core.atomic import write_text
     from tasks.core.hashing import file_digest
-    from tasks.stages import train_trial
-    from tasks.tools.sweep import Pruning, SweepError, data_digest, trial_params
+    from tasks.runner import train_trial
+    from tasks.tools.sweep.study import SweepError, data_digest
+    from tasks.tools.sweep.trials import Pruning, trial_params
     from tasks.tracking.runs import PARENT_ENV
 
     # The worker's own clone (the code it imported), not the coordinator's path: machines share no disk.
@@ -100,7 +101,7 @@ def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOut
     pruning, history, started = Pruning(params.sweep, spec.earlier), [], time.monotonic()
 
     def on_epoch(row: dict[str, float]) -> None:
-        from tasks.tools.sweep import Pruned
+        from tasks.tools.sweep.trials import Pruned
 
         history.append(row)
         if pruning.should_stop(spec.number, row):
@@ -108,7 +109,7 @@ def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOut
 
     tags = {"sweep.study": params.sweep.name, "sweep.trial": spec.number, "sweep.attempt": attempt}
     result, run_id = train_trial(params, out_dir, on_epoch, tags)
-    from tasks.tools.sweep import best_value
+    from tasks.tools.sweep.trials import best_value
 
     outcome = TrialOutcome(
         number=spec.number,

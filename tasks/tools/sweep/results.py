@@ -3,7 +3,7 @@ files a person reads (artifacts/sweep/<name>/study/: sweep.json, trials.csv, the
 cells come from the study's storage, which others may write: each is neutralised as predictions.csv's are
 (tasks/core/spreadsheet.py), numbers left as numbers.
 
-tasks/tools/sweep.py runs the study; flows/sweep.py calls `summarise` and `write_study` once its
+tasks/tools/sweep/study.py runs the study; flows/sweep.py calls `summarise` and `write_study` once its
 batches are done, then puts the files on the sweep's MLflow run. Every file is written to a temporary
 path and renamed: a sweep killed while it writes them leaves the last complete set.
 """
@@ -21,7 +21,8 @@ from tasks.core.config.sweep import SweepConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.core.hashing import file_digest
 from tasks.core.spreadsheet import value_cell
-from tasks.tools.sweep import best_trial, derived_seed
+from tasks.tools.sweep.study import best_trial
+from tasks.tools.sweep.trials import derived_seed
 
 log = logging.getLogger(__name__)
 
