@@ -67,6 +67,9 @@ def test_the_mlflow_servers_artifacts_live_outside_the_checkout(tmp_path: Path) 
     assert "--artifacts-destination /home/someone/.local/share/lockstep/" in default, default
 
 
+# The two tests below run the real flow in a clone of the session's trained project (`dvc_repo`): in the
+# fast tier they were the only tests to need it, and its build (every stage through `dvc repro`, ~4 min
+# beside the other workers) alone outlasted the tier's 5 minutes. They run in the full tier.
 @pytest.fixture(scope="module")
 def project(dvc_repo: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return clone_project(dvc_repo["repo"], tmp_path_factory.mktemp("api") / "repo")
@@ -77,6 +80,7 @@ def _flow_runs(repo: Path, cases: list[dict[str, Any]]) -> list[dict[str, str]]:
     return json.loads(done.stdout.split("STATES ")[-1])
 
 
+@pytest.mark.slow
 def test_an_api_run_changes_only_what_a_retrain_varies(project: Path) -> None:
     # an MLflow client logged a params file into an artifact folder inside the checkout (the old
     # `make mlflow-server` default): it names the attacker's rendezvous
@@ -110,6 +114,7 @@ def test_an_api_run_changes_only_what_a_retrain_varies(project: Path) -> None:
     assert {name: sha256(project / name) for name in before} == before
 
 
+@pytest.mark.slow
 def test_a_person_at_the_prompt_may_change_any_key(project: Path) -> None:
     margin = yaml.safe_load((project / "params.yaml").read_text())["promotion"]["min_margin"]
     command = [sys.executable, "-m", "flows.pipeline", "--set", f"promotion.min_margin={margin}"]

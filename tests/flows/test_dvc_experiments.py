@@ -38,13 +38,18 @@ EXPERIMENTS = {WEAK: 1e-5, LEARNT: 0.1}
 # (three test workers on 2 cores) the module's set-up, the session's project included, took ~13 min.
 QUEUE_TIMEOUT_S = 900
 # Each `dvc queue status` is a process that imports DVC (about a second of CPU, taken from the
-# experiments it waits for): the queue takes minutes, so a few seconds' lateness costs less.
-POLL_S = 10
+# experiments it waits for). The wait asks git instead (milliseconds): an experiment that ran to its end
+# leaves its ref under refs/exps/; `dvc queue status` is asked once both refs are there, and every
+# STATUS_EVERY_S meanwhile, for an experiment that failed (it leaves no ref).
+POLL_S = 2
+STATUS_EVERY_S = 60
 # The queued runs' own config on top of TINY:
 # - confidence 0: the agreement gate counts every test image. With the default 0.5 a model that never
 #   trained has no confident image at all, so its int8 copy passes vacuously and nothing falls back;
 #   over all images the weak model's int8 copy agreed with fp32 on ~0.974 of them, the baseline's ~0.996.
 # - one compressed variant: the export candidates need static_int8 alone (saves ~4 s per experiment).
+# (TINY's six epochs stay: after two, the weak model's int8 copy agreed with fp32 often enough to pass
+# the gates, and nothing fell back.)
 QUEUED_CONFIG = {
     "export": {"confidence": 0.0, "min_top1_agreement": 0.99, "candidates": ["static_int8", "fp32"]},
     "compress": {"variants": ["static_int8"]},
@@ -149,12 +154,22 @@ def queue_states(repo: Path) -> dict[str, str]:
     return states
 
 
+def experiment_refs(repo: Path) -> set[str]:
+    """The names of the experiments that ran to their end: their refs, refs/exps/<baseline>/<name>."""
+    listed = subprocess.run(
+        ["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], cwd=repo, capture_output=True, text=True
+    ).stdout
+    return {ref.rsplit("/", 1)[-1] for ref in listed.split()} & set(EXPERIMENTS)
+
+
 def wait_for_queue(repo: Path) -> dict[str, str]:
     deadline = time.monotonic() + QUEUE_TIMEOUT_S
+    asked, states = time.monotonic(), {}
     while True:
-        states = queue_states(repo)
-        if set(states) == set(EXPERIMENTS) and not any(state in UNFINISHED for state in states.values()):
-            return states
+        if experiment_refs(repo) == set(EXPERIMENTS) or time.monotonic() - asked > STATUS_EVERY_S:
+            states, asked = queue_states(repo), time.monotonic()
+            if set(states) == set(EXPERIMENTS) and not any(state in UNFINISHED for state in states.values()):
+                return states
         if time.monotonic() > deadline:
             tails = {out.name: out.read_text(errors="replace")[-2000:] for out in worker_files(repo, "out")}
             raise AssertionError(f"queue not done after {QUEUE_TIMEOUT_S} s: {states}; workers' logs: {tails}")
