@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,8 +62,6 @@ else:
 
 def make_folder(folder: Path, images: int, seed: int = 0) -> float:
     """`images` random PNGs in 10 class folders; returns seconds taken."""
-    from PIL import Image
-
     start = time.perf_counter()
     rng = np.random.default_rng(seed)
     for cls in range(10):

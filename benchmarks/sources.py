@@ -31,7 +31,11 @@ from typing import Any
 
 import yaml
 
+from benchmarks.fakedata.archives import pack
+from benchmarks.fakedata.cifar import cifar_archive
+from benchmarks.fakedata.mnist import mnist_files
 from benchmarks.harness import ROOT, machine
+from benchmarks.httpserver import FileServer
 from benchmarks.synthetic_images.datasets import DATASETS, generate
 from benchmarks.synthetic_images.writers import write_imagefolder
 from tasks.core.config.data import DataConfig
@@ -58,11 +62,8 @@ def publish(source: str, served: Path, url: str, train_images: int, test_images:
     Returns the data section that downloads them, and the torchvision checksum tables that name
     them (set them on the classes for as long as the download runs).
     """
+    # heavy: torchvision (~3 s beyond torch), only for its checksum tables
     import torchvision
-
-    from benchmarks.fakedata.archives import pack
-    from benchmarks.fakedata.cifar import cifar_archive
-    from benchmarks.fakedata.mnist import mnist_files
 
     if source == "digits":
         return {"source": "digits"}, {}
@@ -111,8 +112,6 @@ def run_source(
     source: str, work: Path, train_images: int, test_images: int, variants: list[str], train: dict[str, Any]
 ) -> dict:
     """One source through the whole pipeline; its row of the table."""
-    from benchmarks.httpserver import FileServer
-
     served = work / source / "served"
     served.mkdir(parents=True, exist_ok=True)
     with FileServer() as server:

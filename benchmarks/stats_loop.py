@@ -25,7 +25,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from benchmarks.data import params, raw
 from benchmarks.harness import Figure, alternate, median
+from tasks.data.formats import open_raw
+from tasks.data.splits import split_indices
+from tasks.data.stats import compute_stats
 
 if TYPE_CHECKING:
     from tasks.core.config.data import SplitConfig
@@ -51,9 +55,6 @@ def two_pass_loop(data_dir: Path, split: SplitConfig, seed: int) -> tuple[list[f
     up front rather than decoded per sample. Units follow the stage: pixels scaled to [0, 1],
     std with ddof=0 over every pixel of the split.
     """
-    from tasks.data.formats import open_raw
-    from tasks.data.splits import split_indices
-
     images = np.load(Path(data_dir) / "images.npy")  # (N, H, W, C) uint8
     train = split_indices(open_raw(data_dir), split, seed)["train"]
     height, width, channels = images.shape[1:]
@@ -78,9 +79,6 @@ def b5(work: Path, rounds: int, scale: int = DEFAULT_SCALE) -> Figure:
 
     Raises AssertionError if the two results differ by more than TOLERANCE. Smoke: `rounds=1, scale=1`.
     """
-    from benchmarks.data import params, raw
-    from tasks.data.stats import compute_stats
-
     p = params()
     data = raw(work, scale)
     stage = compute_stats(data, p.split, p.seed, p.stats.chunk_size)

@@ -31,6 +31,10 @@ from collections.abc import Iterable
 from tasks.core.cli import dvc_logs_once
 from tasks.core.config.params import STAGES, Params
 from tasks.core.layout import ROOT
+from tasks.core.lock import PipelineBusy, pipeline_lock
+from tasks.tracking.runs import pipeline_run, tag_run
+from tasks.tracking.sqlite_record import record_pipeline_run
+from tasks.tracking.store import tracking_uri
 
 NO_FLOW_RUN = "none: nothing was stale (dvc status), so no Prefect flow run was started"
 NOTHING_RAN = "stages run: none (everything up to date): nothing retrained"
@@ -44,6 +48,7 @@ _lock_log.propagate = False
 def stale_stages(stages: Iterable[str]) -> list[str]:
     """The stages among `stages` whose dvc.lock entry no longer matches their deps, params or outs,
     each asked of DVC alone (`dvc status <stage>`), in one opening of the repository."""
+    # heavy: dvc (~0.7 s), only when the no-op path asks DVC what is stale
     from dvc.repo import Repo
 
     dvc_logs_once()
@@ -55,6 +60,7 @@ def anything_stale() -> bool:
     """Whether DVC finds anything in the project not as dvc.lock and the .dvc files record it (`dvc
     status` of every stage at once: ~0.4 s, against ~0.8 s asked stage by stage). Nothing at all is
     nothing for any stage; anything is for the flow to sort out, stage by stage."""
+    # heavy: dvc (~0.7 s), only when the no-op path asks DVC what is stale
     from dvc.repo import Repo
 
     dvc_logs_once()
@@ -70,8 +76,6 @@ def eligible(force: bool, reingest: bool, overrides: object) -> bool:
 def record_if_nothing_stale(params: Params) -> dict[str, dict[str, object]] | None:
     """The run's results (every stage `ran: False`) once recorded in MLflow, if DVC finds nothing
     stale and no other run holds the pipeline lock; None when the flow has to run."""
-    from tasks.core.lock import PipelineBusy, pipeline_lock
-
     try:
         with pipeline_lock("make run (checking what is stale)", 0, logger=_lock_log):
             if anything_stale():
@@ -87,15 +91,11 @@ def record(params: Params, flow_run: str) -> None:
     saying there was none): written into the project's sqlite store directly where that is safe
     (tasks/tracking/sqlite_record.py says why and when), else by MLflow's client, with the code the
     flow uses when stages run (tasks/tracking/runs.py `pipeline_run`)."""
-    from tasks.tracking.sqlite_record import record_pipeline_run
-    from tasks.tracking.store import tracking_uri
-
     if not params.tracking.enabled:
         return
     tags = {"lockstep.summary": NOTHING_RAN, "lockstep.retrained": "false", "lockstep.flow_run": flow_run}
     if record_pipeline_run(tracking_uri(), params, "prefect", tags) is not None:
         return
-    from tasks.tracking.runs import pipeline_run, tag_run
 
     with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
         if run_id:

@@ -121,6 +121,7 @@ def _generic(event: Event) -> dict[str, Any]:
 @contextmanager
 def stage(name: str) -> Iterator[None]:
     """Around a stage's task in the flow: a failure or crash inside names `name`."""
+    # heavy: prefect (~2-4 s), only inside a flow run; this module loads without it
     from prefect.runtime import flow_run
 
     run_id = str(flow_run.id or "")
@@ -275,6 +276,7 @@ def _secrets(cfg: NotifyConfig, env: Mapping[str, str]) -> tuple[str, ...]:
 
 
 def _notify_block(name: str, message: Event) -> None:
+    # heavy: prefect (~2-4 s), only when a notification block is used; this module loads without it
     from prefect.blocks.abstract import NotificationBlock
     from prefect.blocks.core import Block
 
@@ -316,6 +318,7 @@ def post_json(url: str, payload: dict[str, Any], timeout_s: float) -> None:
 
 def checked(cfg: NotifyConfig) -> None:
     """Called by the flow once this run's params passed their check: its hooks use `cfg` from then on."""
+    # heavy: prefect (~2-4 s), only inside a flow run; this module loads without it
     from prefect.runtime import flow_run
 
     _checked[str(flow_run.id or "")] = cfg
@@ -338,6 +341,7 @@ def notify_config(flow_run: Any) -> NotifyConfig:
 
 
 def _logger(flow: Any, flow_run: Any) -> Any:
+    # heavy: prefect (~2-4 s), only inside a flow run; this module loads without it
     from prefect.logging.loggers import flow_run_logger
 
     return flow_run_logger(flow_run, flow)
@@ -362,6 +366,7 @@ def _deployment_name(flow: Any, flow_run: Any) -> str | None:
     if not getattr(flow_run, "deployment_id", None):
         return None
     try:
+        # heavy: prefect (~2-4 s), only when the server is asked; this module loads without it
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
@@ -373,6 +378,7 @@ def _deployment_name(flow: Any, flow_run: Any) -> str | None:
 def _running_stage_from_api(flow_run: Any) -> str | None:
     """The stage task the API still shows running: the one a killed process was in."""
     try:
+        # heavy: prefect (~2-4 s), only when the server is asked; this module loads without it
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 

@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
 
 from flows import prefect_env, prefect_settings
+from flows.pipeline import STAGE_TASKS, _override
 from flows.sweep_worker import SweepContext, run_batch, warm_up
 from tasks.core import layout
 from tasks.core.cli import exit_code
@@ -45,8 +47,18 @@ from tasks.core.config.base import ConfigError
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import PARAMS_FILE, set_params
 from tasks.core.layout import ROOT
+from tasks.core.lock import pipeline_lock
+from tasks.core.redact import redact_mapping
+from tasks.determinism import cpu_mode
 from tasks.determinism.bootstrap import bootstrap
-from tasks.determinism.threads import shared_env
+from tasks.determinism.threads import resolve, shared_env
+from tasks.tools.sweep import cluster
+from tasks.tools.sweep.cluster import check_scheduler_address, security, tls_dir, write_credentials
+from tasks.tools.sweep.results import summarise, winner_weights, write_study
+from tasks.tools.sweep.study import check_storage, data_digest, open_study, run_study, study_digest
+from tasks.tracking.orphans import mark_orphans_or_warn
+from tasks.tracking.runs import pipeline_run
+from tasks.tracking.store import check_store, tracking_uri
 
 FLOW_NAME = "lockstep-sweep"
 ADDRESS_ENV = "LOCKSTEP_DASK_ADDRESS"
@@ -64,13 +76,6 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
         params_file: the params file, relative to the project root.
         apply: write the best trial's values, its seed and `sweep.applied` into params.yaml.
     """
-    from flows.pipeline import STAGE_TASKS
-    from tasks.core.lock import pipeline_lock
-    from tasks.tools.sweep.results import summarise, winner_weights
-    from tasks.tools.sweep.study import data_digest, open_study, run_study, study_digest
-    from tasks.tracking.runs import pipeline_run
-    from tasks.tracking.store import tracking_uri
-
     os.chdir(ROOT)
     logger = get_run_logger()
     loaded = bootstrap(params_file)
@@ -107,9 +112,6 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
 def _trial_threads(params: Params, logger: Any) -> Params:
     """In native mode the thread count changes the weights, so every trial gets the same one, said
     once; in portable mode each worker takes its share of the cores (`_task_runner`)."""
-    from tasks.determinism import cpu_mode
-    from tasks.determinism.threads import resolve
-
     if params.determinism.num_threads != "auto" or cpu_mode.current() != "native":
         return params
     threads = resolve("auto", params.sweep.workers)
@@ -125,8 +127,6 @@ def _trial_threads(params: Params, logger: Any) -> Params:
 def _dask_client() -> Any:
     """The task runner's Dask client, which starts (or connects to) the cluster on first use: called
     before the data stages, so that new workers load torch meanwhile (`flows.sweep_worker.dask_setup`)."""
-    from prefect.context import FlowRunContext
-
     context = FlowRunContext.get()
     assert context is not None, "called outside the flow"
     return context.task_runner.client
@@ -134,19 +134,14 @@ def _dask_client() -> Any:
 
 def _record(study: Any, summary: dict[str, Any], study_dir: Path, parent_id: str | None, params: Params) -> None:
     """The study on disk (artifacts/sweep/<name>/study/) and on the sweep's MLflow run."""
-    from tasks.tools.sweep.results import write_study
-
     written = write_study(study, summary, study_dir / "study")
     if parent_id is not None:
         _record_in_mlflow(parent_id, summary, written, params)
 
 
 def _record_in_mlflow(run_id: str, summary: dict[str, Any], files: list[Path], params: Params) -> None:
+    # heavy: mlflow (~4 s), only when the study is recorded on a run
     from mlflow import MlflowClient
-
-    from tasks.core.redact import redact_mapping
-    from tasks.tracking.orphans import mark_orphans_or_warn
-    from tasks.tracking.store import tracking_uri
 
     client = MlflowClient(tracking_uri())
     # A trial whose worker died was run again elsewhere; the dead attempt's run is marked KILLED now.
@@ -188,9 +183,8 @@ def _apply(params_file: str, summary: dict[str, Any], study: str, threads: int |
 
 
 def _task_runner(params: Params, address: str | None, tls: Path | None) -> Any:
+    # after bootstrap: prefect_dask loads numpy and distributed (~4 s)
     from prefect_dask import DaskTaskRunner
-
-    from tasks.tools.sweep.cluster import security
 
     if address:
         return DaskTaskRunner(address=address, client_kwargs={"security": security(tls)} if tls else None)
@@ -207,6 +201,7 @@ def _keep_malloc_defaults() -> None:
     """Dask's nanny starts each worker with MALLOC_TRIM_THRESHOLD_=65536, to hand freed memory back to
     the OS. Setting it at all also fixes glibc's mmap threshold, so a training's large tensors are
     mapped and unmapped at every allocation: a digits trial took twice as long (10.5 s, not 5.2 s)."""
+    # heavy: dask (~0.5 s), only before a local cluster starts
     import dask
 
     dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None})
@@ -232,11 +227,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flows.pipeline import _override
-    from tasks.tools.sweep.cluster import check_scheduler_address, tls_dir
-    from tasks.tools.sweep.study import check_storage
-    from tasks.tracking.store import check_store
-
     overrides = dict(_override(text) for text in args.overrides)
     # fail fast, before a server starts; the local cluster's workers inherit the pinned environment
     params = bootstrap(ROOT / args.params, overrides)
@@ -259,8 +249,6 @@ def _dask(role: str, argv: list[str]) -> int:
     the trial tasks too), on loopback unless given --host and --tls (tasks/tools/sweep/cluster.py). A
     worker runs in the project directory, one trial (thread) at a time per process, with params.yaml's
     CPU mode pinned before anything loads torch; other arguments go to dask."""
-    from tasks.tools.sweep import cluster
-
     parser = argparse.ArgumentParser(prog=f"python -m flows.sweep {role}", allow_abbrev=False)
     if role == "worker":
         parser.add_argument("scheduler", help="the Dask scheduler's address, tcp://127.0.0.1:port or tls://host:port")
@@ -276,9 +264,11 @@ def _dask(role: str, argv: list[str]) -> int:
     if tls is not None:  # no plain-TCP listener or connection anywhere in this process tree
         os.environ["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] = "True"
     if role == "scheduler":
+        # heavy: distributed (~1.3 s, loads numpy), only for `dask scheduler`
         from distributed.cli.dask_scheduler import main as dask_main
     else:
         bootstrap(ROOT / args.params)  # before distributed loads numpy
+        # distributed loads numpy: after the bootstrap above
         from distributed.cli.dask_worker import main as dask_main
 
         os.chdir(ROOT)
@@ -301,8 +291,6 @@ def _worker_count(options: list[str]) -> int:
 
 
 def _tls(argv: list[str]) -> int:
-    from tasks.tools.sweep.cluster import write_credentials
-
     parser = argparse.ArgumentParser(prog="python -m flows.sweep tls", description="write a cluster's TLS credentials")
     parser.add_argument("directory", help="a new directory (0700): copy it to every machine of the cluster")
     made = write_credentials(Path(parser.parse_args(argv).directory))

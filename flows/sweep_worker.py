@@ -15,12 +15,18 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
 
 from flows import prefect_settings
 from tasks.core import layout
+from tasks.core.atomic import write_text
 from tasks.core.cli import one_line
 from tasks.core.config.params import Params
-from tasks.tools.sweep.trials import TrialOutcome, TrialSpec
+from tasks.core.hashing import file_digest
+from tasks.runner import train_trial
+from tasks.tools.sweep.study import SweepError, data_digest
+from tasks.tools.sweep.trials import Pruned, Pruning, TrialOutcome, TrialSpec, best_value, trial_params
+from tasks.tracking.runs import PARENT_ENV
 
 # One trial at a time per process: a trial seeds the process-wide RNGs and sets torch's thread
 # count, so two in one process (a Dask worker with several threads) would draw from each other's.
@@ -68,20 +74,11 @@ def trial_task(spec: TrialSpec, context: SweepContext) -> TrialOutcome:
 
 
 def run_trial(spec: TrialSpec, context: SweepContext) -> TrialOutcome:
-    from prefect.runtime import task_run
-
     with _ONE_TRIAL:
         return _run_trial(spec, context, attempt=task_run.run_count or 1)
 
 
 def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOutcome:
-    from tasks.core.atomic import write_text
-    from tasks.core.hashing import file_digest
-    from tasks.runner import train_trial
-    from tasks.tools.sweep.study import SweepError, data_digest
-    from tasks.tools.sweep.trials import Pruning, trial_params
-    from tasks.tracking.runs import PARENT_ENV
-
     # The worker's own clone (the code it imported), not the coordinator's path: machines share no disk.
     project = layout.ROOT
     if not (project / layout.PREPROCESSED_DIR).is_dir():
@@ -101,15 +98,12 @@ def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOut
     pruning, history, started = Pruning(params.sweep, spec.earlier), [], time.monotonic()
 
     def on_epoch(row: dict[str, float]) -> None:
-        from tasks.tools.sweep.trials import Pruned
-
         history.append(row)
         if pruning.should_stop(spec.number, row):
             raise Pruned(f"trial {spec.number} pruned at epoch {int(row['epoch'])}")
 
     tags = {"sweep.study": params.sweep.name, "sweep.trial": spec.number, "sweep.attempt": attempt}
     result, run_id = train_trial(params, out_dir, on_epoch, tags)
-    from tasks.tools.sweep.trials import best_value
 
     outcome = TrialOutcome(
         number=spec.number,

@@ -49,6 +49,7 @@ def down(stack: Stack) -> None:
 def join(stack: Stack, project: Path) -> None:
     """Make the stack's bucket `project`'s default DVC remote, in .dvc/config.local (not committed):
     its address and the path of the credentials file, no key."""
+    # heavy: dvc (~0.7 s), only for `join`; the stack's other commands stay fast
     from dvc.config import Config
 
     config = Config(dvc_dir=str(project / ".dvc"), validate=False)

@@ -50,6 +50,7 @@ def make_logins(stack: Stack, conn: Any) -> None:
     """Create (or reset the password of) each narrow login, as the superuser on `conn` (autocommit):
     no database is open to PUBLIC, each login may connect to its own. PostgreSQL lets every role
     connect to every database unless told otherwise."""
+    # optional: psycopg (~0.6 s), only when the stack's database is set up
     from psycopg import sql
 
     ensure_login_passwords(stack)
@@ -72,6 +73,7 @@ def make_logins(stack: Stack, conn: Any) -> None:
 def give_sweep_tables(connect: Any) -> None:
     """The tables in the sweep database not yet the sweep login's (made by the superuser on a stack older
     than the login): handed to it, their sequences with them. `connect(dbname)`: a superuser connection."""
+    # optional: psycopg (~0.6 s), only when the stack's database is set up
     from psycopg import sql
 
     with connect(SWEEP_DATABASE) as conn:

@@ -95,6 +95,7 @@ class Postgres:
             out.writelines(f"{line}\n" for line in logins.hba_lines() if line not in present)
 
     def _create_databases(self) -> None:
+        # optional: psycopg (~0.6 s), only when the stack's database is set up
         import psycopg
 
         # this stack's password file by name: a PGPASSFILE in the environment may be another stack's

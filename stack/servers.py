@@ -7,6 +7,7 @@ Everything they write is their user's alone: the stack's folder is private and t
 
 from __future__ import annotations
 
+import configparser
 import json
 import os
 import shutil
@@ -193,8 +194,7 @@ class ObjectStore(Daemon):
 def s3_client(stack: Stack) -> Any:
     """boto3's S3 client on the stack's object store, with its keys (read from their file, not put in
     this process's environment)."""
-    import configparser
-
+    # heavy: boto3 (~0.6 s), only when the object store is used
     import boto3
 
     keys = configparser.ConfigParser()

@@ -18,14 +18,18 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.atomic import write_text
+from tasks.core.cli import dvc_logs_once
 from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5, file_digest
 from tasks.determinism.bootstrap import start
 from tasks.determinism.fingerprint import fingerprint
 from tasks.determinism.threads import resolve
+from tasks.tools.sweep.trials import Pruned
 from tasks.tracking.dashboard import log_dataset
 from tasks.tracking.lineage import lineage_tags
+from tasks.tracking.registry import register_shipped
 from tasks.tracking.runs import StageRun, stage_run
+from tasks.train.launcher import launch
 
 if TYPE_CHECKING:
     from tasks.data.checks import Report
@@ -36,9 +40,8 @@ log = logging.getLogger(__name__)
 
 def track_data_with_dvc() -> None:
     """`dvc add data`: snapshot the raw data in DVC's cache and (re)write data.dvc."""
+    # heavy: dvc (~0.7 s), only when the data is snapshotted
     from dvc.repo import Repo
-
-    from tasks.core.cli import dvc_logs_once
 
     dvc_logs_once()
     with Repo(str(layout.ROOT)) as repo:
@@ -46,6 +49,7 @@ def track_data_with_dvc() -> None:
 
 
 def _download(params: Params, run: StageRun) -> dict[str, float]:
+    # per stage: each stage loads only its own libraries (numpy here, ~0.3 s; torch for train, ~4 s)
     from tasks.data.checks import read_profile, refuse_if_failed, run_checks
     from tasks.data.download import download
     from tasks.data.formats import RawSnapshot
@@ -84,6 +88,7 @@ def _record_checks(report: Report, run: StageRun) -> None:
 
 
 def _stats(params: Params, run: StageRun) -> dict[str, float]:
+    # per stage: each stage loads only its own libraries (numpy here; torch for train)
     from tasks.data.stats import compute_stats
 
     stats = compute_stats(layout.DATA_DIR, params.split, params.seed, params.stats.chunk_size)
@@ -94,6 +99,7 @@ def _stats(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _preprocess(params: Params, run: StageRun) -> dict[str, float]:
+    # per stage: each stage loads only its own libraries (numpy here; torch for train)
     from tasks.data.preprocess import preprocess
     from tasks.data.stats import ChannelStats
 
@@ -105,11 +111,10 @@ def _preprocess(params: Params, run: StageRun) -> dict[str, float]:
 
 def _train(params: Params, run: StageRun) -> dict[str, float]:
     if params.train.strategy == "ddp":
-        from tasks.train.launcher import launch
-
         result = launch(params)
         run.log_history(json.loads((layout.TRAIN_DIR / "history.json").read_text()))  # rank 0 wrote it
     else:
+        # per stage: tasks.train.stage loads torch (~4 s), only when train runs in this process
         from tasks.train.stage import train
 
         result = train(
@@ -165,7 +170,7 @@ def train_trial(
     Its run carries what reproduce needs, as the train stage's does: `make reproduce ARGS=<its id>`.
     A failure raises, its run marked FAILED.
     """
-    from tasks.tools.sweep.trials import Pruned
+    # per stage: tasks.train.stage loads torch (~4 s), only when a trial trains
     from tasks.train.stage import train
 
     pinned = _pin("train", params)
@@ -179,6 +184,7 @@ def train_trial(
         try:
             result = train(params.train, params.train_seed, layout.PREPROCESSED_DIR, out_dir, out_dir, epoch_done)
         except Pruned:
+            # per stage: tasks.train.resume loads torch, loaded by now; at the top it would load for every stage
             from tasks.train.resume import RESUME_FILE
 
             (out_dir / RESUME_FILE).unlink(missing_ok=True)  # a pruned trial is never continued
@@ -205,6 +211,7 @@ def _keep_trained_profile() -> None:
 
 
 def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
+    # per stage: tasks.train.evaluate loads torch (~4 s), only when evaluate runs
     from tasks.train.evaluate import evaluate
 
     result = evaluate(
@@ -216,6 +223,7 @@ def _evaluate(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _compress(params: Params, run: StageRun) -> dict[str, float]:
+    # per stage: tasks.ship.compress loads torch and onnx (~4 s), only when compress runs
     from tasks.ship.compress import compress
 
     result = compress(
@@ -238,6 +246,7 @@ def _compress(params: Params, run: StageRun) -> dict[str, float]:
 
 
 def _export(params: Params, run: StageRun) -> dict[str, Any]:
+    # per stage: tasks.ship.export loads torch and onnx (~4 s), only when export runs
     from tasks.ship.export import CARD, GATES, TORCH_DIR, CardContext, export
     from tasks.train.checkpoints import read_safetensors
 
@@ -267,8 +276,6 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
         log.warning("export: %s", result.fallback_reason)
     metrics: dict[str, Any] = {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}
     if run.enabled:  # only after every gate passed: a failing model is never registered
-        from tasks.tracking.registry import register_shipped
-
         metrics["promotion"] = register_shipped(params, run, result)  # the verdict, for the flow's notification
     return metrics
 

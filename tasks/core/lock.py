@@ -152,6 +152,7 @@ def _busy(where: str, who: str, wait_s: float) -> str:
 
 def _where(url: str) -> str:
     """The lock's database for messages: host, port and database (the CLI masks a URL's user part)."""
+    # optional: psycopg (~0.6 s), only for a PostgreSQL lock (the team stack)
     from psycopg.conninfo import conninfo_to_dict
 
     try:
@@ -200,6 +201,7 @@ def _db_holder(conn: Any) -> str:
 def _database_lock(
     url: str, holder: str, wait_s: float, logger: logging.Logger | logging.LoggerAdapter[Any]
 ) -> Iterator[None]:
+    # optional: psycopg (~0.6 s), only for a PostgreSQL lock (the team stack)
     import psycopg
 
     where = _where(url)
@@ -246,6 +248,7 @@ def _database_lock(
 def _watch(conn: Any, done: threading.Event, where: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
     """While the block runs: ask the holding session every CHECK_S whether it is still there; if not,
     the lock is gone too, and the run is stopped (module doc)."""
+    # optional: psycopg (~0.6 s), only for a PostgreSQL lock (the team stack)
     import psycopg
 
     while not done.wait(CHECK_S):

@@ -98,6 +98,7 @@ def in_memory(load: Callable[[Context], RawDataset]) -> Callable[[Context, Path]
 @LOADERS.register("digits")
 @in_memory
 def _digits(ctx: Context) -> RawDataset:
+    # heavy: scikit-learn (~4 s, loads numpy and scipy), only for the digits source
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
@@ -113,6 +114,7 @@ def _digits(ctx: Context) -> RawDataset:
 
 def _mnist_like(dataset_class: str) -> Callable[[Context], RawDataset]:
     def load(ctx: Context) -> RawDataset:
+        # heavy: torchvision loads torch (~4 s), only for a torchvision source; the data stages run without torch
         import torchvision.datasets
 
         cls = getattr(torchvision.datasets, dataset_class)
@@ -133,6 +135,7 @@ def _mnist_like(dataset_class: str) -> Callable[[Context], RawDataset]:
 
 def _cifar(dataset_class: str) -> Callable[[Context], RawDataset]:
     def load(ctx: Context) -> RawDataset:
+        # heavy: torchvision loads torch (~4 s), only for a torchvision source; the data stages run without torch
         import torchvision.datasets
 
         cls = getattr(torchvision.datasets, dataset_class)  # its URL, md5s and file names; it reads nothing

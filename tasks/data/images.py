@@ -19,6 +19,7 @@ import warnings
 from typing import IO, TYPE_CHECKING
 
 import numpy as np
+from PIL import Image
 
 from tasks.core.errors import ExpectedFailure, Refused
 
@@ -35,8 +36,6 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 def formats() -> tuple[str, ...]:
     """Pillow's names of the formats `IMG_EXTENSIONS` stand for (BMP, JPEG, PNG, PPM, TIFF, WEBP):
     the only decoders `Image.open` may try."""
-    from PIL import Image
-
     known = Image.registered_extensions()
     return tuple(sorted({known[extension] for extension in IMG_EXTENSIONS}))
 
@@ -44,8 +43,6 @@ def formats() -> tuple[str, ...]:
 def _other_format(source: str | IO[bytes]) -> str | None:
     """The format Pillow knows `source` as, when it is not one of `formats()`; None when none claims it.
     Only each format's check of the first 16 bytes runs (as `Image.open` does first), never a decoder."""
-    from PIL import Image
-
     try:
         if isinstance(source, str):
             with open(source, "rb") as file:
@@ -77,8 +74,6 @@ def mode_of(channels: int) -> str:
 
 def open_checked(source: str | IO[bytes], max_pixels: int, name: str | None = None) -> PILImage:
     """`source` opened (header read, nothing decoded), refused when larger than `max_pixels`."""
-    from PIL import Image
-
     shown = name or source
     try:
         with warnings.catch_warnings():  # PIL warns above 89 M pixels; our own limit decides, below
@@ -110,7 +105,6 @@ def _flattened(image: PILImage) -> PILImage:
     same one. Images without transparency are returned as they are (their bytes do not change)."""
     if image.mode not in ("RGBA", "LA", "PA", "RGBa", "La") and "transparency" not in image.info:
         return image
-    from PIL import Image
 
     rgba = image.convert("RGBA")
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
@@ -120,8 +114,6 @@ def decode(
     source: str | IO[bytes], mode: str, size: tuple[int, int] | None, max_pixels: int, name: str | None = None
 ) -> np.ndarray:
     """One image as (H, W, C) uint8; `size` is (height, width) to resize to, or None to keep."""
-    from PIL import Image
-
     try:
         with open_checked(source, max_pixels, name) as image:
             image = _flattened(image).convert(mode)  # decodes fully: truncated files fail here, not later

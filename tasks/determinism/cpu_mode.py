@@ -38,6 +38,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from threadpoolctl import threadpool_limits
+
 from tasks.core.config.base import ConfigError
 from tasks.core.errors import HardwareMissing
 
@@ -160,6 +162,7 @@ def current() -> str:
 
 def activate(mode: str, num_threads: int) -> dict[str, Any]:
     """Check that `mode` is in force in this (torch-loaded) process, set its switches; what is in force."""
+    # after prepare(): torch (~4 s) loads once the CPU mode's variables are pinned; this module is imported before
     import torch
 
     from tasks.determinism import dispatch
@@ -205,6 +208,4 @@ def _check_portable(torch: Any) -> None:
 
 
 def _set_blas_threads(num_threads: int) -> None:
-    from threadpoolctl import threadpool_limits
-
     threadpool_limits(limits=num_threads, user_api="blas")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tasks.determinism import dispatch, kernels
@@ -52,8 +53,6 @@ def training_step_ops(model: nn.Module, input_shape: Sequence[int]) -> OpRecorde
     """The ops of one training step of `model` on `PROBE_BATCH` fake inputs of `input_shape` (C, H, W); a
     step fake tensors cannot finish (an op with no fake kernel) is recorded up to there, and why in
     `failure`."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     recorder = OpRecorder()
     training = model.training
     with torch.random.fork_rng(devices=[]), torch.enable_grad(), FakeTensorMode() as fake:

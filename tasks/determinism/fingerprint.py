@@ -174,6 +174,7 @@ def fingerprint(gpu: int = 0, with_torch: bool = True) -> dict[str, str]:
     """This process's machine, libraries and CPU mode as `hw.*` strings (torch loaded and pinned);
     `gpu`: the CUDA device whose name, capability and memory are read. `with_torch=False`: what a
     process that computes with numpy alone (the data stages) can say without loading torch."""
+    # after prepare(): numpy reads the pinned environment when it loads
     import numpy
 
     tags = {"hw.cpu.mode": cpu_mode.current(), **cpu_facts(), "hw.version.numpy": numpy.__version__}
@@ -184,6 +185,7 @@ def fingerprint(gpu: int = 0, with_torch: bool = True) -> dict[str, str]:
 
 
 def _torch_facts(gpu: int) -> dict[str, str]:
+    # after prepare(): torch (~4 s) loads once the CPU mode is pinned, and only with_torch
     import torch
 
     tags = {
@@ -192,6 +194,7 @@ def _torch_facts(gpu: int) -> dict[str, str]:
         **_gpu(torch, gpu),
     }
     if cpu_mode.current() == "portable":
+        # after prepare(): blas loads torch (~4 s) once the CPU mode is pinned
         from tasks.determinism import blas
 
         tags["hw.cpu.products"] = blas.backend()  # speed only: the same bytes either way

@@ -37,6 +37,7 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path) -> None:
     Node metadata (Python stack traces with this checkout's paths) is dropped: it made files 4-30%
     larger and their bytes depend on where the repository was cloned.
     """
+    # heavy: torch (~4 s); the served model and ONNX scoring run without it
     import torch
 
     program = torch.onnx.export(

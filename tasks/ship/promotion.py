@@ -146,6 +146,7 @@ def _paired_with(
 
 def score_pair(challenger: Path, champion: Path, test: Preprocessed, threads: int = 1) -> Paired:
     """Both ONNX models on every test image, in ONNX Runtime."""
+    # heavy: onnx and onnxruntime (~1 s), only when a pair of models is scored
     from tasks.ship.onnx_model import predict, session
 
     right = [
@@ -186,6 +187,7 @@ def fetch_onnx(name: str, version: str, dest: Path, max_bytes: int) -> Path:
     The registered model is the served wrapper (tasks/ship/serving.py) carrying the ONNX file as its
     artifact `ONNX_IN_MODEL`; versions registered before it was are the ONNX file itself.
     """
+    # heavy: mlflow (~4 s), only when a registered champion is fetched
     import mlflow
 
     uri = f"models:/{name}/{version}"
@@ -206,6 +208,7 @@ def fetch_onnx(name: str, version: str, dest: Path, max_bytes: int) -> Path:
 
 def _self_contained(path: Path) -> bool:
     """True when every weight is inside the file: an external-data entry could name any file here."""
+    # heavy: onnx (~0.7 s), only when a fetched champion is checked
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)

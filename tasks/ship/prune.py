@@ -13,6 +13,7 @@ additions too; torch-pruning's dependency graph does exactly that, for any torch
 from __future__ import annotations
 
 import torch
+import torch_pruning as tp
 from torch import nn
 from torch.nn.utils import prune
 
@@ -35,8 +36,6 @@ def conv_channels_ln(model: nn.Module, amount: float, norm: int, example: torch.
 
     The classifier's output rows are classes, so linear layers keep their outputs.
     """
-    import torch_pruning as tp
-
     importance = tp.importance.GroupMagnitudeImportance(p=norm, group_reduction="first")
     pruner = tp.pruner.MetaPruner(
         model, example, importance=importance, pruning_ratio=amount, ignored_layers=_weighted(model, (nn.Linear,))

@@ -38,6 +38,7 @@ def dynamic_int8(fp32: Path, out: Path) -> None:
     Measured ~10x slower than fp32 on CNNs (ORT's ConvInteger path): it is built for the table,
     not recommended for shipping convnets.
     """
+    # heavy: onnxruntime.quantization (~0.5 s+), only for the dynamic int8 variant
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with tempfile.TemporaryDirectory(dir=out.parent) as workdir, atomic_file(out) as tmp:
@@ -66,6 +67,7 @@ def static_int8(fp32: Path, out: Path, calibration: np.ndarray, batch_size: int 
     EPYC without VNNI: top-1 agreement with fp32 0.973 (accuracy 0.860 vs 0.877); with 7-bit weights
     1.000 (0.876), and the first conv's wide-ranged inputs were the ones saturating.
     """
+    # heavy: onnxruntime.quantization (~0.5 s+), only for the static int8 variant
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     with tempfile.TemporaryDirectory(dir=out.parent) as workdir, atomic_file(out) as tmp:
@@ -84,6 +86,7 @@ def static_int8(fp32: Path, out: Path, calibration: np.ndarray, batch_size: int 
 
 
 def _strip(path: Path) -> None:
+    # heavy: onnx (~0.7 s), only for the ONNX int8 variants
     import onnx
 
     save_onnx(onnx.load(str(path)), path)
@@ -92,6 +95,7 @@ def _strip(path: Path) -> None:
 def qat_int8(model: nn.Module, example: torch.Tensor, fine_tune: Callable[[nn.Module], object], out: Path) -> None:
     """Quantization-aware training: fake-quantize `model` (pt2e, x86 int8 config), let `fine_tune`
     train it for a few epochs, convert to int8 and export as QDQ ONNX."""
+    # heavy: torchao (~2 s beyond torch), only for the QAT variant
     from torch.fx.experimental.optimization import fuse
     from torchao.quantization.pt2e import allow_exported_model_train_eval, move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e

@@ -44,6 +44,8 @@ from tasks.data.archive import ArchiveLimits, extract, is_archive
 from tasks.data.images import IMG_EXTENSIONS, decode, mode_of
 from tasks.determinism.threads import resolve
 from tasks.ship.onnx_model import ModelInput, model_input, predict, session, top_k, top_k_text
+from tasks.ship.promotion import CHAMPION, fetch_onnx
+from tasks.tracking.store import tracking_uri
 
 BATCH = 256  # images decoded and scored at a time: memory stays flat for any number of files
 COLUMNS = ("path", "class", "probability", "top_k", "error")
@@ -129,10 +131,8 @@ def resolve_model(args: argparse.Namespace, params: Params, scratch: Path) -> tu
         if not args.model.is_file():
             raise ExpectedFailure(f"{args.model}: no such model file")
         return args.model, str(args.model)
+    # heavy: mlflow (~4 s) and the store, only for --version or the champion (not --model)
     import mlflow
-
-    from tasks.ship.promotion import CHAMPION, fetch_onnx
-    from tasks.tracking.store import tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one file: predict reports itself
     mlflow.set_tracking_uri(tracking_uri())

@@ -25,6 +25,7 @@ from typing import Any
 
 from tasks.core import layout
 from tasks.core.config.params import STAGES, Params
+from tasks.core.hashing import data_md5
 from tasks.core.redact import redact
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -147,8 +148,6 @@ def ensure_training_view(client: Any, experiment: Any) -> None:
 def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, finished: bool) -> None:
     """Name the pipeline run for what it did; when it finished, its headline numbers, curves, data and
     the registry decision of the export it ran. (Its params are logged when it starts.)"""
-    from tasks.core.hashing import data_md5
-
     run = client.get_run(run_id)
     children = client.search_runs(
         [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=100
@@ -157,6 +156,7 @@ def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, 
     client.update_run(run_id, name=run_name(entry_point, list(by_stage), data_md5()))
     if not finished:
         return
+    # heavy: mlflow (~4 s), only when a run is logged; the no-op path never loads it
     from mlflow.entities import Metric, RunTag
 
     result = headline()
@@ -189,6 +189,7 @@ def shown_params(params: Params) -> dict[str, str]:
 
 def start_pipeline(client: Any, run_id: str, params: Params) -> None:
     """The pipeline run's key params (its data is known once download has run: `record_pipeline`)."""
+    # heavy: mlflow (~4 s), only when a run is logged; the no-op path never loads it
     from mlflow.entities import Param
 
     client.log_batch(run_id, params=[Param(k, v) for k, v in shown_params(params).items()])
@@ -196,12 +197,11 @@ def start_pipeline(client: Any, run_id: str, params: Params) -> None:
 
 def log_dataset(client: Any, run_id: str, params: Params) -> None:
     """data/ as the MLflow dataset the run trained on: DVC's md5 is its digest (one per snapshot)."""
+    # heavy: numpy and mlflow (~4 s), only when a dataset is logged; the no-op path never loads them
     import numpy as np
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.types import Schema, TensorSpec
-
-    from tasks.core.hashing import data_md5
 
     md5 = data_md5()
     if md5 == "none":  # before the first download: nothing to name yet
@@ -229,6 +229,7 @@ def dataset_name(params: Params) -> str:
 def _source(params: Params) -> Any:
     """Where the snapshot came from: the archive URL or folder of an image folder, the mirror, else
     the project's data/ (a built-in source read from a package or its published files)."""
+    # heavy: mlflow (~4 s), only when a dataset is logged; the no-op path never loads it
     from mlflow.data import get_registered_sources
     from mlflow.data.http_dataset_source import HTTPDatasetSource
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import platform
 import subprocess
+import sys
+from importlib.metadata import version
 from pathlib import Path
 
 from tasks.core.hashing import data_md5, file_digest
@@ -34,9 +36,6 @@ def lineage_tags() -> dict[str, str]:
     run (which computes nothing) records the installed torch version without importing it (~1 s
     of every no-op flow run).
     """
-    import sys
-    from importlib.metadata import version
-
     commit = _git("rev-parse", "HEAD")
     # dvc.lock and data.dvc are rewritten by the pipeline itself and are recorded by hash below;
     # counting them would mark every run after the first stage as dirty.
@@ -66,6 +65,7 @@ def redacted_context_tags() -> dict[str, str]:
     Passed to start_run, they win over MLflow's own values, so the secret is never written at all: a
     remote such as https://oauth2:<token>@host/repo.git would otherwise be stored as mlflow.source.git.repoURL.
     """
+    # heavy: mlflow (~4 s), only when a run is logged; the no-op path never loads it
     from mlflow.tracking.context.registry import resolve_tags
 
     return {key: redact(value) for key, value in resolve_tags().items() if redact(value) != value}

@@ -128,6 +128,7 @@ def judge(run: Any, older_than_s: float | None = None, now: float | None = None)
 
 
 def _experiments(client: Any) -> list[str]:
+    # heavy: mlflow (~4 s), only when runs are searched; `--help` stays fast
     from mlflow.entities import ViewType
 
     ids, token = [], None
@@ -141,6 +142,7 @@ def _experiments(client: Any) -> list[str]:
 
 def _running_runs(client: Any, experiment_ids: list[str]) -> Iterator[Any]:
     """Every active RUNNING run, oldest first (runs started meanwhile come last: no page shifts)."""
+    # heavy: mlflow (~4 s), only when runs are searched; `--help` stays fast
     from mlflow.entities import ViewType
 
     for start in range(0, len(experiment_ids), EXPERIMENTS_PER_SEARCH):
@@ -272,6 +274,7 @@ def _client(uri: str) -> Any:
     # a server that is down: an error in seconds, not after minutes of retries
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    # heavy: mlflow (~4 s), only when runs are searched; `--help` stays fast
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
@@ -295,6 +298,7 @@ def _run(args: argparse.Namespace) -> int:
     if uri.startswith("sqlite:///") and not store.exists():  # do not create one
         print(f"no MLflow store at {store}: no runs to check")
         return 0
+    # heavy: mlflow (~4 s), only when runs are searched; `--help` stays fast
     from mlflow.exceptions import MlflowException
 
     try:

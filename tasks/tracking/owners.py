@@ -11,10 +11,14 @@ tags the runs it opens.
 
 from __future__ import annotations
 
+import base64
 import getpass
+import json
 import logging
 import os
 import platform
+import urllib.request
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -111,11 +115,6 @@ def judge_owner(tags: dict[str, str]) -> tuple[str, str]:
 def flow_run_state(flow_run_id: str) -> tuple[str, str, str] | None:
     """(type, name, message) of a flow run's state on the Prefect server in PREFECT_API_URL, or None if
     it cannot be told. A plain GET (no Prefect import: a stage process sweeps too)."""
-    import base64
-    import json
-    import urllib.request
-    import uuid
-
     try:
         url = f"{os.environ['PREFECT_API_URL'].rstrip('/')}/flow_runs/{uuid.UUID(flow_run_id)}"
     except ValueError:

@@ -7,7 +7,9 @@ Only called after every export gate passed: a failing model is never registered.
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,6 +19,7 @@ from tasks.core import layout
 from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5, file_digest
 from tasks.determinism.threads import resolve
+from tasks.tracking.dashboard import describe_version, headline, run_page
 from tasks.tracking.runs import StageRun
 from tasks.tracking.store import store_lock, tracking_uri
 
@@ -44,8 +47,7 @@ def register_shipped(params: Params, run: StageRun, exported: ExportResult) -> s
     """Log the fp32 ONNX model (onnx flavour) and the shipped one behind the image-bytes wrapper
     (tasks/ship/serving.py), register the latter, decide champion/challenger on the same test images
     (tasks/ship/promotion.py), record the decision on the run and describe the version; the verdict."""
-    import os
-
+    # heavy: tasks.ship.export loads torch and onnx (~4 s), only when a model is registered
     from tasks.data.preprocess import load_split
     from tasks.ship.export import SHIPPED
     from tasks.ship.promotion import decide_promotion
@@ -74,8 +76,6 @@ def register_shipped(params: Params, run: StageRun, exported: ExportResult) -> s
 def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> None:
     """The registered version's description: what shipped, how good, small and fast it is, the
     promotion verdict, and links to its model card and to the export, pipeline and train runs."""
-    from tasks.tracking.dashboard import describe_version, headline, run_page
-
     client = run.mlflow.MlflowClient()
     export = client.get_run(run.run_id)
     tags, experiment = export.data.tags, export.info.experiment_id
@@ -111,6 +111,7 @@ def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> 
 
 def _log_models(params: Params, run: StageRun, exported: ExportResult) -> Any:
     """The fp32 model as it is (a tensor in, logits out) and the shipped one as served; the latter's info."""
+    # heavy: numpy, onnx, onnxruntime, mlflow and torch (tasks.ship.export): only when a model is registered
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -157,8 +158,7 @@ def _log_models(params: Params, run: StageRun, exported: ExportResult) -> Any:
 
 def _black_image(shape: tuple[int, int, int]) -> Any:
     """One black PNG of the model's size, as the served model's request column holds it."""
-    import io
-
+    # heavy: numpy, pandas (~1 s) and PIL, only when the input example is written
     import numpy as np
     import pandas as pd
     from PIL import Image
@@ -183,6 +183,7 @@ def _serving_code(folder: Path) -> Path:
 def _new_version(client: Any, name: str, info: Any, run_id: str) -> str:
     """Register the logged model as a new version of `name` (created on first use) through the client,
     which, unlike `mlflow.register_model`, does not print to the console what the pipeline reports."""
+    # heavy: mlflow (~4 s), only when a model is registered
     from mlflow.exceptions import MlflowException
 
     try:

@@ -82,6 +82,7 @@ class StageRun:
         """
         if not self._mlflow:
             return
+        # heavy: mlflow (~4 s), only when a run is logged; the no-op path never loads it
         from mlflow.entities import Metric
 
         stamp = int(time.time() * 1000)
@@ -153,6 +154,7 @@ def _experiment_id(mlflow: Any, name: str) -> str:
     # (Not "is MLFLOW_TRACKING_URI unset": mlflow.set_tracking_uri sets it, for subprocesses.)
     if tracking_uri() == default_uri():
         location = (project_root() / "mlartifacts").as_uri()
+    # heavy: mlflow (~4 s), only when a run is logged; the no-op path never loads it
     from mlflow.exceptions import MlflowException
 
     try:
@@ -244,6 +246,7 @@ def _record_pipeline(client: Any, run_id: str, entry_point: str, params: Params,
 
 def _store_failed(exc: BaseException) -> bool:
     """Whether MLflow's client gave up on a request to a tracking server (after its own retries)."""
+    # heavy: mlflow (~4 s, with requests), only when a run is logged; the no-op path never loads it
     from mlflow.exceptions import MlflowException, RestException
     from requests.exceptions import RequestException
 
@@ -271,6 +274,7 @@ def _records_lost(stage: str, exc: BaseException) -> str:
 
 def tag_run(run_id: str, tags: dict[str, str]) -> None:
     """Add tags to a run that is not this process's active one (the flow's parent run), in one write."""
+    # heavy: mlflow (~4 s), only when a run is logged; the no-op path never loads it
     from mlflow.entities import RunTag
 
     client = mlflow_module().MlflowClient()

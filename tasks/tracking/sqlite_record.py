@@ -20,6 +20,7 @@ and within MLflow's limits.
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import time
 import urllib.parse
@@ -29,6 +30,19 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config.params import Params
+from tasks.core.hashing import data_md5
+from tasks.core.redact import redact_mapping
+from tasks.tracking.dashboard import (
+    EXPERIMENT_KIND_TAG,
+    VIEW_TAG,
+    _view_state,
+    dataset_name,
+    headline,
+    headline_metrics,
+    run_name,
+    shown_params,
+)
+from tasks.tracking.runs import pipeline_tags
 
 # alembic_version of MLflow 3.17.2's sqlite store (`mlflow.store.db.utils._get_latest_schema_revision()`)
 SCHEMA_REVISION = "dc11669786a5"
@@ -49,11 +63,6 @@ def database(uri: str) -> Path | None:
 def record_pipeline_run(uri: str, params: Params, entry_point: str, extra_tags: dict[str, str]) -> str | None:
     """A finished pipeline run in which no stage ran, as `pipeline_run` + `tag_run` leave it; its run id,
     or None if this store is not one this module may write (then nothing was written)."""
-    from tasks.core.hashing import data_md5
-    from tasks.core.redact import redact_mapping
-    from tasks.tracking.dashboard import dataset_name, headline, headline_metrics, run_name, shown_params
-    from tasks.tracking.runs import pipeline_tags
-
     path = database(uri)
     if path is None:
         return None
@@ -106,8 +115,6 @@ def _now() -> int:
 
 
 def _fits(content: dict[str, Any]) -> bool:
-    import math
-
     keys = [*content["tags"], *content["params"], *(m[0] for m in content["metrics"])]
     return (
         all(len(key) <= MAX_KEY for key in keys)
@@ -118,8 +125,6 @@ def _fits(content: dict[str, Any]) -> bool:
 
 
 def _write(db: sqlite3.Connection, experiment: str, start: int, content: dict[str, Any]) -> str | None:
-    from tasks.tracking.dashboard import EXPERIMENT_KIND_TAG, VIEW_TAG, _view_state
-
     if db.execute("select version_num from alembic_version").fetchall() != [(SCHEMA_REVISION,)]:
         return None
     found = db.execute(_EXPERIMENT, (experiment,)).fetchone()

@@ -5,12 +5,15 @@ server that is down fails the pipeline in seconds, not after minutes of retries 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import urllib.parse
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from tasks.core.config.service import TrackingConfig
 from tasks.core.errors import ExpectedFailure
@@ -39,6 +42,7 @@ def mlflow_module() -> Any:
     # not yet logged when the run ends, so a coarser setting leaves a short training with no point at all.
     os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
+    # heavy: mlflow (~4 s), only when a tracking server is used; the no-op path never loads it
     import mlflow
 
     uri = tracking_uri()
@@ -73,9 +77,6 @@ def store_lock(uri: str, purpose: str) -> AbstractContextManager[Any]:
     tracking server, no lock (the caller then re-checks what it read)."""
     if urllib.parse.urlparse(uri).scheme != "sqlite":
         return nullcontext()
-    import hashlib
-
-    from filelock import FileLock
 
     database = Path(urllib.parse.urlparse(uri).path[1:]).resolve()  # sqlite:///<path>, absolute or not
     key = hashlib.sha256(str(database).encode()).hexdigest()[:16]
@@ -100,6 +101,7 @@ def check_store(cfg: TrackingConfig) -> None:
     fix = "start it, point MLFLOW_TRACKING_URI at one that runs, or set tracking.enabled: false in params.yaml"
     scheme = urllib.parse.urlparse(uri).scheme
     if scheme in ("http", "https"):
+        # heavy: mlflow (~4 s), only when a tracking server is checked; the no-op path never loads it
         from mlflow.utils.credentials import get_default_host_creds
         from mlflow.utils.rest_utils import http_request
 

@@ -75,6 +75,7 @@ _SCRIPT = """<script>/* lockstep: the training runs table by default (tasks/trac
 
 def training_views(store_uri: str) -> dict[str, dict[str, Any]]:
     """Experiment id -> the pipeline's runs-table view, for every experiment of the store that has one."""
+    # heavy: mlflow (~4 s); `--help` stays fast
     from mlflow import MlflowClient
 
     client, views, token = MlflowClient(tracking_uri=store_uri), {}, None
@@ -100,6 +101,7 @@ def landing_script(views: dict[str, dict[str, Any]]) -> str:
 
 def _index() -> Any:
     """MLflow's index.html, with the landing script first in its head (serves `/`, MLflow's "serve" view)."""
+    # heavy: mlflow.server (~5 s, with sqlalchemy), only when the UI starts
     from mlflow.server import app as flask_app
     from mlflow.server.constants import BACKEND_STORE_URI_ENV_VAR
 
@@ -112,6 +114,7 @@ def _index() -> Any:
 
 def create_app() -> Any:
     """MLflow's app (uvicorn's factory in each worker), its page at `/` served by `_index`."""
+    # heavy: mlflow.server (~5 s, with sqlalchemy), only when the UI starts
     from mlflow.server import app as flask_app
     from mlflow.server.fastapi_app import app
 
@@ -125,6 +128,7 @@ def create_app() -> Any:
 
 def _no_uploads() -> Any:
     """The UI's artifact upload, refused: it would write into the checkout (the module's docstring)."""
+    # heavy: mlflow.server (~5 s, with sqlalchemy), only when the UI starts
     from mlflow.server import app as flask_app
 
     message = "make ui takes no artifact uploads (they would land in the checkout): use make mlflow-server"
@@ -134,6 +138,7 @@ def _no_uploads() -> Any:
 
 def main(argv: list[str]) -> None:
     """`mlflow ui <argv>`, serving `create_app`'s app."""
+    # heavy: mlflow.server and its CLI (~5 s), only when the UI starts
     import mlflow.server
     from mlflow.cli import cli
 

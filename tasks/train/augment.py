@@ -124,6 +124,7 @@ def _no_policy(image_size: tuple[int, ...]) -> None:
 
 @POLICIES.register("affine")
 def _affine(image_size: tuple[int, ...]) -> Policy:
+    # heavy: tasks.train.warps loads torchvision (~3 s beyond torch), only for the presets that warp
     from tasks.train.warps import AffineWarp
 
     return AffineWarp(AFFINE_DEGREES, AFFINE_SCALE, AFFINE_SHEAR)
@@ -131,6 +132,7 @@ def _affine(image_size: tuple[int, ...]) -> Policy:
 
 @POLICIES.register("elastic")
 def _elastic(image_size: tuple[int, ...]) -> Policy:
+    # heavy: tasks.train.warps loads torchvision (~3 s beyond torch), only for the presets that warp
     from tasks.train.warps import ElasticWarp
 
     scale = min(*image_size, ELASTIC_AT_PX) / ELASTIC_AT_PX
@@ -139,6 +141,7 @@ def _elastic(image_size: tuple[int, ...]) -> Policy:
 
 @POLICIES.register("trivialaugment")
 def _trivialaugment(image_size: tuple[int, ...]) -> Policy:
+    # heavy: torchvision (~3 s beyond torch), only when a preset that needs it is built
     from torchvision.transforms import v2
 
     return PerImage(v2.TrivialAugmentWide())
@@ -146,6 +149,7 @@ def _trivialaugment(image_size: tuple[int, ...]) -> Policy:
 
 @POLICIES.register("randaugment")
 def _randaugment(image_size: tuple[int, ...]) -> Policy:
+    # heavy: torchvision (~3 s beyond torch), only when a preset that needs it is built
     from torchvision.transforms import v2
 
     return PerImage(v2.RandAugment())
@@ -153,6 +157,7 @@ def _randaugment(image_size: tuple[int, ...]) -> Policy:
 
 @POLICIES.register("resized_crop")
 def _resized_crop(image_size: tuple[int, ...]) -> Policy:
+    # heavy: torchvision (~3 s beyond torch), only when a preset that needs it is built
     from torchvision.transforms import v2
 
     return PerImage(v2.RandomResizedCrop(list(image_size), scale=CROP_SCALE, antialias=True))
@@ -191,6 +196,7 @@ class BatchMixing:
     def __init__(self, cfg: TrainConfig, num_classes: int, seed: int, rank: int) -> None:
         mixers = []
         if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
+            # heavy: torchvision (~3 s beyond torch), only when a preset that needs it is built
             from torchvision.transforms import v2
 
             if cfg.mixup_alpha > 0:

@@ -18,6 +18,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -197,8 +198,6 @@ def _one_node(world: int) -> bool:
 
 def _loopback_interface() -> str | None:
     """The name of the interface that holds 127.0.0.1 (`lo` on Linux, `lo0` on macOS)."""
-    import psutil
-
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
             return name

@@ -94,9 +94,11 @@ def _predictions_csv(actual: np.ndarray, predicted: np.ndarray, classes: list[st
 
 
 def _plot_confusion(matrix: np.ndarray, classes: list[str], path: Path) -> None:
+    # heavy: matplotlib (~1.6 s), only when the confusion plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and CI
+    # heavy: matplotlib after use("Agg"), only when the confusion plot is drawn
     import matplotlib.pyplot as plt
 
     size = max(4.0, 0.5 * len(classes) + 2)

@@ -51,6 +51,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
+
 from tasks.core import layout
 from tasks.core.cli import configure_logging, exit_code
 from tasks.core.config.params import Params
@@ -122,8 +124,6 @@ def _split(endpoint: str) -> tuple[str, int]:
 
 def _interface(address: str) -> str | None:
     """The name of the interface that holds `address`."""
-    import psutil
-
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == address for a in addresses):
             return name
@@ -137,6 +137,7 @@ def rendezvous_store(endpoint: str) -> Iterator[None]:
     torch's c10d backend would host it in the agent with TCPStore, which binds every interface; a socket
     bound here to the endpoint's address keeps it there. Open while the stage's torchrun runs.
     """
+    # heavy: torch (~4 s); the launcher process itself never loads torch
     import torch.distributed as dist
 
     host, port = _split(endpoint)
@@ -197,6 +198,7 @@ def launch(params: Params) -> TrainResult:
     summary = layout.TRAIN_DIR / "train.json"
     if not summary.exists():  # every node's first rank writes the outputs (tasks/train/stage.py)
         raise RuntimeError(f"{summary}: missing after torchrun exited 0")
+    # heavy: tasks.train.stage loads torch (~4 s); the launching process never loads it
     from tasks.train.stage import TrainResult
 
     return TrainResult(**json.loads(summary.read_text()))
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get(ERRORS_ENV):
             (Path(os.environ[ERRORS_ENV]) / f"rank{rank}.txt").write_text(str(exc))
         return 1
+    # after the process is pinned: torch (~4 s) loads once bootstrap ran
     import torch.distributed as dist
 
     if dist.is_initialized():

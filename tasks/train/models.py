@@ -109,6 +109,7 @@ class ResNet9(nn.Module):
 
 def torchvision_models() -> list[str]:
     """The classification builders of the installed torchvision (imports it: seconds)."""
+    # heavy: torchvision (~3 s beyond torch), only for a torchvision architecture
     import torchvision.models
 
     return torchvision.models.list_models(module=torchvision.models)
@@ -141,6 +142,7 @@ def _torchvision_net(name: str, in_channels: int, num_classes: int, image_size: 
 
 
 def _version() -> str:
+    # heavy: torchvision (~3 s beyond torch), only for a torchvision architecture
     import torchvision
 
     return torchvision.__version__

@@ -96,6 +96,7 @@ def load_pretrained(cfg: TrainConfig, model: Classifier, cache: Path) -> Pretrai
 
 def published_weights(model: str, name: str) -> tuple[str, str]:
     """torchvision's published weights `name` of `model`: (URL, the sha256 prefix in its file name)."""
+    # heavy: torchvision (~3 s beyond torch), only for published weights
     from torchvision.models import get_model_weights
 
     try:

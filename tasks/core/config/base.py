@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import reprlib
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -66,8 +67,6 @@ def is_loopback(url: str) -> bool:
 def shown(value: Any, limit: int = 80) -> str:
     """A key or value as one short line (YAML keys can be anything: numbers, null, text with newlines).
     reprlib, not repr: a huge or deeply nested value must not be rendered whole to show 80 characters."""
-    import reprlib
-
     if isinstance(value, str) and value.isprintable() and value.strip() == value:
         text = value
     else:

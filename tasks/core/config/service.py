@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import Field, field_validator
 
@@ -71,8 +72,6 @@ class OrchestrationConfig(Section):
     @field_validator("timezone")
     @classmethod
     def _known_timezone(cls, value: str) -> str:
-        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
         try:
             ZoneInfo(value)
         except (ZoneInfoNotFoundError, ValueError):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -188,7 +189,6 @@ class TrainConfig(Section):
     def _known_model(cls, value: str) -> str:
         if value == "auto" or value in MODELS or value in TORCHVISION_MODELS:
             return value
-        import difflib
 
         close = difflib.get_close_matches(value, [*MODELS, *sorted(TORCHVISION_MODELS)], n=3)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""

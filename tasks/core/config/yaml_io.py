@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from tasks.core.atomic import write_text
 from tasks.core.config.base import ConfigError, shown
 from tasks.core.config.params import Params
 
@@ -180,8 +182,6 @@ def text_with_overrides(
     text: str, overrides: dict[str, Any] | None, path: str | Path = PARAMS_FILE
 ) -> tuple[str, Params]:
     """`with_overrides` on a params file's `text` (read once by the caller); errors name `path`."""
-    import io
-
     from ruamel.yaml import YAML  # round-trip YAML (DVC's own dependency): keeps comments and order
 
     name = _named(path)
@@ -211,8 +211,6 @@ def set_params(path: str | Path, overrides: dict[str, Any]) -> Params:
     The file stays the one record of what ran: DVC decides staleness from it, so a run with other
     values must write them there first, as `dvc exp run -S` does.
     """
-    from tasks.core.atomic import write_text
-
     text, params = with_overrides(path, overrides)
     write_text(Path(path), text)
     return params

@@ -13,9 +13,13 @@ from pathlib import Path
 
 import torch
 
-from tasks.core.atomic import write_text
+from tasks.core.atomic import write_bytes, write_text
+from tasks.core.config.data import SplitConfig
 from tasks.core.config.ship import EXPORT_FORMATS, CompressConfig, ExportConfig
 from tasks.core.config.train import TrainConfig
+from tasks.data.formats import RawDataset, write_raw
+from tasks.data.preprocess import load_split, preprocess
+from tasks.data.stats import compute_stats
 from tasks.tools.gpu_check.report import FAIL, PASS, SKIPPED, Check, describe
 from tasks.tools.gpu_check.workload import (
     COMPRESS_MODEL,
@@ -27,6 +31,7 @@ from tasks.tools.gpu_check.workload import (
 )
 from tasks.train.checkpoints import checkpoint_bytes, checkpoint_metadata, cpu_state
 from tasks.train.loop import build_training
+from tasks.train.models import predict
 
 # torch.onnx.export (dynamo) needs onnxscript; the compress stage needs ONNX Runtime and onnx.
 COMPRESS_NEEDS = ("onnx", "onnxruntime", "onnxscript")
@@ -84,13 +89,6 @@ def _checkpoint(options: CheckOptions, work: Path) -> TrainConfig:
 
     Layout under `work`: data/, preprocessed/, train/best.safetensors, evaluate/metrics.json.
     """
-    from tasks.core.atomic import write_bytes
-    from tasks.core.config.data import SplitConfig
-    from tasks.data.formats import RawDataset, write_raw
-    from tasks.data.preprocess import load_split, preprocess
-    from tasks.data.stats import compute_stats
-    from tasks.train.models import predict
-
     sizes, split_cfg, device = options.sizes, SplitConfig(), torch.device(options.device)
     images, labels = synthetic_images(sizes.compress_images, options.seed)
     write_raw(RawDataset(images, labels, [str(i) for i in range(NUM_CLASSES)], "synthetic"), work / "data")
@@ -116,6 +114,7 @@ def _checkpoint(options: CheckOptions, work: Path) -> TrainConfig:
 
 
 def _compress(options: CheckOptions, train_cfg: TrainConfig, variants: tuple[str, ...], work: Path) -> Check:
+    # heavy: tasks.ship.compress loads onnx and onnxruntime (~1 s), only when this check runs
     from tasks.ship.compress import compress
 
     cfg = CompressConfig(
@@ -149,6 +148,7 @@ def _compress(options: CheckOptions, train_cfg: TrainConfig, variants: tuple[str
 
 
 def _export(options: CheckOptions, variant: str, work: Path) -> Check:
+    # heavy: tasks.ship.export loads onnx and onnxruntime (~1 s), only when this check runs
     from tasks.ship.export import CardContext, export
 
     # The gates on a compressed model's quality are for real data; here they are opened, and the fp32

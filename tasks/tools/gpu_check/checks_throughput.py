@@ -30,6 +30,7 @@ class _PlainLoop:
     sliced from a shuffled order): nothing of the project, the baseline its loop is compared with."""
 
     def __init__(self, split: Preprocessed, batch_size: int, device: torch.device, seed: int) -> None:
+        # heavy: torchvision (~3 s beyond torch), only for this check
         from torchvision.models import resnet18
 
         model = resnet18(weights=None, num_classes=NUM_CLASSES)

@@ -102,6 +102,7 @@ def _number(text: str) -> int | str:
 
 
 def _versions() -> dict[str, str]:
+    # heavy: torchvision (~3 s beyond torch), only to report its version
     import torchvision
 
     return {

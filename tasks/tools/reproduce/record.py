@@ -40,6 +40,7 @@ class ReproduceError(Refused):
 def tracking_client(tracking_uri: str) -> Any:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # three tiny files: noise
+    # heavy: mlflow (~4 s); `--help` and argument errors stay fast
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
@@ -47,6 +48,7 @@ def tracking_client(tracking_uri: str) -> Any:
 
 def find_train_run(client: Any, run_id: str) -> Any:
     """The train stage run `run_id` names: itself, or the one train child of a pipeline run."""
+    # heavy: mlflow (~4 s); `--help` and argument errors stay fast
     from mlflow.exceptions import MlflowException
 
     try:
@@ -95,6 +97,7 @@ def _listed(client: Any, run_id: str, folder: str) -> dict[str, int | None]:
 def download_record(client: Any, run: Any, dest: Path) -> Path:
     """Download what the run logged for reproduction, and its checkpoints, into `dest`: the named
     files only (not whatever else the folders hold), each within its size cap."""
+    # heavy: mlflow (~4 s); `--help` and argument errors stay fast
     from mlflow.artifacts import download_artifacts
 
     run_id = run.info.run_id

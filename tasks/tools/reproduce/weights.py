@@ -73,6 +73,7 @@ def plan(train: TrainConfig, run: Any, user_cache: Path) -> Weights | None:
 
 def _published(train: TrainConfig, run: Any) -> tuple[str, str]:
     """(torchvision's file name, the full sha256 the record pins for it)."""
+    # heavy: tasks.train.pretrained loads torch (~4 s), only when published weights are checked
     from tasks.train.pretrained import published_weights
 
     run_id = run.info.run_id

@@ -128,6 +128,7 @@ def write_inputs(record: Path, workspace: Path, params: dict[str, Any]) -> None:
 def configure_dvc(project: Path, workspace: Path) -> tuple[str, str | None, dict[str, Any]]:
     """Make the workspace a DVC repo on the project's cache; return (cache dir, default remote, the
     project's config for `Repo(config=...)`: its remotes' credentials reach DVC in memory, no file)."""
+    # heavy: dvc (~0.7 s); `--help` and argument errors stay fast
     from dvc.config import Config, merge
 
     # The project's config as it is now (not the commit's): remotes and the cache may have moved.
@@ -152,6 +153,7 @@ def configure_dvc(project: Path, workspace: Path) -> tuple[str, str | None, dict
 
 def bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> str:
     """Check the run's data version out of the DVC cache, else pull it from the default remote."""
+    # heavy: dvc (~0.7 s); `--help` and argument errors stay fast
     from dvc.exceptions import CheckoutError, DvcException
     from dvc.repo import Repo
 

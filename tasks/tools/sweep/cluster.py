@@ -122,6 +122,7 @@ def tls_dir(given: str | None) -> Path | None:
 
 def security(path: Path) -> Any:
     """A Dask `Security` for every role, from a credentials directory: TLS only, both ends checked."""
+    # heavy: distributed (~1.3 s, loads numpy), only with a Dask cluster
     from distributed.security import Security
 
     cert, key = str(path / CERT), str(path / KEY)
@@ -138,6 +139,7 @@ def tls_arguments(path: Path) -> list[str]:
 
 def write_credentials(directory: Path) -> Path:
     """A new credentials directory (0700, the key 0600), written whole or not at all; never overwrites."""
+    # heavy: distributed (~1.3 s, loads numpy), only with a Dask cluster
     from distributed.security import Security
 
     directory = directory.expanduser().resolve()

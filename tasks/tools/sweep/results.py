@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +100,11 @@ def write_study(study: Any, summary: dict[str, Any], out: Path) -> list[Path]:
 
 def plots(study: Any, out_dir: Path) -> list[Path]:
     """The optimisation history and the parameter importances as PNGs in `out_dir`: the ones drawn."""
-    import warnings
-
+    # heavy: matplotlib (~1.6 s), only when the study's plots are drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # heavy: matplotlib after use("Agg"), optuna (~1.4 s): only when plots are drawn
     import matplotlib.pyplot as plt
     from optuna.visualization.matplotlib import plot_optimization_history, plot_param_importances
 
@@ -149,8 +151,8 @@ def winner_weights(summary: dict[str, Any], study_dir: Path, tracking_uri: str |
             best["trial"],
         )
         return None
-    import tempfile
 
+    # heavy: mlflow (~4 s), only when the winner's weights are downloaded
     from mlflow.artifacts import download_artifacts
 
     with tempfile.TemporaryDirectory(prefix="lockstep-winner-") as tmp:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tasks.core.config.policy import remote_keys_in
 from tasks.core.config.sweep import SearchSpace, SweepConfig
 from tasks.core.errors import Refused
 from tasks.core.redact import redact
@@ -18,6 +19,7 @@ class StoredTrialRefused(Refused):
 
 def distributions(space: dict[str, SearchSpace]) -> dict[str, Any]:
     """The Optuna distribution of each searched key."""
+    # heavy: optuna (~1.4 s, loads numpy), only when a study runs
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     made: dict[str, Any] = {}
@@ -36,8 +38,6 @@ def check_stored_trial(trial: Any, cfg: SweepConfig, space: dict[str, Any] | Non
     """Refuse (StoredTrialRefused, one line naming the trial and the key) a trial read back from the
     study's storage unless its params are exactly the keys of `sweep.space`, each with a value inside
     its declared distribution, and none reaches the network (REMOTE_KEYS, as for API overrides)."""
-    from tasks.core.config.policy import remote_keys_in
-
     space = distributions(cfg.space) if space is None else space
     params = trial.params
     extra, missing = sorted(set(params) - set(space)), sorted(set(space) - set(params))
@@ -61,6 +61,7 @@ def check_stored_trial(trial: Any, cfg: SweepConfig, space: dict[str, Any] | Non
 
 def _inside(distribution: Any, value: Any) -> bool:
     """`value` is one the Optuna `distribution` can draw (its own `to_internal_repr` and `_contains`)."""
+    # heavy: optuna (~1.4 s, loads numpy), only when a study runs
     from optuna.distributions import CategoricalDistribution, IntDistribution
 
     if isinstance(distribution, CategoricalDistribution):
@@ -77,6 +78,7 @@ def _inside(distribution: Any, value: Any) -> bool:
 
 
 def _declared(distribution: Any) -> str:
+    # heavy: optuna (~1.4 s, loads numpy), only when a study runs
     from optuna.distributions import CategoricalDistribution, IntDistribution
 
     if isinstance(distribution, CategoricalDistribution):

@@ -36,6 +36,7 @@ from typing import Any
 from tasks.core.config.params import Params
 from tasks.core.config.sweep import SweepConfig
 from tasks.core.errors import ExpectedFailure
+from tasks.core.hashing import file_digest
 from tasks.core.redact import redact
 from tasks.tools.sweep.space import check_stored_trial, distributions
 from tasks.tools.sweep.trials import TrialOutcome, TrialSpec, derived_seed
@@ -72,8 +73,6 @@ def study_digest(params: Params, data_digest: str) -> str:
 
 def data_digest(pre_dir: Path) -> str:
     """sha256 over the preprocessed files (names and contents): the data every trial must see."""
-    from tasks.core.hashing import file_digest
-
     files = sorted(p for p in Path(pre_dir).rglob("*") if p.is_file())
     if not files:
         raise SweepError(f"{pre_dir}: no preprocessed data (the sweep runs download, stats and preprocess first)")
@@ -86,6 +85,7 @@ def data_digest(pre_dir: Path) -> str:
 
 def open_study(cfg: SweepConfig, storage: str | None, study_dir: Path, digest: str) -> Any:
     """The study `cfg.name` (created, or loaded to resume when it was made with the same digest)."""
+    # heavy: optuna (~1.4 s, loads numpy), only when a study runs
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -121,6 +121,7 @@ def check_storage(storage: str | None) -> None:
     credentials: before a cluster starts and the data stages run (and before Prefect logs a traceback)."""
     if storage is None:
         return
+    # optional: sqlalchemy (~0.9 s), only for a PostgreSQL study storage (the team stack)
     import sqlalchemy
 
     try:
@@ -144,6 +145,7 @@ def _unavailable(storage: str, exc: BaseException) -> SweepStorageUnavailable:
 
 
 def _sampler(cfg: SweepConfig, number: int) -> Any:
+    # heavy: optuna (~1.4 s, loads numpy), only when a study runs
     from optuna.samplers import RandomSampler, TPESampler
 
     seed = derived_seed(cfg.seed, number, "sampler")
@@ -192,6 +194,7 @@ def _batch_start(trials: Sequence[Any], cfg: SweepConfig) -> int:
 
 def tell(study: Any, outcome: TrialOutcome, metric: str) -> None:
     """Record a trial's outcome in the study: its curve, state and value."""
+    # heavy: optuna (~1.4 s, loads numpy), only when a study runs
     from optuna.trial import Trial, TrialState
 
     trial_id = study.get_trials(deepcopy=False)[outcome.number]._trial_id
@@ -231,6 +234,7 @@ def run_study(
 def best_trial(study: Any, cfg: SweepConfig | None = None) -> Any | None:
     """The best complete trial; a tie goes to the lower trial number (Optuna's own pick is storage order).
     With `cfg`, every trial read back is checked first (`check_stored_trial`): what --apply writes."""
+    # heavy: optuna (~1.4 s, loads numpy), only when a study runs
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
@@ -247,6 +251,7 @@ def best_trial(study: Any, cfg: SweepConfig | None = None) -> Any | None:
 
 def progress(study: Any, cfg: SweepConfig, outcome: TrialOutcome) -> str:
     """One line for a person watching: which trial ended and how, how far the study is, the best so far."""
+    # heavy: optuna (~1.4 s, loads numpy), only when a study runs
     from optuna.trial import TrialState
 
     states = [t.state for t in study.get_trials(deepcopy=False)]

@@ -76,6 +76,7 @@ class Pruning:
     batches (an in-memory copy of them, so the answer cannot depend on what runs beside it)."""
 
     def __init__(self, cfg: SweepConfig, earlier: Sequence[Any]) -> None:
+        # heavy: optuna (~1.4 s, loads numpy), only when a study runs
         import optuna
         from optuna.pruners import MedianPruner, NopPruner
 
@@ -91,6 +92,7 @@ class Pruning:
         self._values: dict[int, float] = {}
 
     def should_stop(self, number: int, row: dict[str, float]) -> bool:
+        # heavy: optuna (~1.4 s, loads numpy), only when a study runs
         from optuna.trial import FrozenTrial, TrialState
 
         value = row.get(self._metric)
