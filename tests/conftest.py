@@ -26,6 +26,7 @@ import psutil
 import pytest
 import yaml
 
+from flows import prefect_settings
 from flows.prefect_env import wait_until_healthy
 
 if TYPE_CHECKING:  # (imported where used: tests/support/first_run.py imports this module)
@@ -37,13 +38,10 @@ VENV_BIN = Path(sys.executable).parent
 # directory of its own, not in the checkout's .prefect/ (a user's `make run` state; and a second
 # xdist worker would share it). Subprocesses get the variable stripped (`subprocess_env`).
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="lockstep-tests-prefect-")
-
-# The suite runs three xdist workers on two cores, each starting processes that compute on two threads:
-# OpenMP's threads (torch's pool, portable mode's products too) by default spin while they wait for a
-# peer, and a peer that lost its core to another worker's process keeps them spinning for its whole
-# time slice. Waiting passively hands those cycles to the other tests (a tenth of the CPU of the
-# training tests); how threads wait changes no result. Set before torch loads, inherited by subprocesses.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The project's other Prefect settings (each yields to PREFECT_HOME above), as an entry point applies them:
+# the flows tests run in this process see Prefect as `make run` does. (How OpenMP's threads wait, set
+# before torch loads, is tests/support/cpu_pin.py's.)
+prefect_settings.configure()
 
 # The MLflow servers tests start (`make ui`, `make mlflow-server`, the team stack's) run one uvicorn
 # worker, not MLflow's default four: each worker is a process that imports MLflow and opens the store,

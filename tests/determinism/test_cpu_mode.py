@@ -49,13 +49,11 @@ LIBRARIES_FREE = {
 }
 TRAINING = """
 import hashlib, json, sys
-from tasks.determinism import cpu_mode
-cpu_mode.pin_env(sys.argv[1])
+from tasks.determinism.bootstrap import start
+start(0, int(sys.argv[2]), strict=True, cpu=sys.argv[1])
 import torch
-from tasks.determinism.pinning import pin_everything
 from tasks.determinism.fingerprint import fingerprint
 from tasks.train.models import build_model
-pin_everything(0, int(sys.argv[2]), True, sys.argv[1])
 if sys.argv[3] != "0":  # the op's vectors this narrow (bits): an AVX2 CPU's, on an AVX-512 one
     import functools
     from tasks.determinism import blas

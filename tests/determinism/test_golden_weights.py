@@ -27,8 +27,8 @@ from tasks.data.download import download
 from tasks.data.preprocess import preprocess
 from tasks.data.stats import compute_stats
 from tasks.determinism import cpu_mode
+from tasks.determinism.bootstrap import start
 from tasks.determinism.fingerprint import explain, fingerprint
-from tasks.determinism.pinning import pin_everything
 from tasks.train.stage import train
 from tests.conftest import ROOT, sha256
 
@@ -57,7 +57,7 @@ def test_default_run_weights_are_unchanged(tmp_path: Path) -> None:
     download(params.data, tmp_path / "data", tmp_path / "cache")
     stats = compute_stats(tmp_path / "data", params.split, params.seed, params.stats.chunk_size)
     preprocess(tmp_path / "data", stats, params.split, params.seed, tmp_path / "preprocessed")
-    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict, params.determinism.cpu)
+    start(params.seed, params.determinism.num_threads, strict=params.determinism.strict, cpu=params.determinism.cpu)
     train(params.train, params.seed, tmp_path / "preprocessed", tmp_path / "train")
     made = {name: sha256(tmp_path / "train" / name) for name in ("best.safetensors", "last.safetensors")}
 

@@ -64,8 +64,14 @@ KNOWN: dict[tuple[str, str], str] = {
     ("tasks/train/loop.py", "torch.manual_seed"): (
         "fine_tune re-seeds torch for a compressed model's fine-tuning, inside a stage already started"
     ),
-    ("tests/support/hosts.py", "OMP_WAIT_POLICY"): "a simulated host's environment; tests/ is another helper's",
-    ("tests/support/published_weights.py", "torch.manual_seed"): "a test's fake weights; tests/ is another helper's",
+    ("tests/support/cpu_pin.py", "OMP_WAIT_POLICY"): (
+        "the test process's passive wait, chosen before its `prepare`, which then leaves it (no start function "
+        "sets a passive wait)"
+    ),
+    ("tests/support/hosts.py", "OMP_WAIT_POLICY"): (
+        "a simulated host's login environment: the bed's processes start with `start` and keep the suite's "
+        "passive wait given here (no start function sets one; without it they would spin)"
+    ),
 }
 
 

@@ -2,7 +2,7 @@
 the CPU, and refuses a model that would reach one as it is built, naming the op.
 
 The escape test trains one SGD step of a model of each family in the zoo in one process started as a
-stage is (portable pinned before torch loads, then `pin_everything`), with two witnesses:
+stage is (`start`: portable pinned before torch loads, then the seeds and switches), with two witnesses:
 - the libraries themselves: MKL_VERBOSE=1 and ONEDNN_VERBOSE=1 make MKL and oneDNN print a line per
   call; none may appear while the zoo trains, and the same process, its portable kernels uninstalled
   (native mode's kernels), shows that they do print, so silence is not a broken witness;
@@ -51,13 +51,12 @@ PRODUCT_LIKE = re.compile(
 LIBRARY_CALL = re.compile(r"^(MKL_VERBOSE|onednn_verbose,.*,exec,)")
 STEPS = """
 import ctypes, json, sys
-from tasks.determinism import cpu_mode
-cpu_mode.pin_env("portable")
+from tasks.determinism.bootstrap import start
+start(0, 2, strict=True, cpu="portable")
 import torch
 import torch.nn.functional as F
 from tasks.determinism import dispatch
 from tasks.determinism.escapes import OpRecorder, training_step_ops
-from tasks.determinism.pinning import pin_everything
 from tasks.train.models import build_model
 
 libc = ctypes.CDLL(None)
@@ -65,7 +64,6 @@ def section(name):  # MKL and oneDNN print through C's stdout buffer: flushed, t
     libc.fflush(None)
     print(f"@@ {name}", flush=True)
 
-pin_everything(0, 2, True, "portable")
 size, batch = int(sys.argv[2]), int(sys.argv[3])
 generator = torch.Generator().manual_seed(0)
 report = {}

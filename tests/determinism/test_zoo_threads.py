@@ -22,14 +22,12 @@ RUNS = [*ZOO, ("swin_t", "fp32")]  # (model, precision): the escape test's zoo, 
 SIZE, BATCH = 32, 4  # large enough that ATen's kernels share a layer's rows among threads
 TRAINING = """
 import copy, hashlib, json, sys
-from tasks.determinism import cpu_mode
-cpu_mode.pin_env("portable")
+from tasks.determinism.bootstrap import start
+start(0, 1, strict=True, cpu="portable")
 import torch
 import torch.nn.functional as F
-from tasks.determinism.pinning import pin_everything
 from tasks.train.models import build_model
 
-pin_everything(0, 1, True, "portable")
 size, batch = int(sys.argv[2]), int(sys.argv[3])
 generator = torch.Generator().manual_seed(0)
 images = torch.rand(batch, 3, size, size, generator=generator)

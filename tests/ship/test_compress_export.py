@@ -249,11 +249,11 @@ def test_a_candidate_failing_its_gates_passes_the_turn_to_the_next(dvc_repo: dic
 def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     """All five variants in-process, compared with what `dvc repro` built in its own process."""
     from tasks.core.config.yaml_io import load_params
-    from tasks.determinism.pinning import pin_everything
+    from tasks.determinism.bootstrap import start
 
     repo = dvc_repo["repo"]
     params = load_params(repo / "params.yaml")
-    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+    start(params.seed, params.determinism.num_threads, strict=params.determinism.strict)
     out = tmp_path / "compress"
     cfg, result = _every_variant(repo, params.train, repo / "artifacts/train/best.safetensors", out)
     rows = {row.variant: row for row in result.rows}
@@ -278,13 +278,13 @@ def test_every_variant_is_built_reproducibly(dvc_repo: dict[str, Any], tmp_path:
 def test_every_variant_is_built_for_resnet9(dvc_repo: dict[str, Any], tmp_path: Path) -> None:
     """The default model for real images: BN folded, int8 QDQ, and channel pruning across its residual adds."""
     from tasks.core.config.yaml_io import load_params
-    from tasks.determinism.pinning import pin_everything
+    from tasks.determinism.bootstrap import start
     from tasks.train.stage import train
 
     repo = dvc_repo["repo"]
     params = load_params(repo / "params.yaml")
     train_cfg = params.train.model_copy(update={"model": "resnet9", "epochs": 2})
-    pin_everything(params.seed, params.determinism.num_threads, params.determinism.strict)
+    start(params.seed, params.determinism.num_threads, strict=params.determinism.strict)
     train(train_cfg, params.seed, repo / "artifacts/preprocessed", tmp_path / "train")
     out = tmp_path / "compress"
     cfg, result = _every_variant(repo, train_cfg, tmp_path / "train/best.safetensors", out)

@@ -109,7 +109,7 @@ class Host:
             "USER": "root" if os.geteuid() == 0 else os.environ.get("USER", ""),
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
-            # as in tests/conftest.py: two cores, several processes; waiting passively changes no result
+            # as in tests/support/cpu_pin.py: two cores, several processes; waiting passively changes no result
             "OMP_WAIT_POLICY": "PASSIVE",
             "MLFLOW_WORKERS": "1",
             "GIT_TERMINAL_PROMPT": "0",

@@ -91,10 +91,12 @@ def cron_far_from_now() -> str:
 
 
 # The real flow function in a process of its own, as a deployment's flow run calls it (no
-# LOCKSTEP_ALLOW_OVERRIDES in its environment), one call per case; each case's final Prefect state
-# (type and message) on the last line.
+# LOCKSTEP_ALLOW_OVERRIDES in its environment; Prefect's settings applied first, as a served deployment's
+# process has them), one call per case; each case's final Prefect state (type and message) on the last line.
 FLOW_RUNS = """
 import json, sys
+from flows import prefect_settings
+prefect_settings.configure()
 from flows import prefect_env
 from flows.pipeline import pipeline
 

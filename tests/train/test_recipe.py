@@ -25,7 +25,7 @@ from tasks.data.download import download
 from tasks.data.preprocess import Preprocessed, load_split, preprocess
 from tasks.data.stats import compute_stats
 from tasks.determinism import cpu_mode
-from tasks.determinism.pinning import pin_everything
+from tasks.determinism.bootstrap import start
 from tasks.train import stage
 from tasks.train.augment import ELASTIC_AT_PX, AugmentedBatches, BatchMixing, augmented_batches
 from tasks.train.batches import BalancedSampler, class_weights
@@ -77,7 +77,7 @@ class Killed(Exception):
 
 def test_every_option_at_once_is_the_same_bytes_on_any_thread_count_and_resumed(pre: Path, tmp_path: Path) -> None:
     cfg = TrainConfig(**EVERYTHING)
-    pin_everything(42, 1)
+    start(42, 1)
     whole = train(cfg, 42, pre, tmp_path / "whole", resume_dir=tmp_path / "whole-resume")
 
     def die_at_epoch_3(row: dict[str, float]) -> None:
@@ -88,10 +88,10 @@ def test_every_option_at_once_is_the_same_bytes_on_any_thread_count_and_resumed(
     threads = 2 if cpu_mode.resolve("auto") == "portable" else 1
     # and in two loader workers: the policy's draws are the batch's, whoever fetches it
     broken = cfg.model_copy(update={"num_workers": 2})
-    pin_everything(42, threads)
+    start(42, threads)
     with pytest.raises(Killed):
         train(broken, 42, pre, tmp_path / "broken", resume_dir=tmp_path / "broken-resume", on_epoch=die_at_epoch_3)
-    pin_everything(42, threads)
+    start(42, threads)
     resumed = train(broken, 42, pre, tmp_path / "broken", resume_dir=tmp_path / "broken-resume")
 
     assert resumed.resumed_from_epoch == 2 and whole.resumed_from_epoch is None
@@ -109,7 +109,7 @@ def test_early_stopping_ends_the_run_and_the_best_epoch_ships(
     cfg = TrainConfig(
         **PLAIN, epochs=6, max_batches=3, monitor="val_loss", early_stop_patience=2, early_stop_min_delta=10.0
     )
-    pin_everything(42, 1)
+    start(42, 1)
     result = train(cfg, 42, pre, tmp_path / "whole")
     assert result.stopped_early_at == 3
     history = load_history(tmp_path / "whole")
@@ -124,10 +124,10 @@ def test_early_stopping_ends_the_run_and_the_best_epoch_ships(
 
     with monkeypatch.context() as patch:
         patch.setattr(stage, "_write_outputs", killed)
-        pin_everything(42, 1)
+        start(42, 1)
         with pytest.raises(Killed):
             train(cfg, 42, pre, tmp_path / "broken", resume_dir=tmp_path / "resume")
-    pin_everything(42, 1)
+    start(42, 1)
     resumed = train(cfg, 42, pre, tmp_path / "broken", resume_dir=tmp_path / "resume")
     assert (resumed.resumed_from_epoch, resumed.stopped_early_at) == (3, 3)
     assert load_history(tmp_path / "broken") == history
@@ -167,7 +167,7 @@ def test_warmup_raises_the_lr_linearly_and_leaves_the_schedule_alone(pre: Path) 
     split, val = load_split(pre, "train"), load_split(pre, "val")
     rows = {}
     for warmup in (0, 4):
-        pin_everything(42, 1)
+        start(42, 1)
         cfg = TrainConfig(**{**PLAIN, "scheduler": "cosine"}, epochs=2, max_batches=3, lr=0.1, warmup_steps=warmup)
         training = build_training(cfg, 42, split, torch.device("cpu"))
         lrs = _lrs_at_each_step(training)
@@ -210,7 +210,7 @@ def test_accumulated_batches_step_once_and_equal_one_big_batch(pre: Path) -> Non
 
 def test_clipping_bounds_the_update(pre: Path) -> None:
     split = load_split(pre, "train")
-    pin_everything(42, 1)
+    start(42, 1)
     cfg = TrainConfig(**PLAIN, epochs=1, max_batches=1, lr=1.0, weight_decay=0.0, grad_clip_norm=1e-3)
     training = build_training(cfg, 42, split, torch.device("cpu"))
     before = torch.cat([p.detach().clone().flatten() for p in training.model.parameters()])
@@ -240,7 +240,7 @@ def test_the_clipping_norm_is_the_same_bits_on_any_thread_count() -> None:
 
 def test_the_ema_is_what_is_validated_and_kept(pre: Path) -> None:
     split, val = load_split(pre, "train"), load_split(pre, "val")
-    pin_everything(42, 1)
+    start(42, 1)
     decay = 0.8
     training = build_training(
         TrainConfig(**PLAIN, epochs=1, max_batches=4, ema_decay=decay), 42, split, torch.device("cpu")

@@ -21,7 +21,7 @@ from tasks.data.download import download
 from tasks.data.formats import NpyRows
 from tasks.data.preprocess import Preprocessed, in_batches, load_split, preprocess
 from tasks.data.stats import compute_stats
-from tasks.determinism.pinning import pin_everything
+from tasks.determinism.bootstrap import start
 from tasks.train.augment import AugmentedBatches, shift_pixels
 from tasks.train.checkpoints import CheckpointError, load_checkpoint, result_config
 from tasks.train.evaluate import class_scores, confusion_matrix, evaluate
@@ -96,7 +96,7 @@ def test_training_is_bitwise_reproducible_in_separate_processes(workdir: Path) -
 
 
 def test_checkpoint_is_plain_safetensors_with_provenance(workdir: Path, tmp_path: Path) -> None:
-    pin_everything(42, 1)
+    start(42, 1)
     cfg = TrainConfig(epochs=2, num_workers=0, max_batches=3)
     result = train(cfg, 42, workdir / "artifacts" / "preprocessed", tmp_path)
     tensors = load_file(str(tmp_path / "best.safetensors"))  # no pickle involved
@@ -123,7 +123,7 @@ def test_training_shows_a_bar_per_batch_and_a_line_per_epoch(
             super().__init__(*args, **{**kwargs, "disable": False, "file": shown, "mininterval": 0})
 
     monkeypatch.setattr("tasks.train.stage.tqdm", OnATerminal)
-    pin_everything(42, 1)
+    start(42, 1)
     with caplog.at_level("INFO", logger="tasks.train.stage"):
         train(TrainConfig(epochs=2, num_workers=0, max_batches=3), 42, workdir / "artifacts" / "preprocessed", tmp_path)
     bar = shown.getvalue()
@@ -134,7 +134,7 @@ def test_training_shows_a_bar_per_batch_and_a_line_per_epoch(
 
 
 def test_resnet18_adamw_and_step_schedule(workdir: Path, tmp_path: Path) -> None:
-    pin_everything(0, 2)
+    start(0, 2)
     cfg = TrainConfig(
         model="resnet18",
         optimizer="adamw",
@@ -156,7 +156,7 @@ def test_resnet18_adamw_and_step_schedule(workdir: Path, tmp_path: Path) -> None
 
 
 def test_checkpoint_of_another_architecture_is_refused(workdir: Path, tmp_path: Path) -> None:
-    pin_everything(0, 1)
+    start(0, 1)
     train(TrainConfig(epochs=1, num_workers=0, max_batches=1), 0, workdir / "artifacts" / "preprocessed", tmp_path)
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -171,7 +171,7 @@ def test_checkpoint_of_another_architecture_is_refused(workdir: Path, tmp_path: 
 
 
 def test_evaluate_reports_consistent_metrics(workdir: Path, tmp_path: Path) -> None:
-    pin_everything(42, 2)
+    start(42, 2)
     pre = workdir / "artifacts" / "preprocessed"
     train(TrainConfig(epochs=3, num_workers=0), 42, pre, tmp_path / "train")
     result = evaluate(EvaluateConfig(batch_size=100), tmp_path / "train" / "best.safetensors", pre, tmp_path / "eval")
@@ -190,7 +190,7 @@ def test_evaluate_reports_consistent_metrics(workdir: Path, tmp_path: Path) -> N
 
 
 def test_bf16_autocast_trains_on_cpu_and_fp16_and_syncbn_need_cuda(workdir: Path, tmp_path: Path) -> None:
-    pin_everything(42, 1)
+    start(42, 1)
     result = train(
         TrainConfig(epochs=1, num_workers=0, max_batches=2, amp="bf16"),
         42,
@@ -217,8 +217,8 @@ def test_bf16_autocast_trains_on_cpu_and_fp16_and_syncbn_need_cuda(workdir: Path
 
 _PIN_THEN_COMPILE = """
 import sys
-from tasks.determinism.pinning import pin_everything
-pinned = pin_everything(0, 1, strict=True)
+from tasks.determinism.bootstrap import start
+pinned = start(0, 1, strict=True)
 assert pinned["deterministic_algorithms"] and not pinned["deterministic_warn_only"], pinned
 assert "torch._inductor.config" not in sys.modules, "pinning imported inductor (3.5 s per stage)"
 import torch._inductor.config as inductor_config
@@ -304,7 +304,7 @@ def test_a_streamed_split_gives_the_batches_and_validation_of_one_in_memory(work
         assert torch.equal(images, expected) and labels.tolist() == memory.labels[indices].tolist()
     sent = pickle.dumps(AugmentedBatches(streamed, 2, True, 7))  # what a loader worker receives:
     assert len(sent) < memory.labels.nbytes + 4096  # the labels and where the images are, not the images
-    pin_everything(42, 1)
+    start(42, 1)
     training = build_training(TrainConfig(model="small_cnn", epochs=1, hflip=False), 42, memory, torch.device("cpu"))
     in_memory = training.validate(load_split(pre, "val"))
     assert training.validate(load_split(pre, "val", stream=True)) == in_memory
@@ -322,7 +322,7 @@ def test_the_test_split_streamed_scores_as_it_does_in_memory(workdir: Path, tmp_
     assert isinstance(streamed.images, NpyRows)
     batches = list(in_batches(streamed.images, 7))  # a batch size that does not divide the split
     assert [len(b) for b in batches[:-1]] == [7] * (len(batches) - 1) and len(batches[-1]) <= 7
-    pin_everything(42, 1)
+    start(42, 1)
     model = build_training(TrainConfig(model="small_cnn", epochs=1, hflip=False), 42, memory, torch.device("cpu")).model
     expected = predict(model, memory.images, torch.device("cpu"), batch_size=7)
     assert torch.equal(predict(model, streamed.images, torch.device("cpu"), batch_size=7), expected)

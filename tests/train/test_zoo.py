@@ -28,7 +28,7 @@ from tasks.data.formats import RawDataset, write_raw
 from tasks.data.preprocess import Preprocessed, load_split, preprocess
 from tasks.data.stats import compute_stats
 from tasks.determinism import dispatch
-from tasks.determinism.pinning import pin_everything
+from tasks.determinism.bootstrap import start
 from tasks.train.checkpoints import load_checkpoint
 from tasks.train.loop import build_training
 from tasks.train.models import ModelError, build_model, head_name, predict, stem_name, torchvision_models
@@ -64,7 +64,7 @@ FAMILIES = ["resnet18", "mobilenet_v3_small", "efficientnet_b0", "convnext_tiny"
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize(("channels", "size"), [(1, 28), (3, 32)])
 def test_each_family_trains_on_small_images(name: str, channels: int, size: int) -> None:
-    pin_everything(0, 2)
+    start(0, 2)
     model = build_model(name, 7, [0.5] * channels, [0.25] * channels, [size, size])
     logits = model(torch.rand(2, channels, size, size))
     assert logits.shape == (2, 7)
@@ -100,7 +100,7 @@ def _split(n: int, channels: int, size: int, num_classes: int = 3) -> Preprocess
 
 
 def test_vit_runs_natively_and_is_refused_in_portable_mode_with_the_way_out() -> None:
-    pin_everything(0, 2)  # portable, as tests run (tests/support/cpu_pin.py)
+    start(0, 2)  # portable, as tests run (tests/support/cpu_pin.py)
     cfg = TrainConfig(model="vit_b_16", num_workers=0, device="cpu")
     with pytest.raises(ExpectedFailure, match=r"train.model: vit_b_16 .* set determinism.cpu: native"):
         build_training(cfg, 0, _split(4, 3, 32), CPU)
@@ -176,7 +176,7 @@ TUNE = {"model": "small_cnn", "num_workers": 0, "batch_size": 32, "lr": 0.05, "l
 def test_fine_tuning_served_weights_beats_training_from_scratch(target: Path, tmp_path: Path) -> None:
     # the weights: 10 other classes of the same strokes, in colour (3 channels), trained here
     source = _dataset(tmp_path / "source", SOURCE_PAIRS, 80, 3, 11, SplitConfig(train=0.8, val=0.1, test=0.1))
-    pin_everything(0, 2)
+    start(0, 2)
     train(TrainConfig(epochs=6, **TUNE), 0, source, tmp_path / "source-train")
     weights = (tmp_path / "source-train" / "best.safetensors").read_bytes()
     accuracy = {}
@@ -184,7 +184,7 @@ def test_fine_tuning_served_weights_beats_training_from_scratch(target: Path, tm
         url = server.add("/weights/source.safetensors", weights)
         for name, extra in (("scratch", {}), ("fine-tuned", {"pretrained_url": url})):
             pretrained = {"pretrained_sha256": _sha256(weights)} if extra else {}
-            pin_everything(0, 2)
+            start(0, 2)
             cfg = TrainConfig(epochs=20, **TUNE, **extra, **pretrained)
             result = train(cfg, 0, target, tmp_path / name, weights_cache=tmp_path / "cache")
             accuracy[name] = _test_accuracy(tmp_path / name / "best.safetensors", target)
@@ -312,7 +312,7 @@ def test_head_lr_is_a_parameter_group_of_its_own() -> None:
 
 
 def _frozen_run(target: Path, weights: tuple[Path, str], out: Path, **train_options: object) -> dict:
-    pin_everything(0, 2)
+    start(0, 2)
     cfg = _cfg(*weights, freeze_backbone_epochs=2, epochs=3, max_batches=1, **{**TUNE, **train_options})
     train(cfg, 0, target, out, resume_dir=out.parent / f"{out.name}-resume")
     return load_file(str(out / "last.safetensors"))
@@ -323,7 +323,7 @@ def test_the_frozen_backbone_is_held_and_resume_follows_the_epoch(target: Path, 
     weights = _weights_file(tmp_path / "w.safetensors", build_model("small_cnn", 10, [0.5], [0.25], [16, 16]))
     expected = build_model("small_cnn", 5, [0.5], [0.25], [16, 16])
     load_pretrained(_cfg(*weights), expected, tmp_path)
-    pin_everything(0, 2)
+    start(0, 2)
     two = _cfg(*weights, freeze_backbone_epochs=2, epochs=2, **TUNE)
     train(two, 0, target, tmp_path / "frozen")
     held = load_file(str(tmp_path / "frozen" / "last.safetensors"))
@@ -331,7 +331,7 @@ def test_the_frozen_backbone_is_held_and_resume_follows_the_epoch(target: Path, 
         if key.startswith("net.classifier.1.") or key in ("mean", "std"):
             continue
         assert torch.equal(held[key], value), key
-    pin_everything(0, 2)
+    start(0, 2)
     initial = build_model("small_cnn", 5, [0.5], [0.25], [16, 16])  # the head train() drew from the same seed
     assert not torch.equal(held["net.classifier.1.weight"], initial.net.classifier[1].weight)
 
@@ -344,7 +344,7 @@ def test_the_frozen_backbone_is_held_and_resume_follows_the_epoch(target: Path, 
         if row["epoch"] == 2:
             raise Interrupted  # before epoch 2's resume checkpoint: the restart redoes epoch 2 (frozen) and 3
 
-    pin_everything(0, 2)
+    start(0, 2)
     cut = _cfg(*weights, freeze_backbone_epochs=2, epochs=3, max_batches=1, **TUNE)
     with pytest.raises(Interrupted):
         train(cut, 0, target, tmp_path / "cut", resume_dir=tmp_path / "cut-resume", on_epoch=stop_after_epoch_2)
