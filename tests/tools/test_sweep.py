@@ -9,6 +9,7 @@ on a real Dask scheduler and real worker processes on 127.0.0.1 (tests/tools/tes
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from pathlib import Path
@@ -98,13 +99,31 @@ def test_results_do_not_depend_on_the_order_trials_finish_in(tmp_path: Path) -> 
     assert rows[0]["seed"] == derived_seed(0, 0, "train")
 
 
-def test_each_trial_told_is_a_line_with_the_study_s_progress_and_the_best_so_far(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+class _Lines(logging.Handler):
+    """The records one logger emits, counted at that logger. (pytest's caplog once saw each record
+    twice in a full-tier worker, after other modules had run Prefect in the same process, while
+    Prefect's console printed each once: its capture handlers, not the study, doubled them.)"""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_each_trial_told_is_a_line_with_the_study_s_progress_and_the_best_so_far(tmp_path: Path) -> None:
     params = _params(tmp_path)
-    with caplog.at_level("INFO", logger=search.__name__):
+    logger, seen = logging.getLogger(search.__name__), _Lines()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(seen)
+    try:
         rows = _run(params, tmp_path / "study", Trainer(params.sweep))
-    lines = [r.getMessage() for r in caplog.records if "best so far" in r.getMessage()]
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+    lines = [line for line in seen.lines if "best so far" in line]
     assert len(lines) == 12 and lines[0].startswith("sweep lockstep: trial 0 complete val_accuracy ")
     assert "(1 of 12 done, 0 pruned, 0 failed); best so far: trial 0, val_accuracy" in lines[0]
     pruned = sum(row["state"] == "pruned" for row in rows)
