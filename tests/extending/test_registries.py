@@ -5,7 +5,6 @@ are tests/flows/test_dvc_yaml.py's; the worked examples of adding one are test_w
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +19,7 @@ from tasks.core.config.train import AUGMENT_PRESETS, MODELS, TORCHVISION_MODELS
 from tasks.core.config.yaml_io import load_params
 from tasks.core.registry import Implementations, Registry
 from tests.conftest import ROOT, write_params
+from tests.support.file_module import load_file
 
 REGISTRIES: dict[str, Registry] = {
     "train.augment": AUGMENT_PRESETS,
@@ -92,11 +92,7 @@ def test_a_name_not_in_its_registry_is_a_config_error_listing_the_registry(
 
 
 def _hook() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("registries_hook", ROOT / "docs/hooks/registries.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(ROOT / "docs/hooks/registries.py", "registries_hook")
 
 
 def test_every_registry_has_a_docs_table_that_lists_its_entries_and_the_pages_name_real_tables() -> None:

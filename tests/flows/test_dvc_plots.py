@@ -6,7 +6,6 @@ show`, are tests/flows/test_dvc_experiments.py's (on the experiments its queue r
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -14,17 +13,14 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, run
+from tests.support.file_module import load_file
 from tests.support.plots_page import SCREENSHOTS, classes, every_plot_drawn, open_page
 
 VENDOR = ROOT / ".dvc" / "plots" / "vendor"
 
 
 def _vendor() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plots_vendor", VENDOR / "vendor.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(VENDOR / "vendor.py", "plots_vendor")
 
 
 def test_the_template_inlines_exactly_the_pinned_npm_files() -> None:
