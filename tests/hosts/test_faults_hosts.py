@@ -259,7 +259,9 @@ def test_the_s3_gateway_down_during_dvc_push_fails_clearly_and_the_retry_pushes_
             faults.start_missing_servers(team.bed)  # the object store, which is not running
             timings["s3_gateway_back_s"] = round(time.monotonic() - started, 1)
         trainer.run(env + "dvc push fault-extra.dvc")
-        keys = set(_laptop(team, DVC_BUCKET_LIST))
+        # the bucket as another host sees it: trainer-a, joined like trainer-b by `trainers` (the laptop
+        # joins only with `data_pushed`, which this test does not need)
+        keys = set(team.ask("trainer-a", DVC_BUCKET_LIST))
         folder = trainer.run("grep -o 'md5: [0-9a-f]*.dir' fault-extra.dvc").stdout.split()[-1]
         missing = [md5 for md5 in [*sums, folder] if f"files/md5/{md5[:2]}/{md5[2:]}" not in keys]
         assert not missing, missing
