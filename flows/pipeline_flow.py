@@ -35,11 +35,11 @@ from tasks.core.atomic import write_text
 from tasks.core.cli import dvc_logs_once
 from tasks.core.config.params import STAGES, Params
 from tasks.core.config.yaml_io import PARAMS_FILE
+from tasks.core.fetch import DownloadError
 from tasks.core.hashing import data_md5
 from tasks.core.layout import ROOT
 from tasks.core.lock import pipeline_lock
 from tasks.core.remote import push_outputs
-from tasks.data.fetch import DownloadError
 from tasks.determinism.bootstrap import prepare
 from tasks.tracking.orphans import FLOW_RUN_TAG
 from tasks.tracking.runs import pipeline_run, tag_run
@@ -87,7 +87,7 @@ def _source_was_unreachable(task: Any, task_run: Any, state: Any) -> bool:
 
 
 # One Prefect task per stage, named after it. Prefect's own result cache is off on purpose: DVC is
-# the one cache, shared with `dvc repro`. Download retries transient outages (tasks/data/fetch.py already
+# the one cache, shared with `dvc repro`. Download retries transient outages (tasks/core/fetch.py already
 # retries each file with backoff; this retries the whole stage minutes later).
 STAGE_TASKS = {
     name: task(

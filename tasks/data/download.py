@@ -5,7 +5,7 @@ is, needs, and its training recipe); each registers its loader here, `@LOADERS.r
     digits         scikit-learn's 8x8 digits; ships inside scikit-learn, so it works offline
     mnist, fashion_mnist, cifar10, cifar100
                    the published files, URLs and md5 checksums of torchvision's dataset classes,
-                   fetched by tasks/data/fetch.py (retries, resume, verify, lock) and read by those classes
+                   fetched by tasks/core/fetch.py (retries, resume, verify, lock) and read by those classes
     imagefolder    class sub-folders: a local folder or archive (`data.path`), or an archive URL
                    with its sha256 (`data.url`, `data.sha256`)
 
@@ -13,7 +13,7 @@ Downloads land in a cache outside data/ (`cache_dir`); data/ is replaced in one 
 after everything was fetched, verified and decoded, so a failure at any point leaves it as it was.
 Every download, archive and image is held to the limits in `data` (size, deadline, extracted size,
 ratio and member count, pixels per image, decoded bytes); credentials come from the environment
-or ~/.netrc (tasks/data/credentials.py), so that params.yaml and dvc.lock need not hold them.
+or ~/.netrc (tasks/core/credentials.py), so that params.yaml and dvc.lock need not hold them.
 Train and test parts of the published datasets are concatenated (train first) and their row ranges
 recorded in meta.json (`published_splits`), so that the split stage can keep the published test set.
 """
@@ -35,13 +35,13 @@ import numpy as np
 
 from tasks.core.atomic import atomic_dir
 from tasks.core.config.data import SOURCES, DataConfig
+from tasks.core.credentials import AUTH_ENV, TOKEN_ENV, Auth
 from tasks.core.errors import ExpectedFailure, Refused
+from tasks.core.fetch import Checksum, Retry, fetch, verify
 from tasks.core.plain_pickle import NotPlainData, load_plain
 from tasks.core.redact import SECRET_NAME, redact
 from tasks.core.registry import Implementations
 from tasks.data.archive import ArchiveLimits, extract, is_archive
-from tasks.data.credentials import AUTH_ENV, TOKEN_ENV, Auth
-from tasks.data.fetch import Checksum, Retry, fetch, verify
 from tasks.data.folders import ImageLimits, ingest_folder
 from tasks.data.formats import PublishedSplits, RawDataset, RawSnapshot, open_raw, read_raw, write_raw
 

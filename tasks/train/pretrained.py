@@ -1,6 +1,6 @@
 """Pretrained weights for the train stage: fetched or read, verified, then fitted to the model.
 
-`train.pretrained_path` (a local file) or `train.pretrained_url` (downloaded with tasks/data/fetch.py:
+`train.pretrained_path` (a local file) or `train.pretrained_url` (downloaded with tasks/core/fetch.py:
 retries, a size limit, credentials from the environment, cached by digest) must have
 `train.pretrained_sha256`. `train.pretrained` names torchvision's published weights of `train.model`
 (IMAGENET1K_V1, DEFAULT, ...): torchvision gives their URL and the sha256 prefix in its file name, the
@@ -38,10 +38,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from tasks.core.config.train import TrainConfig
+from tasks.core.credentials import NO_CREDENTIALS, Auth
 from tasks.core.errors import ExpectedFailure
+from tasks.core.fetch import Checksum, Retry, fetch
 from tasks.core.redact import redact
-from tasks.data.credentials import NO_CREDENTIALS, Auth
-from tasks.data.fetch import Checksum, Retry, fetch
 from tasks.train.models import Classifier, head_name, stem_name
 
 SHOWN = 5  # keys named in an error, of each kind
@@ -71,7 +71,7 @@ def load_pretrained(cfg: TrainConfig, model: Classifier, cache: Path) -> Pretrai
     """Load `cfg`'s pretrained weights into `model.net` in place; None when `cfg` names none.
 
     A URL is downloaded into `cache` (once: a verified copy is reused). Raises PretrainedError (or
-    tasks.data.fetch.DownloadError) before changing `model` when the file is not the one configured.
+    tasks.core.fetch.DownloadError) before changing `model` when the file is not the one configured.
     """
     if cfg.pretrained is not None:
         path, source, expected = _published_file(cfg, Path(cache))

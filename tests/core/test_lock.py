@@ -84,7 +84,7 @@ def test_the_download_task_retries_only_an_unreachable_source(tmp_path: Path) ->
     from prefect.states import Failed
 
     from flows.pipeline import STAGE_TASKS, _source_was_unreachable
-    from tasks.data.fetch import Checksum, DownloadError, Retry, fetch
+    from tasks.core.fetch import Checksum, DownloadError, Retry, fetch
     from tests.conftest import free_port
 
     quick = Retry(attempts=2, backoff_s=0.01, timeout_s=2)

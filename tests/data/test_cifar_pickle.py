@@ -21,8 +21,8 @@ from benchmarks.fakedata.cifar import cifar_archive
 from benchmarks.httpserver import FileServer
 from tasks.core.config.data import DataConfig
 from tasks.core.errors import ExpectedFailure
+from tasks.core.fetch import Retry
 from tasks.data.download import download
-from tasks.data.fetch import Retry
 
 FAST = Retry(attempts=2, backoff_s=0.05, timeout_s=2.0)
 

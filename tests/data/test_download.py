@@ -29,8 +29,8 @@ from benchmarks.fakedata.mnist import mnist_files
 from benchmarks.httpserver import FileServer
 from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure
+from tasks.core.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
 from tasks.data.download import download
-from tasks.data.fetch import Checksum, DownloadError, Retry, _exclusive, fetch
 from tasks.data.formats import open_raw, read_raw
 from tasks.data.images import IMG_EXTENSIONS
 from tasks.data.splits import split_indices
@@ -189,7 +189,7 @@ def test_a_second_process_waits_for_the_downloader_then_reuses_its_file(tmp_path
     url = server.add("/f.bin", payload)
     sha = hashlib.sha256(payload).hexdigest()
     code = (
-        "import sys; from pathlib import Path; from tasks.data.fetch import Checksum, fetch; "
+        "import sys; from pathlib import Path; from tasks.core.fetch import Checksum, fetch; "
         f"fetch([{url!r}], Path(sys.argv[1]), Checksum('sha256', {sha!r}))"
     )
     with _exclusive(tmp_path / "f.bin"):  # this test process is "the downloader"

@@ -35,10 +35,10 @@ from benchmarks.httpserver import FileServer
 from tasks.core.config.base import ConfigError
 from tasks.core.config.data import DataConfig
 from tasks.core.config.yaml_io import load_params
+from tasks.core.credentials import AUTH_ENV, TOKEN_ENV, Auth
 from tasks.core.errors import ExpectedFailure
-from tasks.data.credentials import AUTH_ENV, TOKEN_ENV, Auth
+from tasks.core.fetch import Checksum, DownloadError, Retry, fetch
 from tasks.data.download import download
-from tasks.data.fetch import Checksum, DownloadError, Retry, fetch
 from tasks.data.formats import RawDataset, read_raw, write_raw
 from tests.conftest import ROOT, copy_project, run, write_params
 

@@ -31,8 +31,8 @@ from benchmarks.fakedata.mnist import mnist_files
 from benchmarks.httpserver import FileServer
 from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.errors import ExpectedFailure
+from tasks.core.fetch import Retry
 from tasks.data.download import download
-from tasks.data.fetch import Retry
 from tasks.data.formats import SPLITS, PublishedSplits, RawDataset, RawSnapshot, open_raw, read_raw, write_raw
 from tasks.data.preprocess import load_split, preprocess
 from tasks.data.splits import content_digests, split_indices

@@ -28,7 +28,7 @@ from safetensors.torch import save
 from benchmarks.httpserver import FileServer
 from tasks.core import layout
 from tasks.core.config.data import DataConfig
-from tasks.data.credentials import AUTH_ENV, TOKEN_ENV
+from tasks.core.credentials import AUTH_ENV, TOKEN_ENV
 from tasks.data.download import download
 from tasks.tools.reproduce import ReproduceError, reproduce
 from tasks.tools.reproduce import rebuild as reproduce_rebuild

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from benchmarks.httpserver import FileServer
 from tasks.core.config.train import TrainConfig
-from tasks.data.fetch import DownloadError
+from tasks.core.fetch import DownloadError
 from tasks.train.models import build_model
 from tasks.train.pretrained import PretrainedError, load_pretrained, published_weights
 from tests.support.published_weights import publish

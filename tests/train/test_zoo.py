@@ -23,7 +23,7 @@ from tasks.core.config.data import SplitConfig
 from tasks.core.config.train import TORCHVISION_MODELS, TrainConfig
 from tasks.core.config.yaml_io import load_params
 from tasks.core.errors import ExpectedFailure
-from tasks.data.fetch import DownloadError
+from tasks.core.fetch import DownloadError
 from tasks.data.formats import RawDataset, write_raw
 from tasks.data.preprocess import Preprocessed, load_split, preprocess
 from tasks.data.stats import compute_stats

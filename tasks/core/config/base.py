@@ -122,7 +122,7 @@ def _no_credentials(url: str) -> str:
 
 
 # Every URL-valued key (data.mirror, data.url, train.pretrained_url): http(s) or a local file, and no
-# credentials in it. Downloads read those from the environment or ~/.netrc (tasks/data/fetch.py);
+# credentials in it. Downloads read those from the environment or ~/.netrc (tasks/core/fetch.py);
 # params.yaml is committed, and dvc.lock, MLflow and Prefect record every param.
 Url = Annotated[
     str, StringConstraints(max_length=2048, pattern=r"^(https?|file)://\S+$"), AfterValidator(_no_credentials)

@@ -97,7 +97,7 @@ class DataConfig(Section):
     source: Source = "digits"
     # Base URL that replaces the published hosts (air-gapped sites): files are fetched from
     # <mirror>/<file name> and still verified against the published checksums.
-    # Credentials for mirror and url: LOCKSTEP_DATA_TOKEN / LOCKSTEP_DATA_AUTH or ~/.netrc (tasks/data/fetch.py);
+    # Credentials for mirror and url: LOCKSTEP_DATA_TOKEN / LOCKSTEP_DATA_AUTH or ~/.netrc (tasks/core/fetch.py);
     # a URL holding any (user:pass@, ?token=) is refused (base.py `Url`): params.yaml and dvc.lock record it.
     mirror: Url | None = None
     retries: int = Field(4, ge=0, le=20)  # extra attempts on connection errors and HTTP 5xx

@@ -20,8 +20,8 @@ from typing import Any
 
 from tasks.core import layout
 from tasks.core.config.params import Params
+from tasks.core.credentials import AUTH_ENV, TOKEN_ENV
 from tasks.core.hashing import data_md5
-from tasks.data.credentials import AUTH_ENV, TOKEN_ENV
 from tasks.determinism import cpu_mode
 from tasks.tools.reproduce import record as records
 from tasks.tools.reproduce import report as reports

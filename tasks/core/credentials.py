@@ -6,7 +6,7 @@ the whole header value) for the configured hosts only, or from `~/.netrc` (`$NET
 only to the host its `machine` line names, and only over https; the environment's header goes over
 https, or plain http to loopback only. Unlike curl and requests, the netrc
 `default` entry is never used: it would answer for every host (torchvision's, a mirror a run record
-names) and, over plain http, hand the password to anyone on the path. tasks/data/fetch.py asks
+names) and, over plain http, hand the password to anyone on the path. tasks/core/fetch.py asks
 `Auth.header_for` before each request, and never forwards the header on a redirect.
 """
 

@@ -1,4 +1,6 @@
 """Robust downloads: retries with backoff, resume, checksum before use, one downloader at a time.
+In core, not data/: the download stage fetches datasets with it and the train stage pretrained weights
+(tasks/train/pretrained.py), and neither stage imports the other.
 
 A file is fetched into a download cache (never into data/) as `<name>.part`, verified against its
 published checksum, and only then renamed to `<name>`. So a file under its final name is always
@@ -16,7 +18,7 @@ Limits (a hostile or broken server must not hold the pipeline lock or fill the d
 nothing), and one deadline per file over every attempt and URL (`Retry.deadline_s`): a server that
 sends a byte a second is given up on at the deadline, not after days.
 
-Credentials (tasks/data/credentials.py: `Auth`) are sent to the hosts they are for; the header is
+Credentials (tasks/core/credentials.py: `Auth`) are sent to the hosts they are for; the header is
 never forwarded on a redirect, and every URL in a message or log line passes tasks/core/redact.py.
 """
 
@@ -41,10 +43,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from tqdm import tqdm
 
+from tasks.core.credentials import NO_AUTH, Auth
 from tasks.core.errors import ExpectedFailure
 from tasks.core.hashing import file_digest
 from tasks.core.redact import redact
-from tasks.data.credentials import NO_AUTH, Auth
 
 log = logging.getLogger(__name__)
 
