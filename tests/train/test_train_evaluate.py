@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.core.config.data import DataConfig, SplitConfig
+from tasks.core.config.data import SOURCES, DataConfig, SplitConfig
 from tasks.core.config.params import Params
-from tasks.core.config.train import SOURCE_RECIPES, EvaluateConfig, TrainConfig
+from tasks.core.config.train import EvaluateConfig, TrainConfig
 from tasks.data.download import download
 from tasks.data.formats import NpyRows
 from tasks.data.preprocess import Preprocessed, in_batches, load_split, preprocess
@@ -230,14 +230,14 @@ def test_pinning_is_cheap_and_still_reaches_inductor() -> None:
     run([sys.executable, "-c", _PIN_THEN_COMPILE], ROOT, PYTHONPATH=str(ROOT))
 
 
-@pytest.mark.parametrize("source", sorted(SOURCE_RECIPES))
+@pytest.mark.parametrize("source", sorted(SOURCES))
 def test_auto_epochs_and_mirroring_follow_the_source(source: str) -> None:
     extra = {"url": "https://example.org/a.tar.gz", "sha256": "0" * 64} if source == "imagefolder" else {}
     train = {"epochs": "auto", "hflip": "auto", "augment": "auto"}
     auto = Params.model_validate({"data": {"source": source, **extra}, "train": train})
-    recipe = SOURCE_RECIPES[source]
+    recipe = SOURCES[source].recipe
     assert (auto.train.epochs, auto.train.hflip, auto.train.augment) == (recipe.epochs, recipe.hflip, recipe.augment)
-    assert auto.sections("train")["train.epochs"] == SOURCE_RECIPES[source].epochs  # MLflow sees the number
+    assert auto.sections("train")["train.epochs"] == SOURCES[source].recipe.epochs  # MLflow sees the number
     assert auto.sections("train")["data.source"] == source  # and what it was resolved from
     given = Params.model_validate({"data": {"source": source, **extra}, "train": {"epochs": 3, "hflip": True}})
     assert (given.train.epochs, given.train.hflip) == (3, True)
@@ -255,8 +255,10 @@ def test_a_greyscale_folder_is_distorted_elastically(channels: int | None, augme
 
 
 def test_mirroring_is_for_garments_and_photos_not_digits() -> None:
-    assert [s for s, recipe in SOURCE_RECIPES.items() if recipe.hflip] == ["fashion_mnist", "cifar10", "cifar100"]
-    assert {s: r.augment for s, r in SOURCE_RECIPES.items() if r.augment != "shift_flip"} == {"imagefolder": "affine"}
+    assert [s for s, source in SOURCES.items() if source.recipe.hflip] == ["fashion_mnist", "cifar10", "cifar100"]
+    assert {s: v.recipe.augment for s, v in SOURCES.items() if v.recipe.augment != "shift_flip"} == {
+        "imagefolder": "affine"
+    }
 
 
 def test_an_unresolved_auto_is_refused_before_training() -> None:

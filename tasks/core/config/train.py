@@ -23,7 +23,7 @@ from tasks.core.config.base import (
     Url,
     is_loopback,
 )
-from tasks.core.config.data import SOURCES, SourceRecipe
+from tasks.core.config.data import SOURCES
 from tasks.core.registry import Registry
 
 
@@ -111,11 +111,6 @@ AUGMENT_PRESETS: Registry[AugmentPreset] = Registry(
     },
 )
 AugmentName = AUGMENT_PRESETS.named("auto")
-
-
-# `train.model`, `train.epochs`, `train.hflip` and `train.augment: auto`, per data.source: each source's
-# recipe, kept with its entry (tasks/core/config/data.py SOURCES, which says why each is what it is).
-SOURCE_RECIPES: dict[str, SourceRecipe] = {name: source.recipe for name, source in SOURCES.items()}
 
 
 class TrainConfig(Section):
