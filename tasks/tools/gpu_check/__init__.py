@@ -25,13 +25,13 @@ template plus noise, so that training learns something. Exit codes: 0 every chec
 
 - workload.py: the sizes per device, the synthetic data, the project's training loop pinned
 - checks_training.py (1, 2), checks_throughput.py (3), checks_ship.py (4): the checks, one row each
-- report.py: the rows, the table and the JSON; runner.py: the groups in order, the machine's
+- report.py: the rows, the table and the JSON; checks.py: the groups in order, the machine's
   fingerprint (tasks/determinism/fingerprint.py, as every run records it); cli.py: the command line
 """
 
+from tasks.tools.gpu_check.checks import run_checks
 from tasks.tools.gpu_check.cli import main
 from tasks.tools.gpu_check.report import Check, GpuCheckReport
-from tasks.tools.gpu_check.runner import run_checks
 from tasks.tools.gpu_check.workload import MODELS, SIZES, CheckOptions
 
 __all__ = ["MODELS", "SIZES", "Check", "CheckOptions", "GpuCheckReport", "main", "run_checks"]

@@ -19,8 +19,8 @@ from tasks.core.config.ship import Variant
 from tasks.core.config.train import DeterminismConfig
 from tasks.core.errors import ExitCode
 from tasks.determinism.threads import resolve
+from tasks.tools.gpu_check.checks import run_checks
 from tasks.tools.gpu_check.report import Check
-from tasks.tools.gpu_check.runner import run_checks
 from tasks.tools.gpu_check.workload import (
     COMPRESS_MODEL,
     DEFAULT_VARIANTS,
