@@ -272,3 +272,19 @@ def test_a_sweep_across_hosts_gives_the_same_study_and_winner_bytes_as_on_one_ho
     alone_file = bed.host("trainer-a").project / "artifacts/sweep/onehost" / trial_dir / "best.safetensors"
     assert winner == sha256(trained) == sha256(alone_file) == best["best_sha256"]
     assert alone["best"]["weights"] == f"artifacts/sweep/onehost/{trial_dir}/best.safetensors", alone["best"]
+
+
+def test_the_coordinator_run_again_resumes_the_finished_study_from_postgresql(
+    cluster: Cluster, two_hosts: tuple[str, dict[str, Any]]
+) -> None:
+    """A coordinator that went away is replaced by running the same command again: the study is the
+    stack's (PostgreSQL), not a file of the laptop's, so the second run finds every trial done, trains
+    nothing, and reports the same winner."""
+    team, laptop = cluster.team, cluster.team.bed.host("laptop")
+    _, first = two_hosts
+    trained = _python(laptop, team.client_env(), TRIAL_RUNS, "hosts")
+    output, again = _sweep(laptop, team.client_env(), "hosts", f"--address {cluster.address} --tls {TLS}")
+    assert _results(again) == _results(first), output[-4000:]
+    assert again["best"]["trial"] == first["best"]["trial"] and again["best"]["run_id"] == first["best"]["run_id"]
+    assert _python(laptop, team.client_env(), TRIAL_RUNS, "hosts") == trained  # no trial trained again
+    assert not (laptop.project / "artifacts" / "sweep" / "hosts" / "journal.log").exists()  # not a local journal

@@ -8,10 +8,10 @@ A team's use of it, then the faults a team meets:
   runs land in PostgreSQL, artifacts and the DVC remote in S3, no credential anywhere else;
 - a fresh clone `dvc pull`s from S3 and reproduces the train run byte for byte;
 - the MLflow UI shows the run (headless Chromium, screenshot kept);
-- a sweep keeps its Optuna study in PostgreSQL and resumes from it;
 - the object store down during an artifact upload; wrong credentials for each service (PostgreSQL
   restarted during a run and the object store down during `dvc push` are the bed's, across hosts:
-  tests/hosts/test_faults_hosts.py);
+  tests/hosts/test_faults_hosts.py, as is a sweep's study in PostgreSQL, resumed by running the
+  coordinator again: tests/hosts/test_sweep_hosts.py);
 - the object store's other ports (master, volume server, filer, gRPC, admin): each refuses a client
   without the stack's credentials, and stays on loopback when the S3 port does not.
 
@@ -253,33 +253,6 @@ def test_the_mlflow_ui_shows_the_train_run_from_the_team_server(
         dom = dom_and_screenshot(page, tmp_path / "profile", SCREENSHOT)  # kept: test-artifacts/
     assert train.info.run_id in dom and "best_val_accuracy" in dom, dom[-2000:]
     assert f"{train.data.metrics['best_val_accuracy']:.4g}"[:5] in dom
-
-
-def test_a_sweep_keeps_its_study_in_postgresql_and_resumes_from_it(
-    team: Team, first_run: FirstRun, tmp_path: Path
-) -> None:
-    import optuna
-
-    repo = shutil.copytree(team.repo, tmp_path / "repo", symlinks=True)  # --set writes params.yaml
-
-    settings = ["sweep.name=team", "sweep.trials=2", "sweep.batch=2", "sweep.workers=1", "train.epochs=1"]
-    command = [sys.executable, "-m", "flows.sweep", *(arg for s in settings for arg in ("--set", s))]
-    run(command, repo, **team.env)
-    # the sweep login's URL names its own password file (stack/logins.py): no PGPASSFILE needed
-    storage = optuna.storages.RDBStorage(team.env["LOCKSTEP_SWEEP_STORAGE"])
-    trials = optuna.load_study(study_name="team", storage=storage).trials
-    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
-    again = run(command, repo, **team.env)  # a finished study: nothing runs again
-    assert len(optuna.load_study(study_name="team", storage=storage).trials) == 2, again.stdout[-2000:]
-    assert not (repo / "artifacts" / "sweep" / "team" / "journal.log").exists()  # not the local journal
-    # the sweep's run and its trials' runs are on the team's tracking server
-    client = _mlflow(team)
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    studies = client.search_runs(experiments, "tags.`sweep.study` = 'team'", order_by=["attributes.start_time ASC"])
-    first, resumed = [r for r in studies if "sweep.best_trial" in r.data.tags]  # the two sweeps' own runs
-    assert first.data.tags["sweep.best_trial"] == resumed.data.tags["sweep.best_trial"]
-    trial_runs = client.search_runs(experiments, f"tags.`mlflow.parentRunId` = '{first.info.run_id}'")
-    assert sorted(r.data.tags.get("sweep.state") for r in trial_runs) == ["complete", "complete"]
 
 
 # --------------------------------------------------------------------------- faults
