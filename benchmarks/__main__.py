@@ -24,6 +24,11 @@ from benchmarks.harness import RESULTS, ROOT, Figure, machine
 from tasks.core.atomic import write_text
 from tasks.determinism.bootstrap import bootstrap
 
+# Batches per epoch in the smoke run (train.max_batches; B6 and B7 cut theirs to as many, B2 and B10 the
+# pipeline's, benchmarks/pipeline_overhead.py SMOKE): digits' whole epoch is 20 batches, and the smoke run
+# trains over twenty epochs, each about a second of CPU that checks nothing a few batches do not.
+SMOKE_BATCHES = 3
+
 
 def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
     # the suites load numpy and torch: after main's bootstrap pinned the process
@@ -39,17 +44,24 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         train_epoch,
     )
 
-    if smoke:  # one round, no warm-up, one epoch: that everything runs, not how fast
+    if smoke:  # one round, no warm-up, one epoch of a few batches: that everything runs, not how fast
         return {
-            "B1": lambda work: train_epoch.b1_b8(work, rounds=1, warmup=0),
+            "B1": lambda work: train_epoch.b1_b8(work, rounds=1, warmup=0, max_batches=SMOKE_BATCHES),
             "B2": lambda work: pipeline_overhead.b2(work, rounds=1, rounds_large=0, smoke=True),
             "B3": lambda work: pipeline_overhead.b3(work, rounds=1, smoke=True),
-            "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1, warmup=0),
+            "B4": lambda work: train_epoch.b4(work, rounds=1, epochs=1, warmup=0, max_batches=SMOKE_BATCHES),
             "B5": lambda work: [stats_loop.b5(work, rounds=1, scale=1)],
             "B6": lambda work: compression.b6(work, rounds=1, runs=20, smoke=True),
             "B7": lambda work: scaling.b7(work, smoke=True),
             "B9": lambda work: portable_cost.b9(
-                work, rounds=1, epochs=1, steps=1, batch=4, one_process=True, models=portable_cost.SMOKE_STEP_MODELS
+                work,
+                rounds=1,
+                epochs=1,
+                steps=1,
+                batch=4,
+                one_process=True,
+                models=portable_cost.SMOKE_STEP_MODELS,
+                max_batches=SMOKE_BATCHES,
             ),
             "B10": lambda work: sweep_scaling.b10(work, smoke=True),
             "B11": lambda work: contention.b11(rounds=1, steps=1),

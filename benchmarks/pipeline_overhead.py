@@ -35,6 +35,8 @@ B2_TARGETS = {1: 1.5, 20: 1.1}  # dataset scale -> the most the flow may cost, a
 # The smoke run's params: the pipeline's cost after a tiny run is not what it checks, only that it runs.
 SMOKE = {
     "train.epochs": 1,
+    # of 3 batches (benchmarks/__main__.py SMOKE_BATCHES): B2's training and B10's trials and plain trainings
+    "train.max_batches": 3,
     "compress.variants": ["static_int8"],
     "compress.calibration_size": 64,
     "compress.latency_runs": 20,

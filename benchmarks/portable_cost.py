@@ -35,7 +35,9 @@ from tasks.data.preprocess import load_split
 from tasks.train.loop import build_training
 p = params()
 start(p.seed, p.determinism.num_threads, strict=p.determinism.strict, cpu=sys.argv[1])
-training = build_training(p.train, p.seed, load_split(Path(sys.argv[2]), "train"), resolve_device(p.train.device))
+# argv[4], the smoke run's: epochs of their first N batches (none: whole epochs)
+cfg = p.train if sys.argv[4] == "none" else p.train.model_copy(update={"max_batches": int(sys.argv[4])})
+training = build_training(cfg, p.seed, load_split(Path(sys.argv[2]), "train"), resolve_device(cfg.device))
 training.train_epoch(1)  # warm-up: allocations, kernel set-up
 seconds = []
 for epoch in range(2, 2 + int(sys.argv[3])):
@@ -112,21 +114,23 @@ def b9(
     one_process: bool = False,
     models: tuple[str, ...] = STEP_MODELS,
     epoch_rounds: int | None = None,
+    max_batches: int | None = None,
 ) -> list[Figure]:
     """B9 (the stage's epoch, in `epoch_rounds` processes per mode, `rounds` by default) and a B9-<model>
     row per `models` (`steps` steps of `batch` images), each model in a fresh process, or all in one per
-    mode (`one_process`: the smoke run's, cheaper). The epoch's rounds are cheap, and a process's speed
-    varies more than its epochs do (where on the host it lands): more of them steady the median. Within a
-    round a model's two modes run one right after the other, the first of them alternating from round to
-    round: the host's speed drifts over minutes, so two modes a model apart would be compared at two
-    speeds. Each round's ratio goes in the figure, and the row's ratio is their median."""
+    mode (`one_process`: the smoke run's, cheaper; so are its epochs, of their first `max_batches`
+    batches). The epoch's rounds are cheap, and a process's speed varies more than its epochs do (where
+    on the host it lands): more of them steady the median. Within a round a model's two modes run one
+    right after the other, the first of them alternating from round to round: the host's speed drifts
+    over minutes, so two modes a model apart would be compared at two speeds. Each round's ratio goes in
+    the figure, and the row's ratio is their median."""
     p = params()
     threads = resolve(p.determinism.num_threads)  # each mode's process starts with it (the scripts above)
     pre = prepared(work)
     runs: dict[str, list[float]] = {"portable": [], "native": []}
     round_ratios: list[float] = []
     for turn in range(epoch_rounds or rounds):
-        epoch_seconds = {mode: _timed(_EPOCHS, mode, pre, epochs) for mode in _modes(turn)}
+        epoch_seconds = {mode: _timed(_EPOCHS, mode, pre, epochs, max_batches or "none") for mode in _modes(turn)}
         for mode in runs:
             runs[mode] += epoch_seconds[mode]
         round_ratios.append(_ratio(epoch_seconds))

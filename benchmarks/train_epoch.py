@@ -21,6 +21,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -62,10 +64,23 @@ def _pin(p: Params) -> None:
     start(p.seed, resolve(p.determinism.num_threads), strict=p.determinism.strict)
 
 
-def _stage_epoch(pre: Path, deterministic: bool = True):
+def _params(max_batches: int | None) -> Params:
+    """params.yaml's, the train stage's epoch cut to `max_batches` (the smoke run's; None: whole epochs)."""
+    p = params()
+    if max_batches is None:
+        return p
+    return p.model_copy(update={"train": p.train.model_copy(update={"max_batches": max_batches})})
+
+
+def _first(batches: Iterable, max_batches: int | None) -> Iterable:
+    """The first `max_batches` of `batches` (all of them if None): the other loops' cut, as the stage's."""
+    return batches if max_batches is None else islice(batches, max_batches)
+
+
+def _stage_epoch(pre: Path, deterministic: bool = True, max_batches: int | None = None):
     """One epoch of the train stage's own loop (tasks/train/loop.py), as a callable returning its seconds:
     the settings (deterministic, or fast) are the process's, so each epoch sets its own first, untimed."""
-    p = params()
+    p = _params(max_batches)
     _pin(p)
     training = build_training(p.train, p.seed, load_split(pre, "train"), resolve_device(p.train.device))
     epoch = [0]
@@ -82,7 +97,7 @@ def _stage_epoch(pre: Path, deterministic: bool = True):
     return one_epoch
 
 
-def _tutorial_epoch(pre: Path, num_workers: int):
+def _tutorial_epoch(pre: Path, num_workers: int, max_batches: int | None = None):
     """The tutorial loop: PIL per sample, `RandomCrop(padding)` for the stage's random shift (the
     same augmentation: a translation by up to `random_shift` pixels, zero-filled), `ToTensor`,
     `Normalize`, a `DataLoader` built per epoch as tutorials write it."""
@@ -104,20 +119,20 @@ def _tutorial_epoch(pre: Path, num_workers: int):
 
     def one_epoch() -> None:
         model.train()
-        for x, y in loader():
+        for x, y in _first(loader(), max_batches):
             optimizer.zero_grad()
             loss = criterion(model(x), y)
             loss.backward()
             optimizer.step()
 
     def data_only() -> None:
-        for _ in loader():
+        for _ in _first(loader(), max_batches):
             pass
 
     return one_epoch, data_only
 
 
-def _compute_floor(pre: Path):
+def _compute_floor(pre: Path, max_batches: int | None = None):
     """What any loop pays: the model's forward + backward + step over batches already stacked as
     normalised floats (no sampling, no augmentation, no conversion)."""
     p = params()
@@ -129,7 +144,7 @@ def _compute_floor(pre: Path):
     images, labels = torch.from_numpy(np.asarray(split.images)).float() / 255, torch.from_numpy(split.labels)
     batches = [
         (images[i : i + cfg.batch_size], labels[i : i + cfg.batch_size]) for i in range(0, len(labels), cfg.batch_size)
-    ]
+    ][:max_batches]
 
     def one_epoch() -> None:
         model.train()
@@ -141,7 +156,7 @@ def _compute_floor(pre: Path):
     return one_epoch
 
 
-def _stage_data_only(pre: Path):
+def _stage_data_only(pre: Path, max_batches: int | None = None):
     """The stage's data path alone: its loader (same settings) and the conversion to floats."""
     p = params()
     device = resolve_device(p.train.device)
@@ -151,31 +166,36 @@ def _stage_data_only(pre: Path):
     def data_only() -> None:
         epoch[0] += 1
         training.sampler.set_epoch(epoch[0])
-        for images, _ in training.loader:
+        for images, _ in _first(training.loader, max_batches):
             to_float(images, device)
 
     return data_only
 
 
-def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
+def b1_b8(work: Path, rounds: int, warmup: int = 1, max_batches: int | None = None) -> list[Figure]:
+    """`max_batches`: every loop's epoch cut to its first batches (the smoke run's); None: whole epochs."""
     p = params()
     _pin(p)
     pre = prepared(work)
-    tutorial, tutorial_data = _tutorial_epoch(pre, p.train.num_workers)
+    tutorial, tutorial_data = _tutorial_epoch(pre, p.train.num_workers, max_batches)
     # what tutorials write (PyTorch's CIFAR-10 tutorial: num_workers=2): the baseline is the faster
-    tutorial_2w, tutorial_2w_data = _tutorial_epoch(pre, 2)
+    tutorial_2w, tutorial_2w_data = _tutorial_epoch(pre, 2, max_batches)
     times = alternate(
         {
-            "stage": _stage_epoch(pre),
+            "stage": _stage_epoch(pre, max_batches=max_batches),
             "tutorial": tutorial,
             "tutorial_2_workers": tutorial_2w,
-            "compute_floor": _compute_floor(pre),
+            "compute_floor": _compute_floor(pre, max_batches),
         },
         rounds=rounds,
         warmup=warmup,
     )
     data = alternate(
-        {"stage": _stage_data_only(pre), "tutorial": tutorial_data, "tutorial_2_workers": tutorial_2w_data},
+        {
+            "stage": _stage_data_only(pre, max_batches),
+            "tutorial": tutorial_data,
+            "tutorial_2_workers": tutorial_2w_data,
+        },
         rounds=rounds,
         warmup=warmup,
     )
@@ -216,7 +236,9 @@ def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
         details={"runs": data, "baseline": data_base},
     )
     times = alternate(
-        {"deterministic": _stage_epoch(pre, True), "fast": _stage_epoch(pre, False)}, rounds=rounds, warmup=warmup
+        {"deterministic": _stage_epoch(pre, True, max_batches), "fast": _stage_epoch(pre, False, max_batches)},
+        rounds=rounds,
+        warmup=warmup,
     )
     on_gpu = torch.cuda.is_available()
     b8 = Figure(
@@ -233,27 +255,31 @@ def b1_b8(work: Path, rounds: int, warmup: int = 1) -> list[Figure]:
     return [b1, b1_data, b8]
 
 
-def _b4_project(work: Path, epochs: int | None) -> Path:
+def _b4_project(work: Path, epochs: int | None, max_batches: int | None = None) -> Path:
     """A project folder with the preprocessed digits and two params files: tracking on and off
-    (`epochs`: fewer than params.yaml's, for the smoke run)."""
+    (`epochs`, `max_batches`: fewer than params.yaml's, for the smoke run)."""
     project = work / "b4-project"
     shutil.rmtree(project, ignore_errors=True)
     (project / "artifacts").mkdir(parents=True)
     shutil.copytree(prepared(work), project / "artifacts" / "preprocessed")
     # tasks.core.config.with_overrides: validated, comments kept, an unknown key named
     shorter = {"train.epochs": epochs} if epochs is not None else {}
+    if max_batches is not None:
+        shorter["train.max_batches"] = max_batches
     for name, enabled in (("on.yaml", True), ("off.yaml", False)):
         text, _ = with_overrides(ROOT / "params.yaml", {**shorter, "tracking.enabled": enabled})
         (project / name).write_text(text)
     return project
 
 
-def b4(work: Path, rounds: int, epochs: int | None = None, warmup: int = 1) -> list[Figure]:
+def b4(
+    work: Path, rounds: int, epochs: int | None = None, warmup: int = 1, max_batches: int | None = None
+) -> list[Figure]:
     """Tracking on vs off, the train stage as the flow runs it (in one process: MLflow imported
     once per pipeline) and as `dvc repro` runs it (a fresh process: the import paid every time)."""
     from tasks.runner import run_stage  # the runner loads MLflow: only for B4
 
-    project = _b4_project(work, epochs)
+    project = _b4_project(work, epochs, max_batches)
     uri = f"sqlite:///{project / 'mlflow.db'}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": uri}
     previous = (Path.cwd(), os.environ.get("MLFLOW_TRACKING_URI"))
