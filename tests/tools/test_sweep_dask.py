@@ -37,12 +37,18 @@ from tests.conftest import (
 pytestmark = pytest.mark.slow
 
 SWEEP = {
-    "trials": 4,
-    "batch": 2,  # two batches: the second one's trials can be pruned against the first's
+    # Three trials in batches of two: the first batch (0, 1) runs side by side on two workers, where
+    # one is killed; the second (trial 2, lr 0.012) is pruned at its epoch 2 against the first's
+    # curves. A fourth trial (pruned as well) added a trial run to each sweep and nothing to check.
+    "trials": 3,
+    "batch": 2,
     "seed": 0,
     "warmup_epochs": 1,
     "space": {"train.lr": {"type": "float", "low": 0.005, "high": 0.5, "log": True}},
 }
+# Four epochs: a worker is killed once its trial has trained one, and the trial must still be running
+# then, so three are left to land in (a digits epoch is ~0.3 CPU-s, ~1 s of wall on two busy cores: a
+# trial is mostly its MLflow run, not its epochs); pruning needs two (warmup_epochs + 1).
 TRAIN = {"epochs": 4}
 
 
@@ -121,9 +127,12 @@ def _results(rows: list[dict[str, str]]) -> list[tuple[str, ...]]:
 
 @pytest.fixture(scope="module")
 def one_worker(cluster: Cluster) -> list[dict[str, str]]:
-    """The reference: the sweep on one worker (before any test adds a second)."""
+    """The reference: the sweep on one worker (before any test adds a second), with `--apply`: the
+    winner goes into params.yaml at the end of the same run (a second coordinator on the finished
+    study cost ~7 CPU-s; resuming a finished study is tests/tools/test_sweep.py's). The trials do not
+    read what it writes: each trains with its own seed and values, and sweep.applied is no train key."""
     assert len(cluster.alive()) == 1
-    _sweep(cluster, "one")
+    _sweep(cluster, "one", "--apply")
     return _trials(cluster.project, "one")
 
 
@@ -230,8 +239,7 @@ def test_a_trial_reproduces_and_apply_hands_the_winner_to_the_pipeline(
     rebuilt = run([sys.executable, "-m", "tasks.tools.reproduce", best["run_id"]], project)  # exit 0: identical
     assert f"reproduce {best['run_id']}: best.safetensors byte-identical" in rebuilt.stdout + rebuilt.stderr
 
-    _sweep(cluster, "one", "--apply")  # finished: nothing runs again; the winner goes into params.yaml
-    params = yaml.safe_load((project / "params.yaml").read_text())
+    params = yaml.safe_load((project / "params.yaml").read_text())  # the winner, from the sweep's --apply
     assert params["train"]["lr"] == best["params"]["train.lr"] and params["train"]["seed"] == best["seed"]
     assert params["sweep"]["applied"] == {"study": "one", "trial": best["trial"], "run_id": best["run_id"]}
 
