@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from tasks.core.cli import configure_logging, exit_code
 from tasks.core.config.params import STAGES
@@ -33,8 +34,11 @@ def _run(stage: str, params_file: str) -> int:
     # after bootstrap pinned the process: the runner loads numpy and MLflow (torch once a stage needs it)
     from tasks.runner import run_stage
 
-    # one pipeline run at a time: under `dvc repro` each stage holds the project lock while it runs
-    with pipeline_lock(f"python -m tasks {stage}", params.orchestration.lock_wait_s):
+    # one pipeline run at a time: under `dvc repro` each stage holds the project lock while it runs. The
+    # project is the working directory, where the stage reads and writes (tasks/core/layout.py's paths are
+    # relative), not where its code lies: the same folder under dvc and make, but a checkout whose code
+    # runs other projects (PYTHONPATH) must not make their stages wait for each other.
+    with pipeline_lock(f"python -m tasks {stage}", params.orchestration.lock_wait_s, root=Path.cwd()):
         metrics = run_stage(stage, params)
     shown = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
     print(f"{stage}: " + ", ".join(shown))
