@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.data import params, prepared
 from benchmarks.harness import Figure
-from tasks.core.config.ship import VARIANTS
+from tasks.core.config.ship import COMPRESSION_VARIANTS
 from tasks.determinism.bootstrap import start
 from tasks.determinism.threads import resolve
 
@@ -36,7 +36,7 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
     threads = resolve(p.determinism.num_threads)
     pre = prepared(work)
     train_cfg = p.train.model_copy(update={"epochs": 1, "max_batches": 3}) if smoke else p.train
-    cfg = p.compress.model_copy(update={"variants": VARIANTS})  # the full comparison table
+    cfg = p.compress.model_copy(update={"variants": COMPRESSION_VARIANTS.names()})  # the full comparison table
     if smoke:
         cfg = cfg.model_copy(
             update={

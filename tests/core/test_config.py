@@ -9,7 +9,7 @@ import yaml
 
 from tasks.core.config.base import ConfigError
 from tasks.core.config.params import STAGE_PARAMS, Params
-from tasks.core.config.ship import VARIANTS, CompressConfig
+from tasks.core.config.ship import COMPRESSION_VARIANTS, CompressConfig
 from tasks.core.config.yaml_io import load_params
 from tests.conftest import ROOT, run, write_params
 
@@ -98,7 +98,7 @@ def test_a_list_of_variants_fails_on_the_item_alone(tmp_path: Path) -> None:
         ("auto", ["static_int8", "fp32"], ("static_int8",)),  # the defaults: one variant, not five
         ("auto", ["qat_int8", "static_int8", "fp32"], ("qat_int8", "static_int8")),
         ("auto", ["fp32"], ()),  # fp32 is the reference, always built
-        ("all", ["static_int8", "fp32"], VARIANTS),
+        ("all", ["static_int8", "fp32"], COMPRESSION_VARIANTS.names()),
         (["pruned_ln", "static_int8"], ["static_int8", "fp32"], ("pruned_ln", "static_int8")),
     ],
 )
@@ -119,7 +119,7 @@ def test_repository_default_builds_only_what_can_ship() -> None:
 
 
 def test_compress_config_alone_resolves_all_but_not_auto() -> None:
-    assert CompressConfig(variants="all").variants == VARIANTS
+    assert CompressConfig(variants="all").variants == COMPRESSION_VARIANTS.names()
     assert CompressConfig().variants == "auto"  # Params resolves it: it needs export.candidates
     assert CompressConfig().for_candidates(("pruned_l1", "fp32")).variants == ("pruned_l1",)
     assert CompressConfig(variants=("qat_int8",)).for_candidates(("static_int8", "fp32")).variants == ("qat_int8",)

@@ -51,15 +51,14 @@ COMPRESSION_VARIANTS: Registry[CompressionVariant] = Registry(
     },
 )
 VariantName = COMPRESSION_VARIANTS.named()
-Variant = Literal[tuple(COMPRESSION_VARIANTS)]  # for type hints and argparse choices; validation reads the registry
-VARIANTS: tuple[str, ...] = tuple(COMPRESSION_VARIANTS)  # what `compress.variants: all` builds, in this order
 
 
 class CompressConfig(Section):
     """Which smaller models the compress stage builds from the best checkpoint, and how it measures them."""
 
     # auto: the variants export.candidates may ship, resolved by Params (`for_candidates`): the others
-    # fine-tune for epochs only to fill the comparison table. all: every variant (VARIANTS), that table.
+    # fine-tune for epochs only to fill the comparison table. all: every variant, in the registry's
+    # order: that table.
     # A CompressConfig made alone keeps `auto` until `for_candidates`; `all` becomes the list here.
     variants: Annotated[tuple[VariantName, ...], Field(strict=False)] | Literal["auto", "all"] = "auto"
     calibration_size: int = Field(512, ge=1, le=1_000_000)  # static int8: seeded subset of the training split
@@ -77,7 +76,7 @@ class CompressConfig(Section):
     @classmethod
     def _all_or_unique(cls, value: tuple[str, ...] | str) -> tuple[str, ...] | str:
         if value == "all":
-            return tuple(COMPRESSION_VARIANTS)
+            return COMPRESSION_VARIANTS.names()
         if isinstance(value, tuple) and len(set(value)) != len(value):
             raise ValueError(f"lists a variant twice: {list(value)}")
         return value

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import typing
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,7 +14,7 @@ import torch
 
 from tasks.core.atomic import write_text
 from tasks.core.cli import exit_code
-from tasks.core.config.ship import Variant
+from tasks.core.config.ship import COMPRESSION_VARIANTS
 from tasks.core.config.train import DeterminismConfig
 from tasks.core.errors import ExitCode
 from tasks.determinism.threads import resolve
@@ -86,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--variants",
         nargs="+",
-        choices=typing.get_args(Variant),
+        choices=COMPRESSION_VARIANTS.names(),
         help="compress: variants to build (default: "
         + "; ".join(f"{kind}: {' '.join(v)}" for kind, v in DEFAULT_VARIANTS.items())
         + ")",
