@@ -1,7 +1,7 @@
 """Issue 18, in-process: one redaction for every line that leaves a process, params that cannot blow
 up, and overrides from the API that cannot point the pipeline at another machine. (The servers'
 auth, CSRF and CORS: test_served_deployment.py and reliability/test_server_binds.py; downloads and datasets:
-test_security_data.py; reproduce: test_reproduce_security.py.)"""
+test_security_data.py and test_security_credentials.py; reproduce: test_reproduce_security.py.)"""
 
 from __future__ import annotations
 
