@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(figures, host)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"machine": host, "smoke": args.smoke, "figures": [f.row() for f in figures]}
+    # the day it was measured (UTC): the docs render the table with it, as every figure they show is dated
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    record = {"date": day, "machine": host, "smoke": args.smoke, "figures": [f.row() for f in figures]}
     write_text(args.out / "bench.json", json.dumps(record, indent=2) + "\n")
     write_text(args.out / "bench.md", table)
     missed = unargued_misses(figures)

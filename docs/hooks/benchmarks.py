@@ -1,7 +1,7 @@
 """MkDocs hook: the benchmark table of docs/benchmarks.md, rendered from `make bench`'s results.
 
-`python -m benchmarks` writes benchmarks/results/bench.json: the machine it ran on, whether it was a
-smoke run, and one record per figure (id, measure, lockstep, baseline, ratio, target, met, unit,
+`python -m benchmarks` writes benchmarks/results/bench.json: the day (UTC) and the machine it ran on,
+whether it was a smoke run, and one record per figure (id, measure, lockstep, baseline, ratio, target, met, unit,
 details, argued). This hook replaces the marker `<!-- bench-table -->` in benchmarks.md with that
 table at build time, so that no number on the page is copied by hand. `LOCKSTEP_BENCH_JSON` names
 another results file. Without one the page says how to make it; a file that cannot be read fails
@@ -54,8 +54,9 @@ def _missing(path: Path) -> str:
 def render(record: dict[str, Any]) -> str:
     """The results file as Markdown: the machine, the table, its numbered notes, B6's variant table."""
     host = record["machine"]
+    when = record.get("date", "on a day not recorded (a results file older than the `date` field)")
     lines = [
-        f"Measured on {_cell(host['cpu'])} ({host['cores']} cores), Python {host['python']}, "
+        f"Measured {_cell(when)} on {_cell(host['cpu'])} ({host['cores']} cores), Python {host['python']}, "
         f"torch {host['torch']}, {_cell(host.get('os', 'unknown OS'))}.",
         "",
     ]

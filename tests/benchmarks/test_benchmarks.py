@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from benchmarks.compression import SMOKE_VARIANTS
 from benchmarks.harness import Figure
 from benchmarks.portable_cost import SMOKE_STEP_MODELS
 from tests.conftest import ROOT, run
+from tests.support.file_module import load_file
 
 
 def test_a_missed_target_fails_the_run_unless_the_run_measured_it_out_of_reach() -> None:
@@ -40,13 +42,24 @@ def test_a_paired_row_is_the_median_of_its_rounds_ratios_not_the_ratio_of_its_me
     assert "| 1.250x |" in markdown([pooled], {"cpu": "x", "cores": 2, "python": "3.11", "torch": "2"})
 
 
+def test_the_docs_render_the_committed_results_with_the_day_they_were_measured() -> None:
+    hook = load_file(ROOT / "docs" / "hooks" / "benchmarks.py", "benchmarks_hook")
+    record = json.loads((ROOT / "benchmarks" / "results" / "bench.json").read_text())
+    assert hook.render(record).startswith(f"Measured {record['date']} on {record['machine']['cpu']} (")
+    undated = {key: value for key, value in record.items() if key != "date"}  # a file from before the field
+    assert hook.render(undated).startswith("Measured on a day not recorded")
+
+
 def smoke_run(tmp_path: Path, suites: list[str]) -> tuple[dict[str, dict], str]:
     """`python -m benchmarks --smoke --only SUITES`: the figures by id, checked for what every figure
     must have; and the Markdown table. (Two tests share the suites, so that the two xdist workers
     can each take one.)"""
+    started = time.time()
     done = run(["python", "-m", "benchmarks", "--smoke", "--only", *suites, "--out", str(tmp_path)], ROOT)
     record = json.loads((tmp_path / "bench.json").read_text())
     assert record["smoke"] is True and record["machine"]["cores"] >= 1
+    days = {time.strftime("%Y-%m-%d", time.gmtime(moment)) for moment in (started, time.time())}
+    assert record["date"] in days, (record["date"], days)  # the day it ran (UTC; a run may cross midnight)
     figures = {f["id"]: f for f in record["figures"]}
     for figure in figures.values():
         assert figure["lockstep"] > 0 and figure["baseline"] > 0 and math.isfinite(figure["ratio"]), figure
