@@ -7,7 +7,6 @@ with TLS where a credential needs it; the data side's other attacks: test_securi
 from __future__ import annotations
 
 import base64
-import hashlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,20 +17,11 @@ from benchmarks.httpserver import FileServer
 from tasks.core.config.data import DataConfig
 from tasks.core.credentials import AUTH_ENV, TOKEN_ENV, Auth
 from tasks.core.errors import ExpectedFailure
-from tasks.core.fetch import Checksum, Retry, fetch
+from tasks.core.fetch import fetch
 from tasks.data.download import download
+from tests.support.untrusted_data import FAST, SECRETS, checksum, digests
 
-FAST = Retry(attempts=2, backoff_s=0.01, timeout_s=2.0, deadline_s=30.0)
-SECRETS = ("pw-secret-1", "tok-secret-2", "env-secret-3")
 pytestmark = pytest.mark.usefixtures("no_user_credentials")
-
-
-def _digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-
-
-def _sha(data: bytes) -> Checksum:
-    return Checksum("sha256", hashlib.sha256(data).hexdigest())
 
 
 # --- 4. credentials: from the environment or netrc, sent only where they belong, never shown -------
@@ -51,9 +41,9 @@ def test_a_token_from_the_environment_goes_to_the_configured_host_only(
         elsewhere = other.add("/f.bin", b"mine")
         mine.redirect("/moved.bin", elsewhere)  # a redirect to another host does not carry it either
         auth = Auth.from_environment([mine.url + "/datasets/", None])
-        fetch([url], tmp_path / "a" / "f.bin", _sha(b"mine"), FAST, auth=auth)
-        fetch([elsewhere], tmp_path / "b" / "f.bin", _sha(b"mine"), FAST, auth=auth)
-        fetch([mine.url + "/moved.bin"], tmp_path / "c" / "f.bin", _sha(b"mine"), FAST, auth=auth)
+        fetch([url], tmp_path / "a" / "f.bin", checksum(b"mine"), FAST, auth=auth)
+        fetch([elsewhere], tmp_path / "b" / "f.bin", checksum(b"mine"), FAST, auth=auth)
+        fetch([mine.url + "/moved.bin"], tmp_path / "c" / "f.bin", checksum(b"mine"), FAST, auth=auth)
         assert mine.authorizations("/f.bin") == [f"Bearer {SECRETS[2]}"]
         assert mine.authorizations("/moved.bin") == [f"Bearer {SECRETS[2]}"]
         assert other.authorizations("/f.bin") == [None, None]
@@ -151,11 +141,11 @@ def test_netrc_credentials_are_used_and_a_readable_netrc_is_refused(
     server.add("/f.bin", b"n")
     url = f"{base}/f.bin"
     server.require_auth("/f.bin", _basic("alice", SECRETS[0]))
-    fetch([url], tmp_path / "f.bin", _sha(b"n"), FAST)
+    fetch([url], tmp_path / "f.bin", checksum(b"n"), FAST)
     assert server.authorizations("/f.bin") == [_basic("alice", SECRETS[0])]
     netrc.chmod(0o644)
     with pytest.raises(ExpectedFailure) as refused:
-        fetch([url], tmp_path / "again" / "f.bin", _sha(b"n"), FAST)
+        fetch([url], tmp_path / "again" / "f.bin", checksum(b"n"), FAST)
     assert ".netrc: access too permissive" in str(refused.value) and SECRETS[0] not in str(refused.value)
 
 
@@ -164,7 +154,7 @@ def test_a_netrc_default_entry_goes_to_no_host(tmp_path: Path, tls_server: tuple
     server, base = tls_server
     _netrc(tmp_path, f"machine data.example.org login bob password x\ndefault login eve password {SECRETS[0]}\n")
     server.add("/f.bin", b"d")
-    fetch([f"{base}/f.bin"], tmp_path / "f.bin", _sha(b"d"), FAST)
+    fetch([f"{base}/f.bin"], tmp_path / "f.bin", checksum(b"d"), FAST)
     assert server.authorizations("/f.bin") == [None]
 
 
@@ -172,7 +162,7 @@ def test_a_netrc_entry_is_never_sent_over_plain_http(tmp_path: Path, server: Fil
     """Issue 66, point 7: a Basic header over http:// is the password in clear text to anyone on the path."""
     _netrc(tmp_path, f"machine 127.0.0.1 login alice password {SECRETS[0]}\n")
     url = server.add("/f.bin", b"h")
-    fetch([url], tmp_path / "f.bin", _sha(b"h"), FAST)
+    fetch([url], tmp_path / "f.bin", checksum(b"h"), FAST)
     assert server.authorizations("/f.bin") == [None]
 
 
@@ -187,7 +177,7 @@ def test_credentials_in_a_url_work_but_never_reach_a_message_log_or_file(
     # params.yaml refuses such a URL (tests/core/test_params_credentials.py); built unvalidated here, the
     # download still masks it everywhere (defence in depth: a config made in code)
     cfg = DataConfig.model_construct(source="imagefolder", url=url, sha256="0" * 64)
-    before = _digest(data_dir)
+    before = digests(data_dir)
     with caplog.at_level(logging.INFO), pytest.raises(ExpectedFailure) as refused:
         download(cfg, data_dir, tmp_path / "cache", FAST)
     assert server.authorizations("/gone.zip")[-1] == _basic("bob", SECRETS[0])
@@ -201,4 +191,4 @@ def test_credentials_in_a_url_work_but_never_reach_a_message_log_or_file(
             for p in (tmp_path / "cache").rglob("*")
             if secret in str(p) or (p.is_file() and secret.encode() in p.read_bytes())
         ]
-    assert _digest(data_dir) == before
+    assert digests(data_dir) == before

@@ -33,22 +33,13 @@ from tasks.core.config.base import ConfigError
 from tasks.core.config.data import DataConfig
 from tasks.core.config.yaml_io import load_params
 from tasks.core.errors import ExpectedFailure
-from tasks.core.fetch import Checksum, DownloadError, Retry, fetch
+from tasks.core.fetch import DownloadError, Retry, fetch
 from tasks.data.download import download
 from tasks.data.formats import read_raw
 from tests.conftest import ROOT, copy_project, run, write_params
+from tests.support.untrusted_data import FAST, checksum, digests
 
-FAST = Retry(attempts=2, backoff_s=0.01, timeout_s=2.0, deadline_s=30.0)
-SECRETS = ("pw-secret-1", "tok-secret-2", "env-secret-3")
 pytestmark = pytest.mark.usefixtures("no_user_credentials")
-
-
-def _digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-
-
-def _sha(data: bytes) -> Checksum:
-    return Checksum("sha256", hashlib.sha256(data).hexdigest())
 
 
 def _only_locks(folder: Path) -> bool:
@@ -69,7 +60,7 @@ def test_a_download_larger_than_the_cap_is_refused(behaviour: str, tmp_path: Pat
     url = server.add("/big.bin", b"z" * 5000)
     server.fail("/big.bin", behaviour)
     with pytest.raises(DownloadError) as refused:
-        fetch([url], tmp_path / "big.bin", _sha(b"z" * 5000), FAST, max_bytes=1000)
+        fetch([url], tmp_path / "big.bin", checksum(b"z" * 5000), FAST, max_bytes=1000)
     message = str(refused.value)
     assert "big.bin" in message and "more than data.max_download_bytes (1000)" in message and "\n" not in message
     assert ("announced" in message) == (behaviour == "ok")
@@ -87,7 +78,7 @@ def test_a_server_sending_a_byte_at_a_time_is_given_up_at_the_deadline(
     server.fail("/slow.bin", behaviour, behaviour, behaviour)
     started = time.monotonic()
     with pytest.raises(DownloadError, match=r"slow\.bin: .*not complete within data\.deadline_s \(1 s"):
-        fetch([url], tmp_path / "slow.bin", _sha(payload), Retry(attempts=3, timeout_s=0.5, deadline_s=1.0))
+        fetch([url], tmp_path / "slow.bin", checksum(payload), Retry(attempts=3, timeout_s=0.5, deadline_s=1.0))
     assert time.monotonic() - started < 5
     assert _only_locks(tmp_path)
 
@@ -97,7 +88,7 @@ def test_the_deadline_bounds_the_retries_too(tmp_path: Path, server: FileServer)
     server.fail("/down.bin", *["503"] * 10)
     started = time.monotonic()
     with pytest.raises(DownloadError, match="no time left for another attempt within data.deadline_s"):
-        fetch([url], tmp_path / "down.bin", _sha(b"d"), Retry(attempts=10, backoff_s=0.4, deadline_s=1.0))
+        fetch([url], tmp_path / "down.bin", checksum(b"d"), Retry(attempts=10, backoff_s=0.4, deadline_s=1.0))
     assert time.monotonic() - started < 3 and server.count("/down.bin") < 10
 
 
@@ -110,7 +101,7 @@ def test_a_malformed_content_length_is_one_line_not_a_traceback(
     with pytest.raises(
         DownloadError, match=r"f\.bin: http://127\.0\.0\.1:\d+/f\.bin: the server sent an invalid Content-Length"
     ):
-        fetch([url], tmp_path / "f.bin", _sha(b"0123456789"), FAST)
+        fetch([url], tmp_path / "f.bin", checksum(b"0123456789"), FAST)
     assert _only_locks(tmp_path)
 
 
@@ -152,11 +143,11 @@ def test_archive_bombs_are_refused_before_anything_is_extracted(
     members, limits, reason = BOMBS[bomb]
     data = _tar_gz(members) if kind == "tar.gz" else _zip(members)
     url = server.add(f"/bomb.{kind}", data)
-    before = _digest(data_dir)
+    before = digests(data_dir)
     cfg = DataConfig(source="imagefolder", url=url, sha256=hashlib.sha256(data).hexdigest(), **limits)
     with pytest.raises(ExpectedFailure, match=f"bomb.{kind}: refusing to extract, {reason}"):
         download(cfg, data_dir, tmp_path / "cache", FAST)
-    assert _digest(data_dir) == before
+    assert digests(data_dir) == before
     extracted = [p for p in (tmp_path / "cache").rglob("*") if p.suffix == ".png"]
     assert extracted == []  # not one member written
 
@@ -180,14 +171,14 @@ def test_a_decompression_bomb_image_is_refused_naming_it(
     loaded: list[tuple[int, int]] = []
     real_load = ImageFile.ImageFile.load
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loaded.append(self.size) or real_load(self))
-    before = _digest(data_dir)
+    before = digests(data_dir)
     with warnings.catch_warnings(record=True) as warned, pytest.raises(ExpectedFailure) as refused:
         warnings.simplefilter("always")
         download(_folder(tmp_path / "tree", image_size=image_size), data_dir, tmp_path / "cache")
     assert str(refused.value) == f"{bomb}: 9500x9500 = 90250000 pixels, more than data.max_image_pixels (50000000)"
     assert (9500, 9500) not in loaded  # its pixels were never decoded
     assert not [w for w in warned if issubclass(w.category, Image.DecompressionBombWarning)]
-    assert _digest(data_dir) == before
+    assert digests(data_dir) == before
 
 
 def test_a_large_first_image_sizes_no_buffer_before_every_size_is_checked(
@@ -213,7 +204,7 @@ def test_blocks_are_bounded_in_bytes_and_give_the_same_snapshot(
     download(_folder(tmp_path / "tree"), tmp_path / "a", tmp_path / "cache")
     monkeypatch.setattr(tasks.data.folders, "BLOCK_BYTES", 1)  # one image per block
     download(_folder(tmp_path / "tree"), tmp_path / "b", tmp_path / "cache")
-    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    assert digests(tmp_path / "a") == digests(tmp_path / "b")
 
 
 # --- 5/6. every numeric data key is bounded: a ConfigError (exit 2), not a traceback ----------------
@@ -274,10 +265,10 @@ def test_a_symlink_inside_an_archive_is_refused(tmp_path: Path, server: FileServ
     os.symlink(".", tmp_path / "tree" / "cat")  # every image a second time, under "cat"
     sha = pack(tmp_path / "tree", tmp_path / "pets.tar.gz", "tar.gz")
     url = server.add_file("/pets.tar.gz", tmp_path / "pets.tar.gz")
-    before = _digest(data_dir)
+    before = digests(data_dir)
     with pytest.raises(ExpectedFailure, match=r"pets\.tar\.gz: refusing to extract, member 'cat' is a link \('\.'\)"):
         download(DataConfig(source="imagefolder", url=url, sha256=sha), data_dir, tmp_path / "cache", FAST)
-    assert _digest(data_dir) == before
+    assert digests(data_dir) == before
 
 
 @pytest.mark.parametrize("link", ["class", "file", "outside"])
@@ -292,10 +283,10 @@ def test_links_in_a_local_folder_are_not_followed(link: str, tmp_path: Path, dat
     }
     path, target = planted[link]
     os.symlink(target, path)
-    before = _digest(data_dir)
+    before = digests(data_dir)
     with pytest.raises(ExpectedFailure, match=rf"^{re.escape(str(path))}: a symbolic link; links are not followed"):
         download(_folder(tmp_path / "tree"), data_dir, tmp_path / "cache")
-    assert _digest(data_dir) == before
+    assert digests(data_dir) == before
 
 
 def test_a_fifo_named_like_an_image_is_refused_not_opened(tmp_path: Path, data_dir: Path) -> None:
@@ -323,12 +314,12 @@ def test_names_with_control_characters_are_refused_on_one_line(
         planted.write_bytes((tmp_path / "tree" / "cat" / "cat_0.png").read_bytes())
     else:
         planted.mkdir()  # a class folder
-    before = _digest(data_dir)
+    before = digests(data_dir)
     with pytest.raises(ExpectedFailure) as refused:
         download(_folder(tmp_path / "tree"), data_dir, tmp_path / "cache")
     expected = os.path.join(tmp_path / "tree", where, shown)
     assert str(refused.value) == f"{expected}: name holds a control character; rename it (it would forge log lines)"
-    assert _digest(data_dir) == before
+    assert digests(data_dir) == before
 
 
 def test_a_class_name_that_is_not_utf8_is_refused_before_training(tmp_path: Path, data_dir: Path) -> None:
