@@ -24,7 +24,8 @@ print(json.dumps([run["info"]["status"] for run in runs]))
 """
 
 # Run on the laptop: every run of the pipeline's experiment started since argv[1] (ms): stage, host,
-# status, why it was marked KILLED, its flow run; the md5 of each finished train run's best checkpoint.
+# status, why it was marked KILLED, its flow run; the md5 of each finished train run's best checkpoint
+# (a pruned sweep trial's has none).
 # Then every RUNNING run of the experiment, whenever it started, and each registered version's
 # promotion decision.
 RUNS = """
@@ -39,7 +40,8 @@ for run in client.search_runs([experiment], f"attributes.start_time >= {sys.argv
             "owner_host": tags.get("lockstep.owner.host"), "status": run.info.status,
             "parent": tags.get("mlflow.parentRunId"), "flow_run": tags.get("lockstep.flow_run"),
             "killed_reason": tags.get("lockstep.killed_reason"), "start": run.info.start_time}
-    if item["stage"] == "train" and item["status"] == "FINISHED":
+    # a pruned sweep trial's train run (tasks/runner.py) finishes with no checkpoint
+    if item["stage"] == "train" and item["status"] == "FINISHED" and tags.get("sweep.state") != "pruned":
         with tempfile.TemporaryDirectory() as tmp:
             path = client.download_artifacts(run.info.run_id, "checkpoints/best.safetensors", tmp)
             with open(path, "rb") as weights:

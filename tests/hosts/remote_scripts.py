@@ -89,7 +89,8 @@ for run in client.search_runs([experiment.experiment_id], f"attributes.start_tim
     item = {"stage": tags.get("lockstep.stage"), "parent": tags.get("mlflow.parentRunId"), "host": tags.get("host"),
             "commit": tags.get("git.commit"), "dirty": tags.get("git.dirty"), "status": run.info.status,
             "start": run.info.start_time, "end": run.info.end_time}
-    if item["stage"] == "train":
+    # what finished training has a checkpoint: not a failed or killed run, not a pruned sweep trial's
+    if item["stage"] == "train" and item["status"] == "FINISHED" and tags.get("sweep.state") != "pruned":
         with tempfile.TemporaryDirectory() as tmp:
             path = client.download_artifacts(run.info.run_id, "checkpoints/best.safetensors", tmp)
             with open(path, "rb") as weights:
