@@ -1,5 +1,6 @@
-"""Corrupt preprocessed files, and checkpoints from another model, other data or another world size:
-a clear error naming the file, and no silent re-use."""
+"""Corrupt preprocessed files, and checkpoints from another model or other data: a clear error naming
+the file, and no silent re-use. (A resume checkpoint from another world size: tests/train/test_ddp_resume.py,
+with a real 2-process one.)"""
 
 from __future__ import annotations
 
@@ -69,15 +70,3 @@ def test_a_checkpoint_that_does_not_fit_is_refused(trained: Trained, tmp_path: P
     error = one_line_error(stage(repo, "evaluate"))
     assert shown in error, error
     assert digests(repo, "artifacts/evaluate") == before  # the previous evaluation, as it was
-
-
-def test_a_resume_checkpoint_from_another_world_size_is_refused(trained: Trained, tmp_path: Path) -> None:
-    repo = clone(trained, tmp_path / "repo")
-    run(["rm", "-rf", "artifacts/train"], repo)
-    assert stage(repo, "train", "kill", "resume.safetensors", nth=2).returncode == -9  # leaves epoch 1's
-    resume = repo / "artifacts/train-resume/resume.safetensors"
-    _rewrite_metadata(resume, world_size=2)  # as a 2-process DDP run would have written it
-    error = one_line_error(stage(repo, "train"))
-    assert "artifacts/train-resume/resume.safetensors: written by 2 process(es), this run has 1" in error, error
-    assert resume.exists()  # kept for the job it belongs to
-    assert not list((repo / "artifacts").glob("train/*"))  # nothing trained, nothing written

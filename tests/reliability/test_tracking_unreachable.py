@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tasks.tracking.store import CHECK_TIMEOUT_S
-from tests.conftest import PrefectServer, free_port, run, write_params
+from tests.conftest import free_port, run, write_params
 from tests.reliability.conftest import Trained, clone, digests, one_line_error
 
 pytestmark = pytest.mark.slow
@@ -83,9 +83,7 @@ def project(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("entry", [["flows.pipeline"], ["tasks", "train"]], ids=["make-run", "dvc-stage"])
 @pytest.mark.parametrize("kind", ["refused", "500", "hanging"])
-def test_the_pipeline_fails_fast_naming_the_uri(
-    project: Path, trained: Trained, prefect_server: PrefectServer, kind: str, entry: list[str]
-) -> None:
+def test_the_pipeline_fails_fast_naming_the_uri(project: Path, trained: Trained, kind: str, entry: list[str]) -> None:
     with _server(kind) as (uri, reached):
         started = time.monotonic()
         done = run(
@@ -95,7 +93,6 @@ def test_the_pipeline_fails_fast_naming_the_uri(
             project,
             check=False,
             MLFLOW_TRACKING_URI=uri,
-            **prefect_server.env,
         )
         ended = time.monotonic()
     error = one_line_error(done)

@@ -248,8 +248,14 @@ def test_a_killed_job_then_a_killed_rank_both_resume_to_identical_weights_ddp(
     resume = project / "artifacts/train-resume/resume.safetensors"
     (other / "artifacts/train-resume/resume.safetensors").write_bytes(resume.read_bytes())
     refused = run([sys.executable, "-m", "tasks", "train"], other, check=False, PYTHONPATH=str(ROOT))
-    assert refused.returncode != 0
-    assert "resume.safetensors: written by 2 process(es), this run has 1" in refused.stdout + refused.stderr
+    # exit 1 and one line naming the file and both sizes, no traceback; the checkpoint kept for the job
+    # it belongs to, nothing trained or written
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.returncode == 1 and len(errors) == 1, refused.stderr
+    assert "Traceback" not in refused.stdout + refused.stderr, refused.stderr
+    assert "artifacts/train-resume/resume.safetensors: written by 2 process(es), this run has 1" in errors[0]
+    assert (other / "artifacts/train-resume/resume.safetensors").exists()
+    assert not list((other / "artifacts").glob("train/*"))
     # the real restart resumes; after its own checkpoint one of its ranks dies, and torchrun restarts both
     proc = _start(project)
     try:
