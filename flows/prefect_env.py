@@ -306,6 +306,13 @@ class LocalServer:
         self._starting.acquire(timeout=SERVER_START_TIMEOUT_S)
         if ephemeral:  # what Prefect sets for its own ephemeral server (prefect/server/api/server.py)
             env["PREFECT__SERVER_EPHEMERAL"] = "1"
+            # No block catalogue: registering every installed block type at start loads each Prefect
+            # collection first (prefect-dask: Dask's import), ~1 of the ~8 CPU-seconds this server takes
+            # to answer on 2 cores (measured 2026-12-02). A flow run saves no block; a block saved to
+            # it registers its own type (`Block.save`); the catalogue is for the UI, which this server
+            # does not serve. The environment the user set wins.
+            env.setdefault("PREFECT_SERVER_REGISTER_BLOCKS_ON_START", "false")
+            env.setdefault("PREFECT_SERVER_MEMOIZE_BLOCK_AUTO_REGISTRATION", "false")
         # quiet: its output goes to a file (shown if it fails to start), not a pipe, which a chatty
         # server would fill and block on
         self._log = tempfile.TemporaryFile(mode="w+", prefix="lockstep-prefect-server-") if quiet else None
