@@ -17,7 +17,7 @@ import yaml
 from tasks.core.config.params import STAGES
 from tasks.runner import NUMPY_STAGES
 from tasks.tracking.dashboard import run_page
-from tests.conftest import TINY, client_for, clone_project, run, sha256
+from tests.conftest import TINY, PrefectServer, client_for, clone_project, run, sha256
 from tests.support.first_run import TwoRuns
 
 pytestmark = pytest.mark.slow
@@ -223,12 +223,20 @@ runpy.run_module("flows.pipeline", run_name="__main__", alter_sys=True)
 NOT_IMPORTED_WHEN_NOTHING_IS_STALE = {"prefect", "torch", "torchvision", "onnx", "onnxruntime", "onnxscript"}
 
 
-def audited_noop_run(repo: Path) -> dict[str, Any]:
+# The same against a team's Prefect server (PREFECT_API_URL): the flow runs, recorded there with its
+# seven tasks up to date, but still without the stages' code, or MLflow's client (the run is recorded
+# through its SQLite file: tasks/tracking/sqlite_record.py).
+NOT_IMPORTED_BY_A_FLOW_RUN_WITH_NOTHING_STALE = {"torch", "torchvision", "onnx", "onnxruntime", "onnxscript", "mlflow"}
+
+
+def audited_noop_run(
+    repo: Path, not_imported: set[str] = NOT_IMPORTED_WHEN_NOTHING_IS_STALE, **env: str
+) -> dict[str, Any]:
     """A `make run` that finds nothing stale: what it printed, imported and started, checked here."""
-    done = run(["python", "-c", AUDITED], repo)
+    done = run(["python", "-c", AUDITED], repo, **env)
     audit = json.loads(done.stderr.split("AUDIT ")[-1])
     imported = {name.split(".")[0] for name in audit["modules"]}
-    assert not NOT_IMPORTED_WHEN_NOTHING_IS_STALE & imported, sorted(NOT_IMPORTED_WHEN_NOTHING_IS_STALE & imported)
+    assert not not_imported & imported, sorted(not_imported & imported)
     # git alone, for the run's lineage tags (commit, dirty): no Prefect server, no stage process
     assert {Path(program).name for program in audit["started"]} <= {"git"}, audit["started"]
     return {"stdout": done.stdout, **audit}
@@ -259,6 +267,23 @@ def _without_mirror(lock: dict[str, Any]) -> dict[str, Any]:
     lock = copy.deepcopy(lock)
     lock["stages"]["download"]["params"]["params.yaml"]["data"].pop("mirror", None)
     return lock
+
+
+def test_a_flow_run_with_nothing_stale_on_a_team_server_loads_no_stage_code(
+    first_make_runs: TwoRuns, prefect_server: PrefectServer, tmp_path: Path
+) -> None:
+    """`make run` with PREFECT_API_URL set (a team's server: no shortcut past Prefect, flows/noop.py)
+    in a clone where nothing is stale: one flow run on that server, every task up to date, and none of
+    the stages' code or MLflow's client loaded (a worker's flow run is this run without the command)."""
+    repo = clone_project(first_make_runs.repo, tmp_path / "repo")
+    database = prefect_server.home / "prefect.db"
+    with closing(sqlite3.connect(database)) as db:
+        before = db.execute("select count(*) from flow_run").fetchone()[0]
+    audit = audited_noop_run(repo, NOT_IMPORTED_BY_A_FLOW_RUN_WITH_NOTHING_STALE, **prefect_server.env)
+    assert "stages run: none (everything up to date)" in audit["stdout"], audit["stdout"]
+    with closing(sqlite3.connect(database)) as db:
+        runs = db.execute("select state_type from flow_run order by created").fetchall()
+    assert len(runs) == before + 1 and runs[-1] == ("COMPLETED",), runs
 
 
 def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(
