@@ -63,11 +63,7 @@ def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     # Prefect loads with the flow, on first use: a no-op run never needs it (flows/noop.py)
     from flows.pipeline_flow import pipeline
 
-    # Warmed only while a server of this run's own starts: with one already up (PREFECT_API_URL) there
-    # is no wait to fill, and a run that finds nothing stale never needs MLflow's client (its import,
-    # ~3 of the ~8 CPU-seconds such a run took on 2 cores; measured 2026-12-02).
-    warm = None if os.environ.get("PREFECT_API_URL") else _warm_imports
-    with prefect_env.local_api(while_starting=warm):
+    with prefect_env.local_api(while_starting=_warm_imports):
         return pipeline(
             params_file=args.params, force=args.force, reingest=args.reingest, overrides=dict(args.overrides) or None
         )

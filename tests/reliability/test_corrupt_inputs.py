@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import run
-from tests.reliability.conftest import Trained, clone, digests, one_line_error, stage
+from tests.reliability.conftest import Trained, clone, digests, stage
+from tests.support.cli_errors import one_line_error
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import subprocess_env, write_params
-from tests.reliability.conftest import Trained, clone, digests, one_line_error, stage
+from tests.reliability.conftest import Trained, clone, digests, stage
+from tests.support.cli_errors import one_line_error
 
 pytestmark = pytest.mark.slow
 

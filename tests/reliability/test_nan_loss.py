@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from tests.conftest import client_for, clone_project, run, sha256, write_params
-from tests.reliability.conftest import Trained, clone, one_line_error, stage
+from tests.reliability.conftest import Trained, clone, stage
+from tests.support.cli_errors import one_line_error
 
 pytestmark = pytest.mark.slow
 DIVERGING = "1.0e+10"  # train.lr: the loss is NaN within a few steps

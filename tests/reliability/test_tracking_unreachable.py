@@ -16,7 +16,8 @@ import pytest
 
 from tasks.tracking.store import CHECK_TIMEOUT_S
 from tests.conftest import free_port, run, write_params
-from tests.reliability.conftest import Trained, clone, digests, one_line_error
+from tests.reliability.conftest import Trained, clone, digests
+from tests.support.cli_errors import one_line_error
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from tests.reliability.conftest import Trained, clone, one_line_error, stage
+from tests.reliability.conftest import Trained, clone, stage
+from tests.support.cli_errors import one_line_error
 
 pytestmark = pytest.mark.slow
 
