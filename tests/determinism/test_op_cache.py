@@ -89,20 +89,41 @@ def test_a_venv_reached_through_a_link_uses_the_same_library(tmp_path: Path) -> 
     assert library == str(blas.library_path())  # ... and the op's library is the same file
 
 
-@pytest.mark.parametrize("where", ["library", "folder"])
-def test_a_library_someone_else_could_write_is_refused_and_never_runs(tmp_path: Path, where: str) -> None:
+def test_a_library_someone_else_could_write_is_refused_and_never_runs(tmp_path: Path) -> None:
+    """In a fresh process, as training loads it: exit 3, one line, the constructor never ran."""
     xdg, record = tmp_path / "xdg", tmp_path / "constructor-ran"
     (xdg / "lockstep").mkdir(parents=True, mode=0o700)
     target = blas.library_path(xdg / "lockstep")
     _plant(target, record)
-    target.chmod(0o775 if where == "library" else 0o700)
-    (xdg / "lockstep").chmod(0o770 if where == "folder" else 0o700)
+    target.chmod(0o775)
     done = _load_op(xdg)
     assert not record.exists(), "the planted library's constructor ran"
     assert done.returncode == ExitCode.REFUSED, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-    named = target if where == "library" else xdg / "lockstep"
-    assert f"{named}: writable by group or others" in done.stderr, done.stderr
+    assert f"{target}: writable by group or others" in done.stderr, done.stderr
+
+
+def _build_refused(env: dict[str, str]) -> str:
+    """build()'s refusal with `env` (HOME, XDG_CACHE_HOME or neither) as the cache's only source: in this
+    process, since build() refuses before anything is loaded (the fresh-process path and its exit code
+    are the test above's)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("XDG_CACHE_HOME", raising=False)
+        for key, value in env.items():
+            patch.setenv(key, value)
+        with pytest.raises(Refused) as refused:
+            blas.build()
+    return str(refused.value)
+
+
+def test_a_cache_folder_someone_else_could_write_is_refused(tmp_path: Path) -> None:
+    xdg = tmp_path / "xdg"
+    (xdg / "lockstep").mkdir(parents=True, mode=0o700)
+    target = blas.library_path(xdg / "lockstep")
+    _plant(target, tmp_path / "constructor-ran")
+    target.chmod(0o700)
+    (xdg / "lockstep").chmod(0o770)
+    assert f"{xdg / 'lockstep'}: writable by group or others" in _build_refused({"XDG_CACHE_HOME": str(xdg)})
 
 
 def test_a_library_of_another_user_or_a_link_is_refused(tmp_path: Path) -> None:
@@ -146,20 +167,8 @@ def test_the_cache_key_covers_every_file_the_op_is_built_from(tmp_path: Path, mo
         before = blas.library_path(tmp_path)
 
 
-def _load_op_with(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`_load_op`, with `env` (HOME, XDG_CACHE_HOME or neither) in a fresh process."""
-    code = (
-        "import sys; from tasks.core.cli import exit_code; from tasks.determinism import blas\n"
-        "sys.exit(exit_code(lambda: 0 if blas.op('gemm_chunks') is not None else 0))\n"
-    )
-    full = {k: v for k, v in subprocess_env().items() if k != "XDG_CACHE_HOME"} | env
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, capture_output=True, text=True, timeout=600)
-
-
 @pytest.mark.parametrize("planted", ["world-writable xdg parent", "world-writable ~/.cache", "foreign ~/.cache"])
-def test_a_library_under_a_parent_someone_else_could_write_is_refused_and_never_runs(
-    tmp_path: Path, planted: str
-) -> None:
+def test_a_library_under_a_parent_someone_else_could_write_is_refused(tmp_path: Path, planted: str) -> None:
     """Issue 66, point 9: the cache folder and the library are private, but a folder above them is not:
     whoever can write it can swap the cache folder for their own at any time, so nothing there is loaded."""
     if planted.startswith("foreign") and os.getuid() != 0:
@@ -184,12 +193,8 @@ def test_a_library_under_a_parent_someone_else_could_write_is_refused_and_never_
         os.chown(shared, 65534, 65534)
     else:
         shared.chmod(0o777)  # no sticky bit: anyone may rename what is inside
-    done = _load_op_with(env)
-    assert not record.exists(), "the planted library's constructor ran"
-    assert done.returncode == ExitCode.REFUSED, done.stderr
-    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     problem = "owned by uid 65534" if planted.startswith("foreign") else "writable by group or others"
-    assert f"{shared}: {problem}" in done.stderr, done.stderr
+    assert f"{shared}: {problem}" in _build_refused(env)
 
 
 def test_a_sticky_shared_parent_like_tmp_is_accepted(tmp_path: Path) -> None:

@@ -28,6 +28,12 @@ def _check(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
+# The tests reading the full run are the full tier's: the run is two minutes of one core alone and five
+# under a busy test tier on 2-core AMD EPYCs (bf16 is emulated without AVX-512), the fast tier's longest
+# item by far (docs/tests.md). The fast tier keeps the refused-op, no-ONNX-Runtime and no-CUDA runs.
+FULL_RUN = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("gpu-check")
@@ -48,6 +54,7 @@ def _literal(name: str) -> tuple[str, ...]:
     return typing.get_args(TrainConfig.model_fields[name].annotation)
 
 
+@FULL_RUN
 def test_exits_0_prints_one_table_and_writes_the_report_atomically(cpu_run: dict[str, Any]) -> None:
     report, stdout = cpu_run["report"], cpu_run["done"].stdout
     assert report["passed"] is True and report["counts"]["FAIL"] == 0
@@ -62,6 +69,7 @@ def test_exits_0_prints_one_table_and_writes_the_report_atomically(cpu_run: dict
     assert report["determinism"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
+@FULL_RUN
 def test_every_model_and_optimiser_of_the_config_steps_in_strict_mode(cpu_run: dict[str, Any]) -> None:
     strict = _rows(cpu_run["report"], "strict")
     expected = {f"{model}/{optimizer}" for model, optimizer in itertools.product(MODELS, _literal("optimizer"))}
@@ -69,6 +77,7 @@ def test_every_model_and_optimiser_of_the_config_steps_in_strict_mode(cpu_run: d
     assert {row["status"] for row in strict.values()} == {"pass"}
 
 
+@FULL_RUN
 def test_fp32_and_bf16_training_twice_gives_equal_weight_bytes(cpu_run: dict[str, Any]) -> None:
     rows = _rows(cpu_run["report"], "determinism")
     for name in ("resnet9 fp32", "resnet9 bf16", "resnet9 fp32 recipe", "resnet9 bf16 recipe"):
@@ -81,6 +90,7 @@ def test_fp32_and_bf16_training_twice_gives_equal_weight_bytes(cpu_run: dict[str
     assert rows["resnet9 fp32"]["numbers"]["sha256"] != rows["resnet9 fp32 recipe"]["numbers"]["sha256"]
 
 
+@FULL_RUN
 def test_fp16_is_not_applicable_on_cpu_rather_than_passed(cpu_run: dict[str, Any]) -> None:
     row = _rows(cpu_run["report"], "determinism")["resnet9 fp16"]
     assert row["status"] == "n/a"
@@ -88,6 +98,7 @@ def test_fp16_is_not_applicable_on_cpu_rather_than_passed(cpu_run: dict[str, Any
     assert "sha256" not in row["numbers"]
 
 
+@FULL_RUN
 def test_throughput_measures_pinned_fast_and_plain_and_reports_ratios(cpu_run: dict[str, Any]) -> None:
     rows = _rows(cpu_run["report"], "throughput")
     fp32, bf16, overhead = (
@@ -107,6 +118,7 @@ def test_throughput_measures_pinned_fast_and_plain_and_reports_ratios(cpu_run: d
     assert not fp32["numbers"]["judged"] and not bf16["numbers"]["judged"]
 
 
+@FULL_RUN
 def test_compress_and_export_run_from_a_checkpoint_trained_on_the_device(cpu_run: dict[str, Any]) -> None:
     compressed = _rows(cpu_run["report"], "compress")["resnet9"]
     exported = _rows(cpu_run["report"], "export")["static_int8"]
@@ -120,6 +132,7 @@ def test_compress_and_export_run_from_a_checkpoint_trained_on_the_device(cpu_run
     )
 
 
+@FULL_RUN
 def test_never_imports_mlflow_prefect_or_dvc(cpu_run: dict[str, Any]) -> None:
     """-X importtime lists every module the whole run imported, compress and export's lazy imports too."""
     imported = {
