@@ -368,12 +368,15 @@ def _build_dvc_repo(base: Path, prefect_db: Path) -> dict[str, Any]:
     }
 
 
-# Seconds each module took on the 2-core machine (`LOCKSTEP_RECORD_DURATIONS=1 make test-all` writes
-# them). xdist hands whole modules (all of tests/hosts/ as one unit) to its workers in collection order;
-# the longest go first, so that the run does not end on a long module with the other workers idle. Only
-# an order: a stale or missing entry costs time, never a result; the tests within a module keep
-# pytest-randomly's order.
+# Seconds each module's tests took on a 2-core machine, its fast tier's and its slow ones' apart
+# (`LOCKSTEP_RECORD_DURATIONS=1 make test-all` writes them): {"module": {"fast": s, "slow": s}}. xdist
+# hands whole modules (all of tests/hosts/ as one unit) to its workers in collection order; the longest
+# go first, so that the run does not end on a long module with the other workers idle. A unit's length
+# counts only the kinds of test this run selected: in `make test` a module of one fast test beside a
+# slow fixture is short. Only an order: a stale or missing entry costs time, never a result; the tests
+# within a module keep pytest-randomly's order.
 MODULE_DURATIONS = Path(__file__).parent / "module_durations.json"
+KINDS = ("fast", "slow")
 
 
 def _module(item: pytest.Item) -> str:
@@ -385,10 +388,17 @@ def _unit(module: str) -> str:
     return BED_SCOPE if module.startswith(BED_SCOPE) else module
 
 
-@pytest.hookimpl(trylast=True)
+def _kind(keywords: Any) -> str:
+    return "slow" if "slow" in keywords else "fast"
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` deselected what this run leaves out
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    recorded = json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}
+    selected = {(_module(item), _kind(item.keywords)) for item in items}
     seconds: dict[str, float] = {}
-    for module, spent in (json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}).items():
+    for module, kind in selected:
+        spent = recorded.get(module, {}).get(kind, 0.0)
         seconds[_unit(module)] = seconds.get(_unit(module), 0.0) + spent
     first_seen: dict[str, int] = {}
     for index, item in enumerate(items):
@@ -396,18 +406,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (-seconds.get(_unit(_module(item)), 0.0), first_seen[_unit(_module(item))]))
 
 
-_spent: dict[str, float] = {}
+_spent: dict[str, dict[str, float]] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if os.environ.get("LOCKSTEP_RECORD_DURATIONS") == "1":
-        module = report.nodeid.split("::")[0]
-        _spent[module] = _spent.get(module, 0.0) + report.duration
+        module = _spent.setdefault(report.nodeid.split("::")[0], dict.fromkeys(KINDS, 0.0))
+        module[_kind(report.keywords)] += report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _spent and not hasattr(session.config, "workerinput"):  # the controller sees every report
-        MODULE_DURATIONS.write_text(json.dumps({k: round(v) for k, v in sorted(_spent.items())}, indent=2) + "\n")
+        # merged into what is there: a run of one tier (or of a few modules) keeps the others' figures
+        recorded = json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.exists() else {}
+        for module, spent in _spent.items():
+            ran = {kind: round(seconds) for kind, seconds in spent.items() if seconds > 0}
+            recorded[module] = {**dict.fromkeys(KINDS, 0), **recorded.get(module, {}), **ran}
+        MODULE_DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=2) + "\n")
 
 
 # The multi-host bed (tests/hosts/) is one unit of work for xdist: its modules share one bed and one team
