@@ -12,9 +12,14 @@ its own, with params.yaml's defaults (`epochs`, `random_shift`, `hflip`: auto) a
     cifar10        shapes: 32x32 RGB objects on clutter      imagefolder    shapes as PNGs in train/ test/
     cifar100       shapes100: shapes x 10 hue bands          digits         scikit-learn's 8x8 digits (offline)
 
+`--real-sets NAME ...` runs the same pipeline on real images instead: the sets of
+benchmarks/real_sets/ (built first if they are not, `make real-sets`), each through the `imagefolder`
+source with `data.path` at its folder, so the split is the pipeline's own. Their rows also give macro
+recall (the mean of the classes' recalls), which a model that ignores a small class cannot hide.
+
 The published checksums are those of the real files, so this process points torchvision's tables
 (md5 of each file) at the generated ones, as tests/data/test_download.py does; nothing else is changed.
-A table per source goes to stdout and `<out>/sources.json`: images, epochs, train seconds, fp32 test
+A table per source goes to stdout and `<out>/sources.json` (`real-sets.json`): images, epochs, train seconds, fp32 test
 accuracy, the shipped variant and its accuracy.
 """
 
@@ -36,8 +41,10 @@ from benchmarks.fakedata.cifar import cifar_archive
 from benchmarks.fakedata.mnist import mnist_files
 from benchmarks.harness import ROOT, machine
 from benchmarks.httpserver import FileServer
+from benchmarks.real_sets.sets import SETS
 from benchmarks.synthetic_images.datasets import DATASETS, generate
 from benchmarks.synthetic_images.writers import write_imagefolder
+from tasks.core.atomic import write_text
 from tasks.core.config.data import DataConfig
 from tasks.core.config.yaml_io import load_params, load_yaml
 from tasks.data.download import download
@@ -126,6 +133,24 @@ def run_source(
         t0 = time.perf_counter()
         download(DataConfig(**data), project / "data", work / source / "cache")
         seconds = {"download": time.perf_counter() - t0}
+    return {"source": source, **_run_stages(project, seconds)}
+
+
+def run_real_set(name: str, work: Path, variants: list[str], train: dict[str, Any]) -> dict:
+    """A real image set (benchmarks/real_sets/) through the whole pipeline as an image folder; its row."""
+    from benchmarks.real_sets.build import build
+
+    built = build(name, say=lambda line: print(line, file=sys.stderr))
+    data = {"source": "imagefolder", "path": str(built.folder), "channels": SETS[name].channels}
+    project = _project(work / name / "project", data, variants, train)
+    t0 = time.perf_counter()
+    download(DataConfig(**data), project / "data", work / name / "cache")
+    row = _run_stages(project, {"download": time.perf_counter() - t0})
+    return {"source": f"real:{name}", "classes": len(built.counts), "imbalance": round(built.ratio, 2), **row}
+
+
+def _run_stages(project: Path, seconds: dict[str, float]) -> dict[str, Any]:
+    """Every stage after download, each as its own `python -m tasks` process; what the row reports."""
     seconds |= {stage: _stage(project, stage) for stage in STAGES_AFTER_DOWNLOAD}
     artifacts = project / "artifacts"
     pre = json.loads((artifacts / "preprocessed" / "meta.json").read_text())
@@ -133,13 +158,13 @@ def run_source(
     gates = json.loads((artifacts / "export" / "gates.json").read_text())
     metrics = json.loads((artifacts / "evaluate" / "metrics.json").read_text())
     return {
-        "source": source,
         "images": pre["split_sizes"],
         "shape": pre["image_shape"],
         "model": load_params(project / "params.yaml").train.model,  # auto resolved
         "epochs": len(history),
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
         "test_accuracy": metrics["accuracy"],
+        "macro_recall": metrics["macro_recall"],
         "shipped": gates["variant"],
         "shipped_accuracy": gates["accuracy"],
         "fallback_reason": gates["fallback_reason"],
@@ -150,6 +175,7 @@ def run_source(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sources", description=__doc__.split("\n")[0])
     parser.add_argument("--sources", nargs="+", default=["digits", *DATASET], choices=["digits", *DATASET])
+    parser.add_argument("--real-sets", nargs="+", choices=list(SETS), help="real image sets instead of --sources")
     parser.add_argument("--train-images", type=int, default=6000, help="in the published train set (all classes)")
     parser.add_argument("--test-images", type=int, default=1000, help="in the published test set (all classes)")
     parser.add_argument("--variants", nargs="+", default=["static_int8"], help="compress.variants to build")
@@ -158,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "artifacts" / "bench-sources")
     args = parser.parse_args(argv)
     rows = []
-    for source in args.sources:
-        train = {key: value for key, value in (("epochs", args.epochs), ("model", args.model)) if value}
+    train = {key: value for key, value in (("epochs", args.epochs), ("model", args.model)) if value}
+    for name in args.real_sets or ():
+        rows.append(run_real_set(name, args.out, args.variants, train))
+        print(json.dumps(rows[-1]), flush=True)
+    for source in () if args.real_sets else args.sources:
         rows.append(run_source(source, args.out, args.train_images, args.test_images, args.variants, train))
         print(json.dumps(rows[-1]), flush=True)
     report = {"machine": machine(), "train_images": args.train_images, "test_images": args.test_images, "rows": rows}
-    (args.out / "sources.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text(args.out / ("real-sets.json" if args.real_sets else "sources.json"), json.dumps(report, indent=2) + "\n")
     return 0
 
 
