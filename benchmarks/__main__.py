@@ -62,6 +62,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
                 one_process=True,
                 models=portable_cost.SMOKE_STEP_MODELS,
                 max_batches=SMOKE_BATCHES,
+                peak_iterations=200_000,
             ),
             "B10": lambda work: sweep_scaling.b10(work, smoke=True),
             "B11": lambda work: contention.b11(rounds=1, steps=1),
@@ -75,7 +76,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B5": lambda work: [stats_loop.b5(work, rounds=5)],
         "B6": lambda work: compression.b6(work, rounds=5, runs=50),
         "B7": lambda work: scaling.b7(work),
-        "B9": lambda work: portable_cost.b9(work, rounds=3, epochs=4, steps=6, epoch_rounds=8),
+        "B9": lambda work: portable_cost.b9(work, rounds=3, epochs=4, steps=6, epoch_rounds=8),  # B13 too
         "B10": lambda work: sweep_scaling.b10(work),
         "B11": lambda work: contention.b11(rounds=3, steps=4),
         "B12": lambda work: large_split.b12(work),

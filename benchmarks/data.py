@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -61,3 +62,12 @@ def prepared(work: Path, scale: int = 1) -> Path:
     (work / f"stats-x{scale}.json").write_text(json.dumps(asdict(stats)))
     preprocess(data, stats, p.split, p.seed, out)
     return out
+
+
+def random_rgb_batch(batch: int) -> tuple[Any, Any]:
+    """`batch` random 32x32 RGB images and labels of 10 classes, the same for every seed-0 process: what
+    B9's and B13's training steps run on (the kernels' cost does not depend on what the images show)."""
+    import torch  # after the caller's process was started in its CPU mode (portable_cost.py's scripts)
+
+    generator = torch.Generator().manual_seed(0)
+    return torch.rand(batch, 3, 32, 32, generator=generator), torch.randint(0, 10, (batch,), generator=generator)

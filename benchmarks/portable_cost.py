@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import fma_peak
 from benchmarks.data import params, prepared
 from benchmarks.harness import ROOT, Figure, median
 from tasks.determinism import cpu_mode
@@ -54,10 +55,8 @@ from tasks.determinism.bootstrap import start
 start(0, sys.argv[2] if sys.argv[2] == "auto" else int(sys.argv[2]), cpu=sys.argv[1])
 import torch
 from tasks.train.models import build_model
-batch = int(sys.argv[5])
-generator = torch.Generator().manual_seed(0)
-images = torch.rand(batch, 3, 32, 32, generator=generator)
-labels = torch.randint(0, 10, (batch,), generator=generator)
+from benchmarks.data import random_rgb_batch
+images, labels = random_rgb_batch(int(sys.argv[5]))
 timed = {}
 for name in sys.argv[4].split(","):
     model = build_model(name, 10, [0.5] * 3, [0.25] * 3)
@@ -115,6 +114,7 @@ def b9(
     models: tuple[str, ...] = STEP_MODELS,
     epoch_rounds: int | None = None,
     max_batches: int | None = None,
+    peak_iterations: int = fma_peak.ITERATIONS,
 ) -> list[Figure]:
     """B9 (the stage's epoch, in `epoch_rounds` processes per mode, `rounds` by default) and a B9-<model>
     row per `models` (`steps` steps of `batch` images), each model in a fresh process, or all in one per
@@ -123,7 +123,8 @@ def b9(
     on the host it lands): more of them steady the median. Within a round a model's two modes run one
     right after the other, the first of them alternating from round to round: the host's speed drifts
     over minutes, so two modes a model apart would be compared at two speeds. Each round's ratio goes in
-    the figure, and the row's ratio is their median."""
+    the figure, and the row's ratio is their median. Then B13 (benchmarks/fma_peak.py): the CPU's FMA peak
+    on the same threads (`peak_iterations` per run), and each model's step as a share of it."""
     p = params()
     threads = resolve(p.determinism.num_threads)  # each mode's process starts with it (the scripts above)
     pre = prepared(work)
@@ -154,7 +155,10 @@ def b9(
         figure.details.update(threads=threads)
         figure.target = f"<= {TARGET}x"
         figure.met = figure.ratio <= TARGET
-    return figures
+    # B13: the same steps against the CPU's FMA peak (their operations counted once, natively)
+    peak = fma_peak.peak_gflops(work, threads, iterations=peak_iterations, runs=max(rounds, 2))
+    counted = _timed(fma_peak.WORK, "native", threads, ",".join(models), batch, max(rounds, 2))
+    return figures + fma_peak.b13(peak, threads, batch, counted, rgb)
 
 
 def _modes(turn: int) -> tuple[str, str]:

@@ -78,6 +78,10 @@ def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     figures, table = smoke_run(tmp_path, ["B1", "B4", "B5", "B6", "B7", "B9", "B12"])
     expected = {"B1", "B1-data", "B4", "B4-dvc", "B5", "B6-size", "B6-speed", "B6-acc", "B6-pruned", "B8", "B9", "B12"}
     assert expected | {f"B9-{model}" for model in SMOKE_STEP_MODELS} <= set(figures)
+    # B13, from B9's steps: the FMA peak's microbenchmark ran, and each model's operations were counted
+    assert {"B13", *(f"B13-{model}" for model in SMOKE_STEP_MODELS)} <= set(figures)
+    assert figures["B13"]["details"]["vector_floats"] in (4, 8, 16)
+    assert all(figures[f"B13-{model}"]["details"]["gflop_per_step"] > 0 for model in SMOKE_STEP_MODELS)
     for name in (n for n in figures if n.startswith("B7")):
         assert figures[name]["details"]["rows"], name
     for name in ["B9", *(f"B9-{model}" for model in SMOKE_STEP_MODELS)]:  # one round: its ratio, on record
