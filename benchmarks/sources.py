@@ -138,6 +138,7 @@ def run_source(
 
 def run_real_set(name: str, work: Path, variants: list[str], train: dict[str, Any]) -> dict:
     """A real image set (benchmarks/real_sets/) through the whole pipeline as an image folder; its row."""
+    # here, not at the top: only --real-sets needs the registry clients' code and Pillow's conversions
     from benchmarks.real_sets.build import build
 
     built = build(name, say=lambda line: print(line, file=sys.stderr))

@@ -63,15 +63,17 @@ def start_missing_servers(bed: Bed) -> None:
 
 
 def s3_gateway(bed: Bed) -> psutil.Process:
-    """SeaweedFS's S3 gateway among `services`' processes (`weed -config_dir=... s3 -port=...`): the one
-    part of the object store that clients (DVC, MLflow's server) talk to."""
+    """SeaweedFS's S3 gateway among `services`' processes (`weed -config_dir=... -logtostderr s3 -port=...`:
+    its command is the first argument that is no flag): the one part of the object store that clients
+    (DVC, MLflow's server) talk to."""
     for pid in bed.host(SERVICES).pids():
         try:
             proc = psutil.Process(pid)
             cmdline = proc.cmdline()
         except psutil.Error:
             continue
-        if len(cmdline) > 2 and cmdline[0].endswith("weed") and cmdline[2] == "s3":
+        command = next((arg for arg in cmdline[1:] if not arg.startswith("-")), None)
+        if cmdline and cmdline[0].endswith("weed") and command == "s3":
             return proc
     raise AssertionError("no S3 gateway (weed s3) among services' processes")
 
