@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness import Figure, median
 
@@ -138,14 +139,13 @@ def b13(
     peak: tuple[list[float], int],
     threads: int,
     batch: int,
-    counted: dict[str, object],
+    counted: dict[str, Any],
     steps: dict[str, dict[str, list[float]]],
 ) -> list[Figure]:
     """B13 (torch.mm against the peak) and a B13-<model> row per model of `steps` (B9's step seconds per
     mode): the share of the peak its counted operations reach, portable against native."""
     rates, width = peak
-    gflops, mm_rates = max(rates), list(counted["mm_gflops"])  # type: ignore[call-overload]
-    flops: dict[str, int] = counted["flops"]  # type: ignore[assignment]
+    gflops, mm_rates, flops = max(rates), counted["mm_gflops"], counted["flops"]  # WORK's output
     figures = [
         Figure(
             "B13",
