@@ -21,7 +21,7 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run run-dvc plots sweep test test-all lint docs bench real-sets bench-hosts gpu-check predict serve-model reproduce \
+.PHONY: help run run-dvc plots sweep tune test test-all lint docs bench real-sets bench-hosts gpu-check predict serve-model reproduce \
 	schedule ui mlflow-server mark-orphans stack stack-down stack-join env clean repro serve
 
 # What a target passes on to its command (the one way to give a target arguments).
@@ -62,6 +62,10 @@ plots: $(STAMP)  ## DVC plots (accuracy, loss, lr, confusion matrix) of the outp
 # e.g. `make sweep ARGS=--apply` (the best trial's params into params.yaml), `ARGS="--address tls://host:8786 --tls DIR"`
 sweep: $(STAMP)  ## hyperparameter search: params.yaml's sweep section, Optuna trials as Prefect tasks on Dask
 	$(VENV)/bin/python -m flows.sweep $(ARGS)
+
+# the same study within an hour (sweep.budget_s; a later --set in ARGS wins), its winner into params.yaml
+tune: $(STAMP)  ## the sweep on your data within an hour, its best trial's params applied; ARGS="--set sweep.budget_s=7200"
+	$(VENV)/bin/python -m flows.sweep --apply --set sweep.budget_s=3600 $(ARGS)
 
 ##@ Check it
 

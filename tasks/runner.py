@@ -142,6 +142,10 @@ def _record_training(params: Params, run: StageRun, result: TrainResult, out_dir
             **(result.pretrained or {}),  # pretrained.sha256 / .source (redacted) / .reinitialised
         }
     )
+    # What `auto` chose from the data, beside the `train.*` params that say auto (a logged param is never
+    # changed): the value and why, as train.json has them.
+    for key, choice in result.recipe.items():
+        run.log_params({f"auto.train.{key}": choice["value"], f"auto.train.{key}.reason": choice["reason"]})
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
         run.log_artifact(out_dir / name, "checkpoints" if name.endswith(".safetensors") else None)
     # how the registered version that ships these weights finds this run (`_describe_version`)
@@ -255,8 +259,13 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
     lineage.update(read_safetensors(layout.TRAIN_DIR / "best.safetensors", tensors=False)[0].get("pretrained") or {})
     # This process's machine: the fingerprint stays out of DVC outputs (train.json), whose hashes must
     # not depend on the machine; the train run's own is on its MLflow run (hw.* tags).
+    trained = json.loads((layout.TRAIN_DIR / "train.json").read_text())
     card = CardContext(
-        data_md5=data_md5(), params=params.model_dump(mode="json"), lineage=lineage, machine=fingerprint()
+        data_md5=data_md5(),
+        params=params.model_dump(mode="json"),
+        lineage=lineage,
+        machine=fingerprint(),
+        auto=trained.get("recipe", {}),  # absent from a train.json of an earlier release
     )
     result = export(
         params.export,

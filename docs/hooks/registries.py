@@ -101,8 +101,24 @@ def _source_recipes() -> str:
         augment = f"`{recipe.augment}`"
         if recipe.greyscale_augment:
             augment = f"`{recipe.greyscale_augment}` with `data.channels: 1`, else {augment}"
-        rows.append((f"`{name}`", f"`{recipe.model}`", recipe.epochs, "yes" if recipe.hflip else "no", augment))
-    return _table(("source", "model", "epochs", "mirroring", "augment"), rows)
+        rows.append(
+            (
+                f"`{name}`",
+                f"`{recipe.model}`",
+                _from_data(recipe.epochs),
+                "yes" if recipe.hflip else "no",
+                augment,
+                _from_data(recipe.early_stop_patience if recipe.early_stop_patience is not None else "no"),
+                _from_data(f"`{recipe.class_balance}`"),
+            )
+        )
+    return _table(("source", "model", "epochs", "mirroring", "augment", "early stop", "class balance"), rows)
+
+
+def _from_data(value: object) -> object:
+    from tasks.core.config.data import FROM_DATA
+
+    return "from the data" if value in (FROM_DATA, f"`{FROM_DATA}`") else value
 
 
 def _models() -> str:

@@ -36,6 +36,7 @@ from tasks.data.formats import NpyRows
 from tasks.data.preprocess import load_split, take_rows
 from tasks.ship import prune, quantize
 from tasks.ship.onnx_model import as_pixels, export_onnx, label, median_latency_ms, predict, session, weight_counts
+from tasks.train.auto import as_trained
 from tasks.train.checkpoints import load_checkpoint
 from tasks.train.loop import fine_tune
 
@@ -127,8 +128,9 @@ def compress(
     if isinstance(cfg.variants, str):  # "auto" is resolved against export.candidates by Params
         raise ValueError("compress.variants: auto needs export.candidates: pass params.compress, or for_candidates()")
     train, test = load_split(pre_dir, "train", stream=True), load_split(pre_dir, "test", stream=True)
-    model, _ = load_checkpoint(checkpoint, test)
+    model, metadata = load_checkpoint(checkpoint, test)
     model.eval()
+    train_cfg = as_trained(train_cfg, metadata.get("config", {}))  # fine-tuning continues what train chose
     example = torch.from_numpy(as_pixels(take_rows(train.images, np.arange(min(64, len(train.labels))))))
     history: dict[str, list[dict]] = {}
 

@@ -86,6 +86,8 @@ class CardContext:
     params: dict[str, Any]
     lineage: dict[str, str] = field(default_factory=dict)
     machine: dict[str, str] = field(default_factory=dict)  # the exporting machine's hardware fingerprint
+    # what `auto` chose from the data, and why (train.json's "recipe": {key: {"value", "reason"}})
+    auto: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -347,6 +349,7 @@ def _model_card(
         "## Training recipe",
         "",
         *_recipe_lines(meta.get("config", {})),
+        *(f"- {key} (auto, from the data): `{auto['value']}`: {auto['reason']}" for key, auto in card.auto.items()),
         "",
         "## Machine",
         "",

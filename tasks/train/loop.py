@@ -41,6 +41,9 @@ from tasks.train.recipe import better, should_stop, warmup_factor, warmup_steps,
 # there is nothing to wait for: every step is checked, before its update.
 FINITE_CHECK_EVERY_CUDA = 50
 ALONE = Distributed()  # a lone process: rank 0 of 1
+# what `auto` must have become before a loop is built (random_shift's and device's own `auto` are the
+# loop's to resolve)
+RESOLVED_KEYS = ("model", "epochs", "hflip", "augment", "early_stop_patience", "class_balance")
 VALIDATION_BLOCK = 8 * 1024  # images read at once to validate: a multiple of predict's batch of 1024
 
 
@@ -223,9 +226,11 @@ def build_training(
     model: nn.Module | None = None,
 ) -> Training:
     """The loop's parts for `split`: a new `cfg.model` (from torch's seeded RNG) unless `model` is given."""
-    if "auto" in (cfg.model, cfg.epochs, cfg.hflip, cfg.augment):
+    unresolved = [key for key in RESOLVED_KEYS if getattr(cfg, key) == "auto"]
+    if unresolved:
         raise ValueError(
-            "train.model/epochs/hflip/augment 'auto' depend on data.source: resolve with TrainConfig.for_source"
+            f"train.{', train.'.join(unresolved)}: 'auto' depends on the data: resolve with TrainConfig.for_source "
+            "(data.source) and tasks.train.auto.resolve (the training split)"
         )
     if cfg.sync_batchnorm and device.type != "cuda":
         raise ValueError("train.sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; set it false on CPU")

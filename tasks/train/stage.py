@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from tasks.core import layout
 from tasks.core.atomic import atomic_files
 from tasks.core.config.train import TrainConfig
 from tasks.data.preprocess import Preprocessed, load_split
-from tasks.train import resume
+from tasks.train import auto, resume
 from tasks.train.checkpoints import checkpoint_bytes, checkpoint_metadata, cpu_state
 from tasks.train.devices import join_process_group
 from tasks.train.loop import Training, build_training
@@ -52,6 +52,8 @@ class TrainResult:
     amp: str
     resumed_from_epoch: int | None
     pretrained: dict[str, str] | None = None  # the weights fine-tuned from: sha256, source, re-initialised tensors
+    # what `auto` chose from the data (tasks/train/auto.py): {key: {"value": ..., "reason": ...}}
+    recipe: dict[str, dict[str, Any]] = field(default_factory=dict)
     random_shift_px: int = 0  # train.random_shift in pixels (auto: from the image size)
     stopped_early_at: int | None = None  # the last epoch trained, when early stopping ended the run
 
@@ -76,6 +78,11 @@ def train(
     on_epoch = on_epoch or (lambda row: None)
     ranks, device = join_process_group(cfg.device)
     train_split, val_split = load_split(pre_dir, "train", stream=True), load_split(pre_dir, "val", stream=True)
+    # what an image folder's recipe leaves to its data (every rank reads the same split: the same choices)
+    cfg, choices = auto.resolve(cfg, auto.profile(train_split))
+    if ranks.rank == 0:
+        for key, choice in choices.items():
+            log.info("train.%s: auto is %s (%s)", key, choice.value, choice.reason)
     training = build_training(cfg, seed, train_split, device, ranks)
     # After the model drew its init from the seeded RNG (what the pretrained file lacks stays as a
     # from-scratch run would have it), before a resume overwrites the weights with later ones.
@@ -94,7 +101,7 @@ def train(
 
     if progress.best_state is None:  # validation never scored (an empty split): the last weights are the best known
         progress.best_state, progress.best_epoch = cpu_state(training.evaluated), progress.epoch
-    result = _result(training, resumed_from, pretrained)
+    result = _result(training, resumed_from, pretrained, choices)
     contents = None
     if ranks.rank == 0:
         metadata = checkpoint_metadata(cfg, seed, train_split, ranks.world_size, pretrained)
@@ -158,7 +165,9 @@ def _log_epoch(row: dict[str, float], epochs: int, seconds: float) -> None:
     )  # fmt: skip
 
 
-def _result(training: Training, resumed_from: int | None, pretrained: Pretrained | None) -> TrainResult:
+def _result(
+    training: Training, resumed_from: int | None, pretrained: Pretrained | None, choices: dict[str, auto.Choice]
+) -> TrainResult:
     progress = training.progress
     return TrainResult(
         best_epoch=progress.best_epoch,
@@ -172,6 +181,7 @@ def _result(training: Training, resumed_from: int | None, pretrained: Pretrained
         pretrained=pretrained.lineage() if pretrained else None,
         random_shift_px=training.loader.dataset.max_shift,
         stopped_early_at=progress.epoch if progress.epoch < training.cfg.epochs else None,
+        recipe={key: asdict(choice) for key, choice in choices.items()},
     )
 
 

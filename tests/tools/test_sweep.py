@@ -245,3 +245,28 @@ def test_a_storage_url_with_a_password_is_refused_without_showing_it(tmp_path: P
         load_params(path)
     shown = one_line(str(raised.value))  # the error line every entry point prints (and logs)
     assert "s3cret" not in shown and "postgresql://***@db:5432/optuna" in shown
+
+
+def test_a_budget_stops_before_a_batch_that_would_overrun_it_and_more_time_resumes(tmp_path: Path) -> None:
+    # each batch "takes" 100 s of the clock the trainer advances: 250 s hold two batches (the third
+    # would end at 300 s), and the winner is the best of the trials a budget-free study ran first
+    now = [0.0]
+
+    class Timed(Trainer):
+        def __call__(self, specs: list[TrialSpec]) -> list[TrialOutcome]:
+            now[0] += 100.0
+            return super().__call__(specs)
+
+    (tmp_path / "whole").mkdir()
+    unbounded = _params(tmp_path / "whole")
+    whole = _run(unbounded, tmp_path / "whole" / "study", Trainer(unbounded.sweep))
+    params = _params(tmp_path, budget_s=250)
+    trainer = Timed(params.sweep)
+    study = search.open_study(params.sweep, None, tmp_path / "study", "fp")
+    search.run_study(study, params.sweep, "fp", trainer, clock=lambda: now[0])
+    assert trainer.ran == list(range(6))
+    assert results.table(study) == [row for row in whole if row["trial"] < 6]
+    # budget_s may change between runs of one study (it decides how many batches run, not what they give)
+    more = _params(tmp_path, budget_s=10_000)
+    search.run_study(search.open_study(more.sweep, None, tmp_path / "study", "fp"), more.sweep, "fp", trainer)
+    assert trainer.ran == list(range(12)) and results.table(study) == whole

@@ -18,12 +18,9 @@ import torchvision
 from torch import nn
 
 from tasks.core.config.base import ConfigError
-from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.config.train import TrainConfig, recipe_changes
 from tasks.core.config.yaml_io import load_params
-from tasks.data.download import download
-from tasks.data.preprocess import Preprocessed, load_split, preprocess
-from tasks.data.stats import compute_stats
+from tasks.data.preprocess import Preprocessed, load_split
 from tasks.determinism import cpu_mode
 from tasks.determinism.bootstrap import start
 from tasks.train import stage
@@ -54,15 +51,6 @@ EVERYTHING = {
     "early_stop_patience": 3,
 }
 PLAIN = {"model": "small_cnn", "hflip": False, "augment": "none", "scheduler": "none", "momentum": 0.0}
-
-
-@pytest.fixture(scope="module")
-def pre(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("recipe")
-    download(DataConfig(), work / "data", work / "cache")
-    stats = compute_stats(work / "data", SplitConfig(), 42, 4096)
-    preprocess(work / "data", stats, SplitConfig(), 42, work / "preprocessed")
-    return work / "preprocessed"
 
 
 def _digests(out: Path) -> dict[str, str]:

@@ -237,7 +237,8 @@ def test_auto_epochs_and_mirroring_follow_the_source(source: str) -> None:
     auto = Params.model_validate({"data": {"source": source, **extra}, "train": train})
     recipe = SOURCES[source].recipe
     assert (auto.train.epochs, auto.train.hflip, auto.train.augment) == (recipe.epochs, recipe.hflip, recipe.augment)
-    assert auto.sections("train")["train.epochs"] == SOURCES[source].recipe.epochs  # MLflow sees the number
+    # MLflow sees the number; an image folder's "auto" until the train stage chooses (train.json, auto.train.*)
+    assert auto.sections("train")["train.epochs"] == SOURCES[source].recipe.epochs
     assert auto.sections("train")["data.source"] == source  # and what it was resolved from
     given = Params.model_validate({"data": {"source": source, **extra}, "train": {"epochs": 3, "hflip": True}})
     assert (given.train.epochs, given.train.hflip) == (3, True)
@@ -263,7 +264,7 @@ def test_mirroring_is_for_garments_and_photos_not_digits() -> None:
 
 def test_an_unresolved_auto_is_refused_before_training() -> None:
     split = Preprocessed(np.zeros((4, 1, 8, 8), np.uint8), np.arange(4) % 2, ["a", "b"], [0.5], [0.25])
-    with pytest.raises(ValueError, match="'auto' depend on data.source"):
+    with pytest.raises(ValueError, match=r"train.epochs: 'auto' depends on the data: resolve with TrainConfig"):
         build_training(TrainConfig(epochs="auto", num_workers=0), 0, split, torch.device("cpu"))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -15,18 +15,25 @@ from tasks.core.config.base import (
 )
 from tasks.core.registry import Registry
 
+# A recipe's value that the data decides: the key stays `auto` past Params, and the train stage chooses
+# it from the training split it reads (tasks/train/auto.py), recording why.
+FROM_DATA: Final = "auto"
+
 
 @dataclass(frozen=True)
 class SourceRecipe:
     """What `auto` in the train section means for one data source: `train.model`, `train.epochs`,
-    `train.hflip` and `train.augment` (names of tasks/core/config/train.py's MODELS or a torchvision
-    model, and of its AUGMENT_PRESETS)."""
+    `train.hflip`, `train.augment`, `train.early_stop_patience` and `train.class_balance` (names of
+    tasks/core/config/train.py's MODELS or a torchvision model, and of its AUGMENT_PRESETS), or
+    FROM_DATA."""
 
     model: str
-    epochs: int
+    epochs: int | str
     hflip: bool
     augment: str = "shift_flip"
     greyscale_augment: str | None = None  # `augment` when data.channels is 1, if it differs
+    early_stop_patience: int | str | None = None
+    class_balance: str = "none"
 
     def augment_for(self, channels: int | None) -> str:
         return self.greyscale_augment if channels == 1 and self.greyscale_augment else self.augment
@@ -52,7 +59,9 @@ class DataSource:
 # Greyscale folders (data.channels: 1: handwriting, glyphs, scans) add an elastic distortion: on real
 # handwritten digits it beat `affine` on validation over three split seeds, on generated glyphs it tied
 # on two and was two images worse on one; 12 or 10 epochs of it did worse than 15 (docs/training.md).
-# Not on colour folders: unmeasured on photos.
+# Not on colour folders: unmeasured on photos. A folder's epochs, early stopping and class balance are
+# its data's (FROM_DATA): 15 epochs were 45 optimiser steps on 173 painted sprites, and left real colour
+# folders underfit (docs/training.md, "Real image sets"); tasks/train/auto.py has the rules.
 _PUBLISHED = "the published files (torchvision's URLs and md5s)"
 SOURCES: Registry[DataSource] = Registry(
     "data.source",
@@ -83,7 +92,15 @@ SOURCES: Registry[DataSource] = Registry(
         "imagefolder": DataSource(
             "your images: `root/<class>/**/*.png` (jpg, bmp, tif, webp, ...)",
             "`data.path` (a folder or archive), or `data.url` + `data.sha256`",
-            SourceRecipe(model="resnet9", epochs=15, hflip=False, augment="affine", greyscale_augment="elastic"),
+            SourceRecipe(
+                model="resnet9",
+                epochs=FROM_DATA,
+                hflip=False,
+                augment="affine",
+                greyscale_augment="elastic",
+                early_stop_patience=FROM_DATA,
+                class_balance=FROM_DATA,
+            ),
             folder_options=True,
         ),
     },

@@ -21,7 +21,10 @@ from tasks.core.config.train import DeterminismConfig, EvaluateConfig, TrainConf
 # without a data source): a key left out means what params.yaml and docs/params.md say.
 # (tests/core/test_config.py holds an empty file equal to params.yaml.)
 FILE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "train": {"model": "auto", "epochs": "auto", "hflip": "auto", "augment": "auto", "label_smoothing": 0.1},
+    "train": {
+        **dict.fromkeys(("model", "epochs", "hflip", "augment", "early_stop_patience", "class_balance"), "auto"),
+        "label_smoothing": 0.1,
+    },
     "sweep": {
         "space": {
             "train.lr": {"type": "float", "low": 0.005, "high": 0.5, "log": True},

@@ -78,6 +78,10 @@ class SweepConfig(Section):
     metric: Literal["val_accuracy", "val_loss"] = "val_accuracy"
     direction: Literal["maximize", "minimize"] = "maximize"
     retries: int = Field(1, ge=0, le=10)  # a crashed trial is run again this many times, then recorded failed
+    # Wall-clock seconds for the trials: no batch starts that would end past it, by the longest batch so far
+    # (the first always runs). It decides how many batches run, never a trial's result; the same command
+    # with more time resumes the study where it stopped. null: every trial.
+    budget_s: float | None = Field(None, gt=0, le=30 * 86400)
     space: dict[str, SearchSpace] = Field(default_factory=dict, max_length=32)
     # Where trials run: a Dask scheduler (tls://host:8786, or tcp:// on loopback; or env LOCKSTEP_DASK_ADDRESS);
     # null: a local cluster of `workers` processes. Storage: an Optuna RDB URL (credentials: env LOCKSTEP_SWEEP_STORAGE,

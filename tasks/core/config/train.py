@@ -116,9 +116,11 @@ AugmentName = AUGMENT_PRESETS.named("auto")
 class TrainConfig(Section):
     # one of MODELS (ours: resnet9, small_cnn), or any of TORCHVISION_MODELS: adapted to the data's channels and
     # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py).
-    # auto (model, epochs, hflip, augment): SOURCES[data.source].recipe, resolved by Params (params.yaml
-    # says auto, and a params file that leaves them out gets auto: FILE_DEFAULTS in params.py); a
-    # TrainConfig made alone gets the defaults below, or resolves with `for_source`.
+    # auto (model, epochs, hflip, augment, early_stop_patience, class_balance): SOURCES[data.source].recipe,
+    # resolved by Params (params.yaml says auto, and a params file that leaves them out gets auto:
+    # FILE_DEFAULTS in params.py), but for what an image folder's recipe leaves to its data: the train stage
+    # chooses that (tasks/train/auto.py). A TrainConfig made alone gets the defaults below, or resolves with
+    # `for_source`.
     model: str = Field("resnet9", max_length=64)
     epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | Auto = 30
     batch_size: int = Field(64, ge=1, le=MAX_BATCH)
@@ -167,14 +169,16 @@ class TrainConfig(Section):
     # The training recipe (tasks/train/recipe.py, tasks/train/augment.py, tasks/train/batches.py): every
     # option off by default, each a function of (seed, epoch, step), so deterministic and resumable.
     monitor: Literal["val_accuracy", "val_loss"] = "val_accuracy"  # picks best.safetensors; early stopping watches it
-    early_stop_patience: int | None = Field(None, ge=1, le=MAX_EPOCHS)  # epochs without improvement; null: never
+    # epochs without improvement; null: never; auto: the source's recipe (an image folder's: from the data)
+    early_stop_patience: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None | Auto = None
     early_stop_min_delta: float = Field(0.0, ge=0, le=1e6)  # a smaller change of `monitor` is no improvement
     warmup_epochs: int = Field(0, ge=0, le=MAX_EPOCHS)  # the lr rises linearly over the first N epochs' steps
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)  # ... or over the first N optimiser steps (give one)
     grad_clip_norm: float | None = Field(None, gt=0, le=1e6)  # the gradients' global L2 norm, at most
     accumulate_steps: int = Field(1, ge=1, le=MAX_BATCH)  # batches per optimiser step (ddp: synced once per step)
     ema_decay: float | None = Field(None, gt=0, lt=1)  # an exponential moving average of the weights ships
-    class_balance: Literal["none", "loss", "sampler"] = "none"  # inverse-frequency loss weights, or sampling
+    # inverse-frequency loss weights, or sampling; auto: the source's recipe (an image folder's: from the data)
+    class_balance: Literal["none", "loss", "sampler", "auto"] = "none"
     augment: AugmentName = "shift_flip"  # AUGMENT_PRESETS, or auto
     mixup_alpha: float = Field(0.0, ge=0, le=100)  # > 0: mix image pairs (Beta(alpha, alpha) weights)
     cutmix_alpha: float = Field(0.0, ge=0, le=100)  # > 0: paste a patch of another image (both: one per batch)
@@ -194,11 +198,17 @@ class TrainConfig(Section):
         )
 
     def for_source(self, source: str, channels: int | None = None) -> TrainConfig:
-        """This config with `auto` model, epochs, hflip and augment replaced by `source`'s recipe
-        (augment's also by the images' `channels`, data.channels)."""
+        """This config with `auto` keys replaced by `source`'s recipe (augment's also by the images'
+        `channels`, data.channels). What the recipe leaves to the data (FROM_DATA) stays `auto`, for the
+        train stage to choose (tasks/train/auto.py)."""
         recipe = SOURCES[source].recipe
         resolved = dict(
-            model=recipe.model, epochs=recipe.epochs, hflip=recipe.hflip, augment=recipe.augment_for(channels)
+            model=recipe.model,
+            epochs=recipe.epochs,
+            hflip=recipe.hflip,
+            augment=recipe.augment_for(channels),
+            early_stop_patience=recipe.early_stop_patience,
+            class_balance=recipe.class_balance,
         )
         update = {key: value for key, value in resolved.items() if getattr(self, key) == "auto"}
         return self.model_copy(update=update) if update else self

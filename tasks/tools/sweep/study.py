@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ JOURNAL = "journal.log"
 STUDY_DIGEST_ATTR = "lockstep.fingerprint"
 # Sweep keys that may change between a run and its resumption: how it runs, not what it finds
 # (`trials`: a resumed sweep may be asked for more).
-RESUMABLE_KEYS = frozenset({"trials", "address", "workers", "storage", "retries", "applied"})
+RESUMABLE_KEYS = frozenset({"trials", "address", "workers", "storage", "retries", "applied", "budget_s"})
 
 
 class SweepError(ValueError):
@@ -219,12 +220,31 @@ def run_study(
     cfg: SweepConfig,
     digest: str,
     run_batch: Callable[[list[TrialSpec]], list[TrialOutcome]],
+    clock: Callable[[], float] = time.monotonic,
 ) -> Any:
-    """Run batches until `cfg.trials` trials are finished; `run_batch` runs one batch (in parallel,
-    anywhere) and returns its outcomes. Told in trial-number order, whatever order they finished in."""
-    while batch := next_batch(study, cfg, digest):
+    """Run batches until `cfg.trials` trials are finished, or until the next batch would end past
+    `cfg.budget_s` (by `clock`); `run_batch` runs one batch (in parallel, anywhere) and returns its
+    outcomes. Told in trial-number order, whatever order they finished in."""
+    started, longest = clock(), 0.0
+    while True:
+        spent = clock() - started
+        # checked before the next batch is asked for: a stop leaves no trial asked and not run
+        if cfg.budget_s is not None and spent + longest > cfg.budget_s:
+            done = sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
+            if done < cfg.trials:
+                log.info(
+                    "sweep %s: stopped within its budget of %.0f s (%.0f s spent, a batch takes up to %.0f s): "
+                    "%d of %d trials done; the same command with a larger sweep.budget_s resumes it",
+                    cfg.name, cfg.budget_s, spent, longest, done, cfg.trials,
+                )  # fmt: skip
+                break
+        batch = next_batch(study, cfg, digest)
+        if not batch:
+            break
         log.info("sweep %s: trials %s", cfg.name, ", ".join(str(spec.number) for spec in batch))
+        batch_started = clock()
         outcomes = {outcome.number: outcome for outcome in run_batch(batch)}
+        longest = max(longest, clock() - batch_started)
         for spec in batch:
             tell(study, outcomes[spec.number], cfg.metric)
             log.info("%s", progress(study, cfg, outcomes[spec.number]))

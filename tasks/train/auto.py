@@ -1,0 +1,126 @@
+"""What `auto` becomes where the data decides: an image folder's epochs, early stopping and class
+balance, chosen in the train stage from the training split it reads, each with its reason.
+
+A published source (digits, mnist, cifar10, ...) is known before it is downloaded, and its recipe
+(tasks/core/config/data.py `SOURCES`) is a measured one: Params resolves it when params.yaml loads. An
+image folder is the user's own, of any size and balance; its recipe marks what depends on the data
+(`FROM_DATA`), Params leaves those keys `auto`, and `resolve` here fills them from a `DataProfile` of
+the training split. The rules are arithmetic on counts: the same split gives the same choices, so the
+same bytes, on every rank of a DDP job and in every process that asks again.
+
+Why these rules (docs/training.md, "Real image sets", has the measurements):
+- epochs: what limits a small folder is optimiser steps, not epochs. 15 epochs of 173 images is 45
+  steps of 64 images, and the model ends far from fitting its own training set. Every folder gets at
+  least `STEP_BUDGET` steps (the digits recipe takes ~510), at least `MIN_EPOCHS` epochs (what a
+  large folder gets, as before), and at most `MAX_EPOCHS`.
+- early stopping guards the longer budget: a run whose validation score has not improved for half its
+  epochs (at least `MIN_PATIENCE`) ends there; best.safetensors is still the best epoch's. Not sooner:
+  a small folder's validation split is a few dozen images, and in the first epochs, at the peak
+  learning rate, answering the largest class can score best for a while (on 726 icons, a patience
+  of 10 stopped a 50-epoch run at epoch 12, at 18% training accuracy).
+- class balance: past `IMBALANCE` (largest class over smallest) each epoch draws every class equally
+  often (`sampler`), so a small class is not given up for the large one's accuracy. On 726 icons whose
+  largest class has 15x the smallest's images, 50 epochs: macro recall 0.50 unbalanced, 0.63 sampled,
+  at 0.7 points of accuracy; inverse-frequency loss weights (`loss`) trained worse (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tasks.core.config.train import TrainConfig
+from tasks.data.preprocess import Preprocessed
+
+STEP_BUDGET = 600  # optimiser steps a folder trains for at least
+MIN_EPOCHS = 15  # ... and epochs (a folder large enough has STEP_BUDGET steps in fewer)
+MAX_EPOCHS = 200  # a folder of a few dozen images: more epochs only memorise them
+MIN_PATIENCE = 10  # epochs without a better validation score before a longer run stops
+IMBALANCE = 3.0  # largest class / smallest class from which classes are drawn equally often
+AUTO_KEYS = ("epochs", "early_stop_patience", "class_balance")  # what `resolve` may choose
+
+
+@dataclass(frozen=True)
+class DataProfile:
+    """What the rules read of a training split: its size, its classes' sizes, its images' shape."""
+
+    class_counts: tuple[int, ...]  # images per class, in the split's class order
+    image_shape: tuple[int, int, int]  # (C, H, W)
+
+    @property
+    def images(self) -> int:
+        return sum(self.class_counts)
+
+    @property
+    def imbalance(self) -> float:
+        """The largest class's count over the smallest present one's (1.0: balanced)."""
+        present = [count for count in self.class_counts if count]
+        return max(present) / min(present) if present else 1.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One key `auto` resolved: its value and why (train.json, the MLflow run, the model card)."""
+
+    value: Any
+    reason: str
+
+
+def profile(split: Preprocessed) -> DataProfile:
+    """The profile of a training split (its labels are in memory; its images are not read)."""
+    counts = np.bincount(split.labels, minlength=len(split.classes))
+    c, h, w = split.images.shape[1:]
+    return DataProfile(tuple(int(n) for n in counts), (int(c), int(h), int(w)))
+
+
+def resolve(cfg: TrainConfig, data: DataProfile) -> tuple[TrainConfig, dict[str, Choice]]:
+    """`cfg` with every key still `auto` chosen from `data`, and the choices made (empty: none was auto)."""
+    choices: dict[str, Choice] = {}
+    if cfg.epochs == "auto":
+        choices["epochs"] = _epochs(cfg, data)
+    if cfg.early_stop_patience == "auto":
+        epochs = choices["epochs"].value if "epochs" in choices else cfg.epochs
+        choices["early_stop_patience"] = _patience(epochs)
+    if cfg.class_balance == "auto":
+        choices["class_balance"] = _class_balance(data)
+    if not choices:
+        return cfg, choices
+    return cfg.model_copy(update={key: choice.value for key, choice in choices.items()}), choices
+
+
+def as_trained(cfg: TrainConfig, trained: dict[str, Any]) -> TrainConfig:
+    """`cfg` with the keys it leaves `auto` as the train stage chose them: `trained` is a checkpoint's
+    "config" (tasks/train/checkpoints.py `result_config`, which leaves out recipe keys at their defaults).
+    Fine-tuning (compress) continues the training the checkpoint had, not a new choice."""
+    left = [key for key in AUTO_KEYS if getattr(cfg, key) == "auto"]
+    defaults = TrainConfig()
+    return cfg.model_copy(update={key: trained.get(key, getattr(defaults, key)) for key in left})
+
+
+def _epochs(cfg: TrainConfig, data: DataProfile) -> Choice:
+    per_epoch = max(1, math.ceil(data.images / (cfg.batch_size * cfg.accumulate_steps)))
+    wanted = math.ceil(STEP_BUDGET / per_epoch)
+    epochs = min(MAX_EPOCHS, max(MIN_EPOCHS, wanted))
+    why = f"{data.images} training images make {per_epoch} optimiser steps an epoch"
+    if epochs == MIN_EPOCHS:
+        return Choice(epochs, f"{why}: {MIN_EPOCHS} epochs, the least ({per_epoch * epochs} steps)")
+    if epochs == MAX_EPOCHS:
+        return Choice(epochs, f"{why}: {MAX_EPOCHS} epochs, the most ({per_epoch * epochs} steps)")
+    return Choice(epochs, f"{why}: {epochs} epochs reach the budget of {STEP_BUDGET} steps")
+
+
+def _patience(epochs: int) -> Choice:
+    patience = max(MIN_PATIENCE, epochs // 2)
+    if patience >= epochs:
+        return Choice(None, f"{epochs} epochs leave no room to stop early")
+    return Choice(patience, f"half of {epochs} epochs (at least {MIN_PATIENCE}) without a better validation score")
+
+
+def _class_balance(data: DataProfile) -> Choice:
+    ratio = data.imbalance
+    if ratio >= IMBALANCE:
+        return Choice("sampler", f"the largest class is {ratio:.1f}x the smallest: classes drawn equally often")
+    return Choice("none", f"the largest class is {ratio:.1f}x the smallest (under {IMBALANCE:g}x): unweighted")

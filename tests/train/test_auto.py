@@ -1,0 +1,180 @@
+"""`auto` chosen from the data (tasks/train/auto.py): an image folder's epochs, early stopping and class
+balance follow its training split, each choice is recorded with its reason (train.json, the checkpoint's
+config, MLflow, the model card), and fine-tuning continues with what train chose."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.fakedata.imagefolder import imagefolder_tree
+from tasks.core import layout
+from tasks.core.config.data import SOURCES
+from tasks.core.config.params import Params
+from tasks.core.config.train import TrainConfig
+from tasks.core.config.yaml_io import load_params
+from tasks.data.download import download
+from tasks.data.preprocess import Preprocessed, preprocess
+from tasks.data.stats import compute_stats
+from tasks.determinism.bootstrap import start
+from tasks.train import auto
+from tasks.train.auto import DataProfile, as_trained, resolve
+from tasks.train.checkpoints import read_safetensors, result_config
+from tasks.train.stage import train
+from tests.conftest import write_params
+
+FOLDER = {"source": "imagefolder", "path": "/data/photos"}
+FROM_DATA = {"epochs": "auto", "early_stop_patience": "auto", "class_balance": "auto"}
+
+
+def _profile(*counts: int, shape: tuple[int, int, int] = (3, 32, 32)) -> DataProfile:
+    return DataProfile(tuple(counts), shape)
+
+
+@pytest.mark.parametrize(
+    ("images", "epochs"),
+    [
+        (173, 200),  # 3 steps an epoch: 600 steps would be 200 epochs, the most
+        (726, 50),  # 12 steps: 50 epochs reach 600
+        (1374, 28),  # 22 steps
+        (5000, 15),  # 79 steps: 600 in 8 epochs, but never fewer than 15
+        (12, 200),  # one step an epoch: the most, not 600
+    ],
+)
+def test_epochs_give_a_small_folder_the_steps_a_large_one_gets(images: int, epochs: int) -> None:
+    cfg, choices = resolve(TrainConfig(**FROM_DATA), _profile(images // 2, images - images // 2))
+    assert cfg.epochs == choices["epochs"].value == epochs
+    assert f"{images} training images" in choices["epochs"].reason
+
+
+def test_accumulated_batches_count_as_one_step() -> None:
+    cfg, _ = resolve(TrainConfig(**FROM_DATA, batch_size=32, accumulate_steps=2), _profile(363, 363))
+    assert cfg.epochs == 50  # 12 optimiser steps of 64 images, as batch_size 64 alone
+
+
+def test_patience_is_half_the_run_and_absent_when_it_would_never_stop() -> None:
+    long, choices = resolve(TrainConfig(**FROM_DATA), _profile(100, 73))
+    assert (long.epochs, long.early_stop_patience) == (200, 100)
+    assert "half of 200 epochs" in choices["early_stop_patience"].reason
+    short, _ = resolve(TrainConfig(**FROM_DATA), _profile(2500, 2500))
+    assert (short.epochs, short.early_stop_patience) == (15, 10)
+    given, _ = resolve(TrainConfig(**{**FROM_DATA, "epochs": 8}), _profile(100, 73))
+    assert given.early_stop_patience is None  # 10 epochs of patience in 8: it could never stop
+
+
+@pytest.mark.parametrize(
+    ("counts", "balance"), [((100, 90, 80), "none"), ((300, 100), "sampler"), ((500, 50), "sampler")]
+)
+def test_class_balance_follows_the_largest_class_over_the_smallest(counts: tuple[int, ...], balance: str) -> None:
+    cfg, choices = resolve(TrainConfig(**FROM_DATA), _profile(*counts))
+    assert cfg.class_balance == choices["class_balance"].value == balance
+    assert f"{max(counts) / min(counts):.1f}x" in choices["class_balance"].reason
+
+
+def test_what_the_user_set_is_kept_and_a_published_source_is_resolved_when_params_load() -> None:
+    given = TrainConfig(epochs=7, early_stop_patience=3, class_balance="sampler")
+    assert resolve(given, _profile(500, 5)) == (given, {})
+    digits = Params.model_validate({"train": FROM_DATA}).train  # digits: a measured recipe, no data rule
+    assert (digits.epochs, digits.early_stop_patience, digits.class_balance) == (30, None, "none")
+    assert resolve(digits, _profile(500, 5)) == (digits, {})
+    folder = Params.model_validate({"data": FOLDER, "train": FROM_DATA}).train
+    assert (folder.epochs, folder.early_stop_patience, folder.class_balance) == ("auto", "auto", "auto")
+    assert SOURCES["imagefolder"].recipe.epochs == "auto"
+
+
+def test_compress_continues_with_what_train_chose() -> None:
+    folder = Params.model_validate({"data": FOLDER, "train": FROM_DATA}).train
+    chosen, _ = resolve(folder, _profile(300, 60))
+    # the checkpoint records the recipe keys that differ from their defaults: patience and balance here
+    tuned = as_trained(folder, result_config(chosen))
+    assert (tuned.epochs, tuned.early_stop_patience, tuned.class_balance) == (100, 50, "sampler")  # 6 steps an epoch
+    unweighted, _ = resolve(folder, _profile(300, 250))  # class_balance "none": left out of the checkpoint
+    assert as_trained(folder, result_config(unweighted)).class_balance == "none"
+
+
+def test_the_profile_counts_the_split_without_reading_its_images() -> None:
+    split = Preprocessed(np.zeros((5, 3, 4, 6), np.uint8), np.array([0, 2, 2, 2, 0]), ["a", "b", "c"], [0.5], [0.2])
+    assert auto.profile(split) == DataProfile((2, 0, 3), (3, 4, 6))
+    assert auto.profile(split).imbalance == 1.5  # an absent class is no class to balance
+
+
+def test_the_train_stage_chooses_and_records_why(pre: Path, tmp_path: Path) -> None:
+    cfg = TrainConfig(model="small_cnn", augment="none", max_batches=1, num_workers=0, **FROM_DATA)
+    start(42, 1)
+    result = train(cfg, 42, pre, tmp_path)
+    recorded = json.loads((tmp_path / "train.json").read_text())["recipe"]
+    assert recorded == result.recipe
+    assert recorded["epochs"]["value"] == 30  # 1,238 digits make 20 steps an epoch: 30 epochs for 600
+    assert "1238 training images make 20 optimiser steps an epoch" in recorded["epochs"]["reason"]
+    assert recorded["class_balance"]["value"] == "none"
+    config = read_safetensors(tmp_path / "best.safetensors", tensors=False)[0]["config"]
+    assert config["epochs"] == 30 and config["early_stop_patience"] == 15  # numbers, never "auto"
+    rows = json.loads((tmp_path / "history.json").read_text())
+    assert result.stopped_early_at == (len(rows) if len(rows) < 30 else None)
+
+
+@pytest.fixture
+def folder_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Params, str]:
+    """A project of 8x8 grey noise in three classes, 5:5:1 (imbalanced): params with every `auto` left
+    in, and an MLflow store of its own (sqlite), the process inside it as `python -m tasks` would be."""
+    from mlflow import MlflowClient
+
+    photos = tmp_path / "photos"
+    imagefolder_tree(photos, classes=("a", "b"), per_class=50, size=(8, 8), mode="L")
+    imagefolder_tree(photos, classes=("c",), per_class=10, size=(8, 8), mode="L", seed=1)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    MlflowClient(tracking_uri=uri).create_experiment("lockstep", artifact_location=(tmp_path / "mlruns").as_uri())
+    params = load_params(
+        write_params(
+            tmp_path / "params.yaml",
+            {
+                "data": {"source": "imagefolder", "path": str(photos), "channels": 1},
+                "train": {"model": "small_cnn", "augment": "none", "max_batches": 1, "num_workers": 0},
+                "determinism": {"num_threads": 1},
+                "compress": {"latency_runs": 20, "latency_warmup": 1},
+            },
+        )
+    )
+    return params, uri
+
+
+@pytest.mark.slow
+def test_a_folder_run_records_each_choice_in_mlflow_the_card_and_compress(folder_project: tuple[Params, str]) -> None:
+    from mlflow import MlflowClient
+
+    from tasks.runner import run_stage
+
+    params, uri = folder_project
+    assert params.train.epochs == params.train.class_balance == "auto"  # left to the train stage
+    # the data stages as functions (their runs would `dvc add` in a folder that is no DVC repo)
+    download(params.data, layout.DATA_DIR, Path("cache"))
+    stats = compute_stats(layout.DATA_DIR, params.split, params.seed, 4096)
+    layout.STATS_FILE.parent.mkdir(parents=True)
+    layout.STATS_FILE.write_text(json.dumps(asdict(stats)))
+    preprocess(layout.DATA_DIR, stats, params.split, params.seed, layout.PREPROCESSED_DIR)
+    for stage in ("train", "evaluate", "compress", "export"):
+        run_stage(stage, params)
+    recipe = json.loads((layout.TRAIN_DIR / "train.json").read_text())["recipe"]
+    # 84 training images: 2 steps an epoch, 300 wanted, 200 at most; the largest class 5x the smallest
+    assert {key: choice["value"] for key, choice in recipe.items()} == {
+        "epochs": 200,
+        "early_stop_patience": 100,
+        "class_balance": "sampler",
+    }
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("lockstep").experiment_id
+    (train_run,) = client.search_runs(experiment, "tags.`lockstep.stage` = 'train'")
+    logged = train_run.data.params
+    assert logged["train.epochs"] == "auto" and logged["auto.train.epochs"] == "200"
+    assert logged["auto.train.class_balance.reason"] == recipe["class_balance"]["reason"]
+    card = (layout.EXPORT_DIR / "model_card.md").read_text()
+    assert f"- class_balance (auto, from the data): `sampler`: {recipe['class_balance']['reason']}" in card
+    # compress fine-tuned nothing here, but resolved from the checkpoint what it would fine-tune with
+    config = read_safetensors(layout.TRAIN_DIR / "best.safetensors", tensors=False)[0]["config"]
+    assert as_trained(params.train, config).class_balance == "sampler"
