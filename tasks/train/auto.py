@@ -21,7 +21,8 @@ Why these rules (docs/training.md, "Real image sets", has the measurements):
 - class balance: past `IMBALANCE` (largest class over smallest) each epoch draws every class equally
   often (`sampler`), so a small class is not given up for the large one's accuracy. On 726 icons whose
   largest class has 15x the smallest's images, 50 epochs: macro recall 0.50 unbalanced, 0.63 sampled,
-  at 0.7 points of accuracy; inverse-frequency loss weights (`loss`) trained worse (docs/training.md).
+  at 0.7 points of accuracy (docs/training.md). Inverse-frequency loss weights (`loss`) had not begun
+  to learn by epoch 12 in the one run they were tried (cut short by a patience of 10): unmeasured beyond.
 """
 
 from __future__ import annotations
