@@ -158,11 +158,13 @@ def _run_stages(project: Path, seconds: dict[str, float]) -> dict[str, Any]:
     history = json.loads((artifacts / "train" / "history.json").read_text())
     gates = json.loads((artifacts / "export" / "gates.json").read_text())
     metrics = json.loads((artifacts / "evaluate" / "metrics.json").read_text())
+    trained = json.loads((artifacts / "train" / "train.json").read_text())
     return {
         "images": pre["split_sizes"],
         "shape": pre["image_shape"],
         "model": load_params(project / "params.yaml").train.model,  # auto resolved
         "epochs": len(history),
+        "auto": {key: choice["value"] for key, choice in trained.get("recipe", {}).items()},  # chosen from the data
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
         "test_accuracy": metrics["accuracy"],
         "macro_recall": metrics["macro_recall"],

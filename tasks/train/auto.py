@@ -11,7 +11,7 @@ same bytes, on every rank of a DDP job and in every process that asks again.
 Why these rules (docs/training.md, "Real image sets", has the measurements):
 - epochs: what limits a small folder is optimiser steps, not epochs. 15 epochs of 173 images is 45
   steps of 64 images, and the model ends far from fitting its own training set. Every folder gets at
-  least `STEP_BUDGET` steps (the digits recipe takes ~510), at least `MIN_EPOCHS` epochs (what a
+  least `STEP_BUDGET` steps (the digits recipe: 30 epochs of 20), at least `MIN_EPOCHS` epochs (what a
   large folder gets, as before), and at most `MAX_EPOCHS`.
 - early stopping guards the longer budget: a run whose validation score has not improved for half its
   epochs (at least `MIN_PATIENCE`) ends there; best.safetensors is still the best epoch's. Not sooner:
