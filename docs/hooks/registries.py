@@ -105,20 +105,21 @@ def _source_recipes() -> str:
             (
                 f"`{name}`",
                 f"`{recipe.model}`",
-                _from_data(recipe.epochs),
+                _from_data(recipe.epochs, recipe.epochs),
                 "yes" if recipe.hflip else "no",
                 augment,
-                _from_data(recipe.early_stop_patience if recipe.early_stop_patience is not None else "no"),
-                _from_data(f"`{recipe.class_balance}`"),
+                _from_data(recipe.early_stop_patience, recipe.early_stop_patience or "no"),
+                _from_data(recipe.class_balance, f"`{recipe.class_balance}`"),
             )
         )
     return _table(("source", "model", "epochs", "mirroring", "augment", "early stop", "class balance"), rows)
 
 
-def _from_data(value: object) -> object:
+def _from_data(value: object, shown: object) -> object:
+    """A recipe's cell: `shown`, or what the train stage does with a value left to the data."""
     from tasks.core.config.data import FROM_DATA
 
-    return "from the data" if value in (FROM_DATA, f"`{FROM_DATA}`") else value
+    return "from the data" if value == FROM_DATA else shown
 
 
 def _models() -> str:

@@ -97,8 +97,7 @@ def as_trained(cfg: TrainConfig, trained: dict[str, Any]) -> TrainConfig:
     "config" (tasks/train/checkpoints.py `result_config`, which leaves out recipe keys at their defaults).
     Fine-tuning (compress) continues the training the checkpoint had, not a new choice."""
     left = [key for key in AUTO_KEYS if getattr(cfg, key) == "auto"]
-    defaults = TrainConfig()
-    return cfg.model_copy(update={key: trained.get(key, getattr(defaults, key)) for key in left})
+    return cfg.model_copy(update={key: trained.get(key, TrainConfig.model_fields[key].default) for key in left})
 
 
 def _epochs(cfg: TrainConfig, data: DataProfile) -> Choice:

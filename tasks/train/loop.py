@@ -24,7 +24,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from tasks.core.config.train import TrainConfig
+from tasks.core.config.train import SOURCE_AUTO_KEYS, TrainConfig
 from tasks.core.errors import ExpectedFailure
 from tasks.data.preprocess import Preprocessed, load_split, read_rows
 from tasks.determinism.dispatch import installed as portable_installed
@@ -41,9 +41,6 @@ from tasks.train.recipe import better, should_stop, warmup_factor, warmup_steps,
 # there is nothing to wait for: every step is checked, before its update.
 FINITE_CHECK_EVERY_CUDA = 50
 ALONE = Distributed()  # a lone process: rank 0 of 1
-# what `auto` must have become before a loop is built (random_shift's and device's own `auto` are the
-# loop's to resolve)
-RESOLVED_KEYS = ("model", "epochs", "hflip", "augment", "early_stop_patience", "class_balance")
 VALIDATION_BLOCK = 8 * 1024  # images read at once to validate: a multiple of predict's batch of 1024
 
 
@@ -226,7 +223,8 @@ def build_training(
     model: nn.Module | None = None,
 ) -> Training:
     """The loop's parts for `split`: a new `cfg.model` (from torch's seeded RNG) unless `model` is given."""
-    unresolved = [key for key in RESOLVED_KEYS if getattr(cfg, key) == "auto"]
+    # (random_shift's and device's own `auto` are the loop's to resolve)
+    unresolved = [key for key in SOURCE_AUTO_KEYS if getattr(cfg, key) == "auto"]
     if unresolved:
         raise ValueError(
             f"train.{', train.'.join(unresolved)}: 'auto' depends on the data: resolve with TrainConfig.for_source "

@@ -14,7 +14,7 @@ from tasks.core.config.data import ChecksConfig, DataConfig, SplitConfig, StatsC
 from tasks.core.config.service import OrchestrationConfig, TrackingConfig
 from tasks.core.config.ship import CompressConfig, ExportConfig, PromotionConfig
 from tasks.core.config.sweep import SweepConfig
-from tasks.core.config.train import DeterminismConfig, EvaluateConfig, TrainConfig
+from tasks.core.config.train import SOURCE_AUTO_KEYS, DeterminismConfig, EvaluateConfig, TrainConfig
 
 # What a params file that leaves a key out gets, where params.yaml ships another value than a section
 # made alone in code has (a TrainConfig() has concrete values, for the tests and tools that build one
@@ -22,7 +22,7 @@ from tasks.core.config.train import DeterminismConfig, EvaluateConfig, TrainConf
 # (tests/core/test_config.py holds an empty file equal to params.yaml.)
 FILE_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {
-        **dict.fromkeys(("model", "epochs", "hflip", "augment", "early_stop_patience", "class_balance"), "auto"),
+        **dict.fromkeys(SOURCE_AUTO_KEYS, "auto"),
         "label_smoothing": 0.1,
     },
     "sweep": {

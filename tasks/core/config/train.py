@@ -111,6 +111,9 @@ AUGMENT_PRESETS: Registry[AugmentPreset] = Registry(
     },
 )
 AugmentName = AUGMENT_PRESETS.named("auto")
+# The train keys whose `auto` a data source's recipe decides (tasks/core/config/data.py SourceRecipe):
+# resolved by `for_source`, or, what the recipe leaves to the data, by the train stage.
+SOURCE_AUTO_KEYS = ("model", "epochs", "hflip", "augment", "early_stop_patience", "class_balance")
 
 
 class TrainConfig(Section):
@@ -202,14 +205,7 @@ class TrainConfig(Section):
         `channels`, data.channels). What the recipe leaves to the data (FROM_DATA) stays `auto`, for the
         train stage to choose (tasks/train/auto.py)."""
         recipe = SOURCES[source].recipe
-        resolved = dict(
-            model=recipe.model,
-            epochs=recipe.epochs,
-            hflip=recipe.hflip,
-            augment=recipe.augment_for(channels),
-            early_stop_patience=recipe.early_stop_patience,
-            class_balance=recipe.class_balance,
-        )
+        resolved = {key: getattr(recipe, key) for key in SOURCE_AUTO_KEYS} | {"augment": recipe.augment_for(channels)}
         update = {key: value for key, value in resolved.items() if getattr(self, key) == "auto"}
         return self.model_copy(update=update) if update else self
 
