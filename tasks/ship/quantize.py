@@ -58,7 +58,20 @@ class _Calibration:
         return next(self._batches, None)
 
 
-def static_int8(fp32: Path, out: Path, calibration: np.ndarray, batch_size: int = 64) -> None:
+# How `static_int8` quantizes (onnxruntime.quantization.quantize_static's keywords, enums by name);
+# benchmarks/compression.py times the alternatives against these.
+STATIC_INT8 = {
+    "quant_format": "QDQ",
+    "per_channel": True,
+    "activation_type": "QUInt8",
+    "weight_type": "QInt8",
+    "reduce_range": True,
+}
+
+
+def static_int8(
+    fp32: Path, out: Path, calibration: np.ndarray, batch_size: int = 64, options: dict[str, object] | None = None
+) -> None:
     """int8 weights (per output channel) and activations (ranges calibrated on `calibration`), QDQ format.
 
     Weights use 7 bits (`reduce_range`): on x86 CPUs without VNNI, ORT's u8 x s8 kernels add pairs of
@@ -70,17 +83,16 @@ def static_int8(fp32: Path, out: Path, calibration: np.ndarray, batch_size: int 
     # heavy: onnxruntime.quantization (~0.5 s+), only for the static int8 variant
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
+    chosen = {**STATIC_INT8, **(options or {})}
+    enums = {"quant_format": QuantFormat, "activation_type": QuantType, "weight_type": QuantType}
+    keywords = {key: enums[key][value] if key in enums else value for key, value in chosen.items()}
     with tempfile.TemporaryDirectory(dir=out.parent) as workdir, atomic_file(out) as tmp:
         quantize_static(
             _preprocessed(fp32, Path(workdir)),
             tmp,
             _Calibration(calibration, batch_size),
-            quant_format=QuantFormat.QDQ,
-            per_channel=True,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            reduce_range=True,
             calibrate_method=CalibrationMethod.MinMax,
+            **keywords,
         )
     _strip(out)
 

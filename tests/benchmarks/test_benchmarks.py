@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import markdown, unargued_misses
-from benchmarks.compression import SMOKE_VARIANTS
+from benchmarks.compression import SMOKE_INT8_OPTIONS, SMOKE_VARIANTS
 from benchmarks.harness import Figure
 from benchmarks.portable_cost import SMOKE_STEP_MODELS
 from tests.conftest import ROOT, run
@@ -91,6 +91,10 @@ def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     # the variants B6's figures read, no more (each other one costs a fine-tune and an export; tests/ship builds them)
     assert {row["variant"] for row in figures["B6-size"]["details"]["rows"]} == {"fp32", *SMOKE_VARIANTS}
     assert {"static_int8", "pruned_l1"} <= set(SMOKE_VARIANTS)
+    options = figures["B6-speed"]["details"]["int8_options"]  # the quantizer's alternatives, timed against fp32
+    assert set(options) == {"shipped", *SMOKE_INT8_OPTIONS}
+    for row in options.values():
+        assert row["speedup_b1_t1"] > 0 and row["speedup_b64_t1"] > 0 and 0 <= row["top1_agreement"] <= 1
     assert "| B1 |" in table
     streamed = figures["B12"]["details"]  # one epoch, then a scoring pass, over a split streamed from its file
     assert streamed["images"] == 8192 and streamed["epoch_s"] > 0 and streamed["peak_mib"] >= streamed["before_mib"]
