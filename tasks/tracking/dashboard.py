@@ -63,6 +63,8 @@ class Headline:
     metrics: dict[str, float] = field(default_factory=dict)
     shipped_variant: str | None = None
     curves: list[dict[str, float]] = field(default_factory=list)
+    # what the train stage chose for the keys params.yaml left `auto` (train.json's `recipe`), by key
+    recipe: dict[str, Any] = field(default_factory=dict)
 
 
 def _json(path: Path) -> Any:
@@ -82,7 +84,8 @@ def headline(root: Path = Path(".")) -> Headline:
     metrics.update({f"shipped_{'test_' if k == 'accuracy' else ''}{k}": v for k, v in shipped.items()})
     variant = gates.get("variant")
     curves = _json(root / layout.TRAIN_DIR / "history.json") or []
-    return Headline({k: float(v) for k, v in metrics.items()}, variant, curves)
+    recipe = {key: choice["value"] for key, choice in train.get("recipe", {}).items()}
+    return Headline({k: float(v) for k, v in metrics.items()}, variant, curves, recipe)
 
 
 def run_name(entry_point: str, stages_run: list[str], data_md5: str) -> str:
@@ -121,7 +124,7 @@ def _view_state() -> str:
     columns = [
         "attributes.`Dataset`",
         *(f"metrics.`{key}`" for key in metrics),
-        *(f"params.`{key}`" for key in ("data.source", "train.model", "train.epochs", "train.lr")),
+        *(f"params.`{key}`" for key in ("data.source", "train.model", "train.epochs", "auto.train.epochs", "train.lr")),
         "tags.`export.shipped_variant`",
         "tags.`registry.version`",
     ]
@@ -157,7 +160,7 @@ def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, 
     if not finished:
         return
     # heavy: mlflow (~4 s), only when a run is logged; the no-op path never loads it
-    from mlflow.entities import Metric, RunTag
+    from mlflow.entities import Metric, Param, RunTag
 
     result = headline()
     metrics = [Metric(*m) for m in headline_metrics(result, run.data.metrics, int(time.time() * 1000))]
@@ -168,6 +171,9 @@ def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, 
     for start in range(0, len(metrics), 1000):  # MLflow's limit per batch
         client.log_batch(run_id, metrics=metrics[start : start + 1000])
     client.log_batch(run_id, tags=[RunTag(k, redact(str(v))) for k, v in tags.items()])
+    new = [Param(k, v) for k, v in recipe_params(result).items() if k not in run.data.params]
+    if new:
+        client.log_batch(run_id, params=new)
     log_dataset(client, run_id, params)
 
 
@@ -179,6 +185,13 @@ def headline_metrics(result: Headline, logged: dict[str, float], now: int) -> li
     if any(logged.get(k) != float(last[k]) for k in CURVES if k in last):
         metrics += [(k, float(row[k]), now, int(row["epoch"])) for row in result.curves for k in CURVES if k in row]
     return metrics
+
+
+def recipe_params(result: Headline) -> dict[str, str]:
+    """What the train stage chose for the keys params.yaml left `auto`, as the pipeline run's params
+    (`train.epochs` was logged as written, `auto`, and a logged param never changes); the train stage's
+    run has each reason too."""
+    return {f"auto.train.{key}": str(value) for key, value in result.recipe.items()}
 
 
 def shown_params(params: Params) -> dict[str, str]:

@@ -7,7 +7,7 @@ mappings), against ~0.05 s for the rows themselves. So this one record, of one s
 the standard library's sqlite3, in one transaction, as MLflow 3.17's SqlAlchemyStore writes it
 (`create_run`, `log_batch`, `log_inputs`, `update_run_info`: the same columns, values and latest-metric
 rule). Its content comes from the same functions MLflow's path uses (tasks/tracking/runs.py
-`pipeline_tags`, dashboard.py `shown_params`, `headline_metrics`, `run_name`); tests/tracking/
+`pipeline_tags`, dashboard.py `shown_params`, `recipe_params`, `headline_metrics`, `run_name`); tests/tracking/
 test_sqlite_record.py compares the two runs as MLflow's client reads them back.
 
 It writes only when it can be sure; otherwise it returns None and the caller uses MLflow's client:
@@ -39,6 +39,7 @@ from tasks.tracking.dashboard import (
     dataset_name,
     headline,
     headline_metrics,
+    recipe_params,
     run_name,
     shown_params,
 )
@@ -74,7 +75,7 @@ def record_pipeline_run(uri: str, params: Params, entry_point: str, extra_tags: 
     tags[RUN_NAME_TAG] = run_name(entry_point, [], md5)
     content = {
         "tags": tags,
-        "params": shown_params(params),
+        "params": shown_params(params) | recipe_params(result),
         "metrics": headline_metrics(result, {}, _now()),
         "dataset": (dataset_name(params), md5.removesuffix(".dir")) if md5 != "none" else None,
     }

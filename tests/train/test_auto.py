@@ -149,6 +149,7 @@ def test_a_folder_run_records_each_choice_in_mlflow_the_card_and_compress(folder
     from mlflow import MlflowClient
 
     from tasks.runner import run_stage
+    from tasks.tracking.runs import pipeline_run
 
     params, uri = folder_project
     assert params.train.epochs == params.train.class_balance == "auto"  # left to the train stage
@@ -178,3 +179,9 @@ def test_a_folder_run_records_each_choice_in_mlflow_the_card_and_compress(folder
     # compress fine-tuned nothing here, but resolved from the checkpoint what it would fine-tune with
     config = read_safetensors(layout.TRAIN_DIR / "best.safetensors", tensors=False)[0]["config"]
     assert as_trained(params.train, config).class_balance == "sampler"
+    # the pipeline's run, recorded from these outputs, names what auto became beside what params.yaml says
+    with pipeline_run(params.tracking, entry_point="dvc", params=params) as pipeline_id:
+        assert pipeline_id is not None
+    shown = client.get_run(pipeline_id).data.params
+    assert shown["train.epochs"] == "auto" and shown["auto.train.epochs"] == "200"
+    assert shown["auto.train.class_balance"] == "sampler"
