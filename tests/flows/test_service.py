@@ -59,7 +59,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prefect_database: Path) -> I
     orchestration = {"notify": {"format": "generic"}, "cron": CRON}
     data = {"source": "imagefolder", "path": str(images), "channels": 1}
     compress = {"variants": ["static_int8"]}
-    repo = copy_project(base / "repo", {"data": data, "compress": compress, "orchestration": orchestration})
+    # ONNX alone: nothing here reads the pt2 copy, whose torch.export costs each of the four exports ~2.7 CPU-s
+    export = {"formats": ["onnx"]}
+    repo = copy_project(
+        base / "repo", {"data": data, "compress": compress, "export": export, "orchestration": orchestration}
+    )
     seed_prefect_home(repo / ".prefect", prefect_database)  # as the project's first `make run` leaves it
     mlflow = f"http://127.0.0.1:{free_port()}"
     mlflow_server = ["mlflow", "server", "--backend-store-uri", f"sqlite:///{base / 'mlflow-server.db'}"]

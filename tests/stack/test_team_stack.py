@@ -79,6 +79,7 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         {
             "data": {"source": "imagefolder", "path": str(images), "channels": 1},
             "compress": {"variants": ["static_int8"]},
+            "export": {"formats": ["onnx"]},  # nothing here reads the pt2 copy (torch.export: ~2.7 CPU-s)
             "orchestration": {"cron": cron_far_from_now()},  # no nightly run beside the tests' own
         },
     )

@@ -34,6 +34,7 @@ CLIENT_DIR = "/root/lockstep-stack"  # where a client host keeps the stack's cli
 PROJECT: dict[str, Any] = {
     "train": {"epochs": 2},
     "compress": {"variants": ["static_int8"]},
+    "export": {"formats": ["onnx"]},  # nothing on the bed reads the pt2 copy (torch.export: ~2.7 CPU-s a run)
     "orchestration": {"cron": None},
 }
 POOL = "lockstep-bed"  # the work pool the laptop deploys to (made by `deploy`, locked)
