@@ -9,6 +9,7 @@ flows.pipeline`, which `make run` runs); tests/core/test_config.py runs both as 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import re
 import string
@@ -134,7 +135,7 @@ def _out_of_range(field: FieldInfo) -> list[Any]:
 
 
 def _set(doc: dict, key: str, value: Any) -> dict:
-    doc = yaml.safe_load(yaml.safe_dump(doc))  # a deep copy
+    doc = copy.deepcopy(doc)
     node = doc
     *parents, leaf = key.split(".")
     for part in parents:
