@@ -20,7 +20,7 @@ import numpy as np
 
 from benchmarks.data import params, prepared
 from benchmarks.harness import Figure
-from tasks.core.config.ship import COMPRESSION_VARIANTS
+from tasks.core.config.ship import COMPRESSION_VARIANTS, CompressConfig
 from tasks.determinism.bootstrap import start
 from tasks.determinism.threads import resolve
 
@@ -74,9 +74,7 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
     speed = [median_latency_ms(sessions, batch, runs, warmup=10) for _ in range(rounds)]
     b64 = {name: statistics.median(r[name] for r in speed) for name in sessions}
 
-    options = int8_options(
-        work, threads, pre, cfg.calibration_size, SMOKE_INT8_OPTIONS if smoke else tuple(INT8_OPTIONS), runs
-    )
+    options = int8_options(work, threads, pre, cfg, p.seed, SMOKE_INT8_OPTIONS if smoke else tuple(INT8_OPTIONS), runs)
     table = markdown_table(result.rows)
     figures = [
         Figure(
@@ -128,20 +126,22 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
     return figures  # (the smoke run drops the verdicts: they would judge an untrained model)
 
 
-def int8_options(work: Path, threads: int, pre: Path, calibration_size: int, names: tuple[str, ...], runs: int) -> dict:
+def int8_options(
+    work: Path, threads: int, pre: Path, cfg: CompressConfig, seed: int, names: tuple[str, ...], runs: int
+) -> dict:
     """Each of `names` (INT8_OPTIONS) quantized from B6's fp32 file: its speed-up over fp32 (median
     latency, fp32's / its own) at batch 1 and 64 on 1 and `threads` threads, and its top-1 agreement
     with fp32 on the test split; "shipped" is the compress stage's own static_int8 file."""
     # the stages' modules (ONNX Runtime) load only when this benchmark runs
     from tasks.data.preprocess import load_split, take_rows
-    from tasks.ship.compress import latency_batch
+    from tasks.ship.compress import calibration_indices, latency_batch
     from tasks.ship.onnx_model import INPUT, as_pixels, median_latency_ms, session
     from tasks.ship.quantize import static_int8
 
     models = work / "b6" / "models"
     files = {"fp32": models / "fp32.onnx", "shipped": models / "static_int8.onnx"}
-    train = load_split(pre, "train").images
-    calibration = take_rows(train, np.arange(min(calibration_size, train.shape[0])))
+    train = load_split(pre, "train").images  # calibrated on the images the compress stage calibrates on
+    calibration = take_rows(train, calibration_indices(train.shape[0], cfg, seed))
     for name in names:
         files[name] = work / "b6-options" / f"{name.replace(' ', '_').replace(',', '')}.onnx"
         files[name].parent.mkdir(parents=True, exist_ok=True)

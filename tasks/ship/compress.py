@@ -145,7 +145,7 @@ def compress(
         return tune
 
     def calibration() -> np.ndarray:
-        return take_rows(train.images, _calibration_indices(len(train.labels), cfg, seed))
+        return take_rows(train.images, calibration_indices(len(train.labels), cfg, seed))
 
     with atomic_dir(out_dir) as staging:
         models = staging / "models"
@@ -165,7 +165,7 @@ def compress(
     return result
 
 
-def _calibration_indices(n: int, cfg: CompressConfig, seed: int) -> np.ndarray:
+def calibration_indices(n: int, cfg: CompressConfig, seed: int) -> np.ndarray:
     """A seeded, sorted subset of the training split (sorted: reads in file order)."""
     size = min(cfg.calibration_size, n)
     return np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))

@@ -12,8 +12,9 @@ before QAT starts (qat); the quantizers absorb ReLU into the conv's output quant
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -60,19 +61,22 @@ class _Calibration:
 
 # How `static_int8` quantizes (onnxruntime.quantization.quantize_static's keywords, enums by name);
 # benchmarks/compression.py times the alternatives against these.
-STATIC_INT8 = {
-    "quant_format": "QDQ",
-    "per_channel": True,
-    "activation_type": "QUInt8",
-    "weight_type": "QInt8",
-    "reduce_range": True,
-}
+STATIC_INT8: Mapping[str, object] = MappingProxyType(
+    {
+        "quant_format": "QDQ",
+        "per_channel": True,
+        "activation_type": "QUInt8",
+        "weight_type": "QInt8",
+        "reduce_range": True,
+    }
+)
 
 
 def static_int8(
-    fp32: Path, out: Path, calibration: np.ndarray, batch_size: int = 64, options: dict[str, object] | None = None
+    fp32: Path, out: Path, calibration: np.ndarray, batch_size: int = 64, options: Mapping[str, object] | None = None
 ) -> None:
-    """int8 weights (per output channel) and activations (ranges calibrated on `calibration`), QDQ format.
+    """int8 weights (per output channel) and activations (ranges calibrated on `calibration`), QDQ format;
+    `options` replace any of `STATIC_INT8` (min-max calibration always).
 
     Weights use 7 bits (`reduce_range`): on x86 CPUs without VNNI, ORT's u8 x s8 kernels add pairs of
     products in int16 (vpmaddubsw), which saturates with full-range weights, so the same int8 file

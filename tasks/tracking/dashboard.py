@@ -149,8 +149,9 @@ def ensure_training_view(client: Any, experiment: Any) -> None:
 
 
 def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, finished: bool) -> None:
-    """Name the pipeline run for what it did; when it finished, its headline numbers, curves, data and
-    the registry decision of the export it ran. (Its params are logged when it starts.)"""
+    """Name the pipeline run for what it did; when it finished, its headline numbers, curves, data, the
+    registry decision of the export it ran and what `auto` became (`recipe_params`; the others are
+    logged when it starts)."""
     run = client.get_run(run_id)
     children = client.search_runs(
         [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=100
@@ -171,9 +172,12 @@ def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, 
     for start in range(0, len(metrics), 1000):  # MLflow's limit per batch
         client.log_batch(run_id, metrics=metrics[start : start + 1000])
     client.log_batch(run_id, tags=[RunTag(k, redact(str(v))) for k, v in tags.items()])
-    new = [Param(k, v) for k, v in recipe_params(result).items() if k not in run.data.params]
-    if new:
-        client.log_batch(run_id, params=new)
+    # A param is logged once, so only the recipe this run trained with, or (nothing ran) the one on disk:
+    # an earlier stage of a DVC session would log the previous run's, which its own train cannot replace.
+    if "train" in by_stage or not by_stage:
+        new = [Param(k, v) for k, v in recipe_params(result).items() if k not in run.data.params]
+        if new:
+            client.log_batch(run_id, params=new)
     log_dataset(client, run_id, params)
 
 

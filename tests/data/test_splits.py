@@ -388,6 +388,10 @@ def test_hash_split_is_seeded_deterministic_and_near_the_fractions(
     assert all(np.all(np.diff(first[name]) > 0) for name in SPLITS)  # sorted: chunked reads stay sequential
     digests = content_digests(snapshot.rows)
     assert all(np.array_equal(split_indices(snapshot, SPLIT, 7, digests)[name], first[name]) for name in SPLITS)
+    # read a block at a time, blocks of any size (the last one short) give the same split
+    for chunk_size in (100, 1000):
+        chunked = split_indices(snapshot, SPLIT, 7, chunk_size=chunk_size)
+        assert all(np.array_equal(chunked[name], first[name]) for name in SPLITS), chunk_size
     per_class = np.bincount(labels, minlength=10)
     for name, fraction in (("train", 0.7), ("val", 0.15), ("test", 0.15)):
         # binomial: about 0.15 +- 0.008 of all 1797 images, +- 0.027 of each class's ~180
