@@ -21,14 +21,14 @@ export UV_PROJECT_ENVIRONMENT := $(VENV)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run run-dvc plots sweep tune test test-all lint docs bench real-sets bench-hosts gpu-check predict serve-model reproduce \
+.PHONY: help run run-dvc plots sweep tune test test-all lint docs bench real-sets bench-hosts arm64-env gpu-check predict serve-model reproduce \
 	schedule ui mlflow-server mark-orphans stack stack-down stack-join env clean repro serve
 
 # What a target passes on to its command (the one way to give a target arguments).
 ARGS ?=
 # The targets whose command takes no arguments refuse ARGS rather than ignore them, while the Makefile is
 # read: nothing is built or run first (README.md, "Other commands", lists the targets that take ARGS).
-TAKES_NO_ARGS := help plots lint docs serve-model mlflow-server stack stack-down stack-join env clean
+TAKES_NO_ARGS := help plots lint docs serve-model mlflow-server stack stack-down stack-join env clean arm64-env
 ifneq ($(strip $(ARGS)),)
 ifneq ($(filter $(TAKES_NO_ARGS),$(or $(MAKECMDGOALS),help)),)
 $(error make $(firstword $(filter $(TAKES_NO_ARGS),$(or $(MAKECMDGOALS),help))) takes no ARGS (it would ignore ARGS="$(ARGS)"))
@@ -106,6 +106,12 @@ real-sets: $(STAMP)  ## build the real image sets into ~/.cache/lockstep/real-se
 # namespaces; minutes; tests/hosts/bench.py): what the network costs. Row: benchmarks/results/many-hosts.json.
 bench-hosts: $(STAMP)  ## the pipeline across hosts vs on one host, on the namespaces bed (root): ARGS="--repeats 2"
 	$(VENV)/bin/python -m tests.hosts.bench --json benchmarks/results/many-hosts.json $(ARGS)
+
+# The emulated arm64 machine the portable mode's cross-architecture test runs on (tests/support/arm64.py):
+# Debian's qemu-user-static, aarch64 g++ and arm64 Python, the lock's arm64 wheels (~5 GB, cached in
+# ~/.cache/lockstep/arm64); root or sudo for apt. .ci/run builds it before the tests.
+arm64-env: $(STAMP)  ## build the emulated arm64 machine for tests/determinism/test_arm64.py (minutes, ~5 GB)
+	$(VENV)/bin/python -m tests.support.arm64
 
 # On a bare CUDA machine without the venv, run `python -m tasks.tools.gpu_check` itself (docs/reproducibility.md, "GPU check").
 gpu-check: $(STAMP)  ## determinism, strict mode, cost of pinning, compress/export on the GPU (no GPU: ARGS="--device cpu")

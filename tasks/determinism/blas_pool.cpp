@@ -10,7 +10,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -34,8 +33,14 @@ struct Walk {
 // The activations of activations.h (tasks/determinism/activations.py numbers them alike).
 enum Activation : int64_t { kSigmoid, kSilu, kSiluBackward, kGelu, kGeluBackward, kGeluTanh, kGeluTanhBackward };
 
-// The code compiled for each vector width: the products' micro-kernel (fma_chain.h; Lanes<T> names the
-// intrinsics of one width), channels-last depthwise loops (depthwise_taps.h) and activations (activations.h).
+// The code compiled for each vector width, in two namespaces, `narrow` and `wide`: the products'
+// micro-kernel (fma_chain.h; Lanes<T> names the intrinsics of one width), channels-last depthwise loops
+// (depthwise_taps.h), activations (activations.h) and normalizations (normalization.h). On x86-64 they are
+// AVX2's 256 bits and AVX-512's 512; on arm64 both are NEON's 128 (SVE's lengths vary by chip: unused).
+// The width changes no byte: each element is one lane of one chain, and every sum has one order.
+#if defined(__x86_64__)
+#include <immintrin.h>
+
 #define LANES(T, VEC, P, S, ROWS)                                            \
   template <>                                                                \
   struct Lanes<T> {                                                          \
@@ -49,9 +54,11 @@ enum Activation : int64_t { kSigmoid, kSilu, kSiluBackward, kGelu, kGeluBackward
     static V add(V a, V b) { return P##_add_##S(a, b); }                     \
   };
 
+constexpr int64_t kNarrowBits = 256, kWideBits = 512;
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-namespace avx2 {
+namespace narrow {
 template <typename T>
 struct Lanes;
 LANES(float, __m256, _mm256, ps, 6)  // 6 x 2 accumulators of the 16 registers
@@ -60,12 +67,12 @@ LANES(double, __m256d, _mm256, pd, 6)
 #include "depthwise_taps.h"
 #include "activations.h"
 #include "normalization.h"
-}  // namespace avx2
+}  // namespace narrow
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
-namespace avx512 {
+namespace wide {
 template <typename T>
 struct Lanes;
 LANES(float, __m512, _mm512, ps, 12)  // 12 x 2 accumulators of the 32 registers
@@ -74,19 +81,58 @@ LANES(double, __m512d, _mm512, pd, 12)
 #include "depthwise_taps.h"
 #include "activations.h"
 #include "normalization.h"
-}  // namespace avx512
+}  // namespace wide
 #pragma GCC pop_options
 
-bool has_avx512() {
+bool has_wide() {
   static const bool yes = __builtin_cpu_supports("avx512f");
   return yes;
 }
 
-// The products' vector width for a call's `width` (256, 512, or 0: the widest this CPU has).
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+
+// NEON (every arm64 CPU has it, fused multiply-add included): vfmaq is the one rounding of AVX2's fmadd.
+#define LANES(T, VEC, S, ROWS)                                               \
+  template <>                                                                \
+  struct Lanes<T> {                                                          \
+    using V = VEC;                                                           \
+    static constexpr int W = sizeof(VEC) / sizeof(T), MR = ROWS;             \
+    static V zero() { return vdupq_n_##S(0); }                               \
+    static V load(const T* p) { return vld1q_##S(p); }                       \
+    static void store(T* p, V v) { vst1q_##S(p, v); }                        \
+    static V set1(T x) { return vdupq_n_##S(x); }                            \
+    static V fma(V a, V b, V c) { return vfmaq_##S(c, a, b); }               \
+    static V add(V a, V b) { return vaddq_##S(a, b); }                       \
+  };
+
+constexpr int64_t kNarrowBits = 128, kWideBits = 128;
+
+namespace narrow {
+template <typename T>
+struct Lanes;
+LANES(float, float32x4_t, f32, 12)  // 12 x 2 accumulators of the 32 registers
+LANES(double, float64x2_t, f64, 12)
+#include "fma_chain.h"
+#include "depthwise_taps.h"
+#include "activations.h"
+#include "normalization.h"
+}  // namespace narrow
+namespace wide = narrow;
+
+bool has_wide() { return false; }
+
+#else
+#error "blas_pool.cpp: x86-64 (AVX2) or arm64 (NEON) only"
+#endif
+
+// The products' vector width for a call's `width` (kNarrowBits, kWideBits, or 0: the widest this CPU has).
 int64_t vector_width(int64_t width) {
-  TORCH_CHECK(width == 0 || width == 256 || width == 512, "lockstep_blas: width 0, 256 or 512, not ", width);
-  TORCH_CHECK(width != 512 || has_avx512(), "lockstep_blas: width 512 needs AVX-512, which this CPU lacks");
-  return width == 0 ? (has_avx512() ? 512 : 256) : width;
+  TORCH_CHECK(width == 0 || width == kNarrowBits || width == kWideBits, "lockstep_blas: width 0, ", kNarrowBits,
+              " or ", kWideBits, ", not ", width);
+  TORCH_CHECK(width != kWideBits || width == kNarrowBits || has_wide(), "lockstep_blas: width ", kWideBits,
+              " needs AVX-512, which this CPU lacks");
+  return width == 0 ? (has_wide() ? kWideBits : kNarrowBits) : width;
 }
 
 // One operand's strides in its last two dimensions (rows, columns).
@@ -115,7 +161,7 @@ void by_dtype(const at::Tensor& t, F&& f) {
 
 
 // out[g] = a[g] @ b[g] for 2-D operands (one product) or 3-D (one per group: a grouped convolution's), with
-// vectors `width` bits wide (256, 512, or 0: the widest this CPU has). The bytes do not depend on it.
+// vectors `width` bits wide (vector_width's). The bytes do not depend on it.
 // `bias`: a value per column of out, added to each of its elements after the product (addmm's bias).
 void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& out2, int64_t dim, int64_t chunk,
                  int64_t width, const std::optional<at::Tensor>& bias) {
@@ -145,7 +191,7 @@ void gemm_chunks(const at::Tensor& a2, const at::Tensor& b2, const at::Tensor& o
 }
 
 // The widest vectors gemm_chunks uses on this CPU (for the fingerprint).
-int64_t widest() { return has_avx512() ? 512 : 256; }
+int64_t widest() { return has_wide() ? kWideBits : kNarrowBits; }
 
 // out = columns @ b, or (transposed) columns^T @ b, for the columns of a convolution (without groups) over
 // `image`, padded and channels-last: the products gemm_chunks makes of im2col's columns, the same bytes,
@@ -227,15 +273,15 @@ void depthwise(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, 
                   small.size(3) == out_size(image.size(3), kernel.size(3), sw, pw, dw),
               "lockstep_blas: depthwise: the output's size does not follow from the geometry");
   const Geometry k{sh, sw, ph, pw, dh, dw};
-  const bool wide = vector_width(width) == 512;
+  const bool use_wide = vector_width(width) == kWideBits;
   by_dtype(a, [&](auto zero) {
     using T = decltype(zero);
     if (part == 0) {
-      last ? depthwise_last<T, false>(out, b, a, k, wide) : depthwise_offsets<T, false>(out, b, a, k);
+      last ? depthwise_last<T, false>(out, b, a, k, use_wide) : depthwise_offsets<T, false>(out, b, a, k);
     } else if (part == 1) {
-      last ? depthwise_last<T, true>(a, b, out, k, wide) : depthwise_offsets<T, true>(a, b, out, k);
+      last ? depthwise_last<T, true>(a, b, out, k, use_wide) : depthwise_offsets<T, true>(a, b, out, k);
     } else {
-      last ? depthwise_weight_gradient_last<T>(a, b, out, k, wide) : depthwise_weight_gradient<T>(a, b, out, k);
+      last ? depthwise_weight_gradient_last<T>(a, b, out, k, use_wide) : depthwise_weight_gradient<T>(a, b, out, k);
     }
   });
 }
@@ -255,11 +301,11 @@ void activation(const at::Tensor& x, const std::optional<at::Tensor>& g, const a
   const float* px = x.data_ptr<float>();
   const float* pg = g ? g->data_ptr<float>() : nullptr;
   float* po = out.data_ptr<float>();
-  const bool wide = vector_width(width) == 512;
+  const bool use_wide = vector_width(width) == kWideBits;
   at::parallel_for(0, x.numel(), 16384, [&](int64_t first, int64_t last) {
     const Index n = last - first;
-    wide ? avx512::activate(kind, px + first, pg ? pg + first : nullptr, po + first, n)
-         : avx2::activate(kind, px + first, pg ? pg + first : nullptr, po + first, n);
+    use_wide ? wide::activate(kind, px + first, pg ? pg + first : nullptr, po + first, n)
+         : narrow::activate(kind, px + first, pg ? pg + first : nullptr, po + first, n);
   });
 }
 
@@ -288,7 +334,7 @@ void layer_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Te
     if (t->has_value()) check_floats(**t, n, "layer_norm_backward");
   }
   std::vector<float> sums_w(dw ? blocks * n : 0, 0.0f), sums_b(db ? blocks * n : 0, 0.0f);
-  const bool wide = vector_width(width) == 512;
+  const bool use_wide = vector_width(width) == kWideBits;
   const float* pw = w ? w->data_ptr<float>() : nullptr;
   float* pdx = dx ? dx->data_ptr<float>() : nullptr;
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
@@ -296,7 +342,7 @@ void layer_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Te
       const Index top = k * kBlockRows, end = std::min(rows, top + kBlockRows);
       float* bw = dw ? sums_w.data() + k * n : nullptr;
       float* bb = db ? sums_b.data() + k * n : nullptr;
-      (wide ? avx512::layer_norm_rows : avx2::layer_norm_rows)(dy.data_ptr<float>(), x.data_ptr<float>(),
+      (use_wide ? wide::layer_norm_rows : narrow::layer_norm_rows)(dy.data_ptr<float>(), x.data_ptr<float>(),
                                                                mean.data_ptr<float>(), rstd.data_ptr<float>(), pw,
                                                                pdx, bw, bb, top, end, n);
       for (Index j = 0; end - top < kBlockRows && j < n; ++j) {  // a short block: as if padded with zero rows
@@ -321,9 +367,9 @@ void softmax_backward(const at::Tensor& dy, const at::Tensor& y, const at::Tenso
   TORCH_CHECK(y.dim() == 2, "lockstep_blas: softmax_backward: y is (rows, n)");
   for (const at::Tensor* t : {&y, &dy, &out}) check_floats(*t, y.numel(), "softmax_backward");
   const Index n = y.size(1);
-  const bool wide = vector_width(width) == 512;
+  const bool use_wide = vector_width(width) == kWideBits;
   at::parallel_for(0, y.size(0), std::max<Index>(1, 16384 / std::max<Index>(1, n)), [&](int64_t first, int64_t last) {
-    (wide ? avx512::softmax_backward_rows : avx2::softmax_backward_rows)(
+    (use_wide ? wide::softmax_backward_rows : narrow::softmax_backward_rows)(
         dy.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(), first, last, n);
   });
 }

@@ -3,7 +3,8 @@
 auto is portable where the CPU supports it (x86-64 with AVX2 and FMA) and a C++ compiler can build its
 kernels, and native elsewhere (Arm servers, Apple silicon, a GH200's Grace), said in one log line; the
 run's fingerprint records the mode that ran (`hw.cpu.mode`). portable asked for on a CPU without it is
-refused (exit 4).
+refused (exit 4). On arm64 portable runs (NEON, `ARCHITECTURES`), but some of ATen's kernels there still
+add in another order than on x86-64: asked for by name it warns so, and auto does not choose it.
 
 CPU kernels pick their code by the CPU they run on, so the same run gives other weight bytes on
 another machine (Intel vs AMD, AVX2 vs AVX-512):
@@ -35,6 +36,7 @@ import os
 import platform
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +50,44 @@ log = logging.getLogger(__name__)
 # Set with the variables below: the mode this process's environment was pinned for. Children
 # inherit both, so a DDP rank or a stage subprocess computes as its launcher does.
 MODE_ENV = "LOCKSTEP_CPU"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What portable mode pins on one architecture, and what it needs of the CPU."""
+
+    aten: str  # ATEN_CPU_CAPABILITY: the one set of ATen's vectorised kernels portable runs
+    reports: str  # torch.backends.cpu.get_cpu_capability() once that is pinned
+    needs: tuple[str, ...]  # /proc/cpuinfo flags the CPU must list
+    flags_key: str  # the /proc/cpuinfo line that lists them
+    # Why its bytes are not yet x86-64's, or None: `auto` is portable only where they are.
+    differs: str | None = None
+
+
+# By platform.machine()'s name (lower case). x86-64: AVX2's kernels, also on AVX-512 CPUs. arm64: NEON's
+# (torch's "default" there), also where SVE ones exist; every arm64 CPU has NEON with fused multiply-add.
+ARCHITECTURES = {
+    "x86_64": Architecture("avx2", "AVX2", ("avx2", "fma"), "flags"),
+    "aarch64": Architecture(
+        "default",
+        "DEFAULT",
+        ("asimd",),
+        "Features",
+        differs="batch norm, layer norm's forward, mean, sum and log-softmax are still ATen's NEON kernels, "
+        "which add in another order than its AVX2 ones (docs/reproducibility.md, arm64)",
+    ),
+}
+_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
+
+
+def machine() -> str:
+    """This CPU's architecture, as ARCHITECTURES names it."""
+    name = platform.machine().lower()
+    return _ALIASES.get(name, name)
+
+
 PORTABLE_ENV = {
-    "ATEN_CPU_CAPABILITY": "avx2",  # ATen's AVX2 kernels, also on AVX-512 CPUs
+    "ATEN_CPU_CAPABILITY": ARCHITECTURES.get(machine(), ARCHITECTURES["x86_64"]).aten,
     "MKL_CBWR": "COMPATIBLE,STRICT",  # MKL's one vendor-neutral branch, for what still reaches it
     "MKL_DYNAMIC": "FALSE",  # MKL keeps the thread count it is given
     "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN is off in portable mode; capped should anything call it
@@ -82,14 +120,14 @@ def portable_unsupported() -> str | None:
     """Why this CPU cannot compute in portable mode, or None if it can. Read without torch (from the
     platform and /proc/cpuinfo), so that `auto` is resolved before torch loads; `activate` checks
     again, with torch, what ATen then runs."""
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
-        return f"this CPU is {machine}, not x86-64"
+    arch = machine()
+    if arch not in ARCHITECTURES:
+        return f"this CPU is {arch}, neither x86-64 nor arm64"
     info = cpuinfo()
     if not info:
         return None  # no /proc (not Linux): activate's check with torch decides
-    flags = info.get("flags", "").split()
-    missing = [flag for flag in ("avx2", "fma") if flag not in flags]
+    flags = info.get(ARCHITECTURES[arch].flags_key, "").split()
+    missing = [flag for flag in ARCHITECTURES[arch].needs if flag not in flags]
     return f"this CPU lacks {' and '.join(missing)}" if missing else None
 
 
@@ -100,7 +138,7 @@ def resolve(mode: str) -> str:
         return mode
     if os.environ.get(MODE_ENV) in ("portable", "native"):
         return os.environ[MODE_ENV]
-    why = portable_unsupported() or _no_compiler()
+    why = portable_unsupported() or _bytes_differ() or _no_compiler()
     if why is None:
         return "portable"
     log.warning(
@@ -110,6 +148,12 @@ def resolve(mode: str) -> str:
         why,
     )
     return "native"
+
+
+def _bytes_differ() -> str | None:
+    """Why portable mode here would not give x86-64's bytes, or None where it does."""
+    differs = ARCHITECTURES[machine()].differs
+    return f"portable on {machine()} does not yet give x86-64's bytes: {differs}" if differs else None
 
 
 def _no_compiler() -> str | None:
@@ -177,6 +221,8 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
     portable = mode == "portable"
     if portable:
         _check_portable(torch)
+        if _bytes_differ():  # asked for by name (auto would not choose it): what it does not promise yet
+            log.warning("determinism.cpu: %s", _bytes_differ())
     torch.backends.mkldnn.enabled = not portable
     torch.backends.nnpack.set_flags(not portable)
     if portable:
@@ -196,14 +242,17 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
 
 
 def _check_portable(torch: Any) -> None:
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
-        raise CpuUnsupported(f"determinism.cpu: portable needs an x86-64 CPU with AVX2; this is {machine}: use native")
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX2":
+    arch = machine()
+    if arch not in ARCHITECTURES:
         raise CpuUnsupported(
-            f"determinism.cpu: portable needs ATen's AVX2 kernels, but torch runs {capability} "
-            f"(a CPU without AVX2, or {MODE_ENV} set without ATEN_CPU_CAPABILITY=avx2): use native"
+            f"determinism.cpu: portable needs an x86-64 CPU with AVX2 or an arm64 one; this is {arch}: use native"
+        )
+    pinned, expected = ARCHITECTURES[arch].aten, ARCHITECTURES[arch].reports
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != expected:
+        raise CpuUnsupported(
+            f"determinism.cpu: portable needs ATen's {expected} kernels, but torch runs {capability} "
+            f"(a CPU without them, or {MODE_ENV} set without ATEN_CPU_CAPABILITY={pinned}): use native"
         )
 
 

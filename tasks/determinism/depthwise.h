@@ -108,9 +108,9 @@ Index source(Index p, Index i, Index s, Index pad, Index d, Index size) {
 // activations: `small` (the output or its gradient) and `image` (the input or its gradient) (N, C, H, W),
 // channels-last and contiguous; `w` (C, 1, kh, kw) contiguous. Each element is the sum depthwise_offsets
 // makes, gathered where it lands rather than added there term by term: its terms in the order of the
-// offsets (i, then j), from zero, a position's channels at once (depthwise_taps.h; 512-bit vectors if `wide`).
+// offsets (i, then j), from zero, a position's channels at once (depthwise_taps.h; the wide build's vectors if `use_wide`).
 template <typename T, bool kToImage>
-void depthwise_last(const at::Tensor& small, const at::Tensor& w, const at::Tensor& image, Geometry k, bool wide) {
+void depthwise_last(const at::Tensor& small, const at::Tensor& w, const at::Tensor& image, Geometry k, bool use_wide) {
   const Index n = small.size(0), c = small.size(1), kh = w.size(2), kw = w.size(3);
   const at::Tensor& read = kToImage ? small : image;
   const at::Tensor& written = kToImage ? image : small;
@@ -119,7 +119,7 @@ void depthwise_last(const at::Tensor& small, const at::Tensor& w, const at::Tens
   const T* weights = by_offset.data_ptr<T>();
   const T* from = read.data_ptr<T>();
   T* to = written.data_ptr<T>();
-  const SumTaps<T> sum = wide ? avx512::sum_taps<T> : avx2::sum_taps<T>;
+  const SumTaps<T> sum = use_wide ? wide::sum_taps<T> : narrow::sum_taps<T>;
   at::parallel_for(0, n * wh, 1, [&](int64_t first, int64_t last) {
     std::vector<const T*> xs(kh * kw), ws(kh * kw);
     for (int64_t row = first; row < last; ++row) {
@@ -150,15 +150,15 @@ using HalvedTerms = void (*)(T*, const T*, const T*, const Walk&, T*);
 // loops read them better (depthwise.py decides).
 template <typename T>
 void depthwise_weight_gradient_last(const at::Tensor& g, const at::Tensor& x, const at::Tensor& gw, Geometry k,
-                                    bool wide) {
+                                    bool use_wide) {
   constexpr Index CHANNELS = 16;
   const Index n = g.size(0), c = g.size(1), oh = g.size(2), ow = g.size(3);
   const Index h = x.size(2), wd = x.size(3), kh = gw.size(2), kw = gw.size(3);
   const T* pg = g.data_ptr<T>();
   const T* px = x.data_ptr<T>();
   T* pw = gw.data_ptr<T>();
-  const HalvedTerms<T> block = wide ? avx512::halved_terms<T, CHANNELS> : avx2::halved_terms<T, CHANNELS>;
-  const HalvedTerms<T> single = wide ? avx512::halved_terms<T, 1> : avx2::halved_terms<T, 1>;
+  const HalvedTerms<T> block = use_wide ? wide::halved_terms<T, CHANNELS> : narrow::halved_terms<T, CHANNELS>;
+  const HalvedTerms<T> single = use_wide ? wide::halved_terms<T, 1> : narrow::halved_terms<T, 1>;
   const Index blocks = c / CHANNELS, tasks = blocks + c % CHANNELS;  // a task: a block, or a channel left over
   at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
     std::vector<T> terms(CHANNELS * std::max<Index>(1, (n * oh * ow + 1) / 2));

@@ -36,6 +36,14 @@ ISA_FLAGS = (
     "avx_vnni",
     "amx_tile",
     "amx_bf16",
+    # arm64's (/proc/cpuinfo "Features"): NEON, its half/dot-product forms, SVE, bfloat16 and int8 matrices
+    "asimd",
+    "asimdhp",
+    "asimddp",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
 )
 # Keys whose difference changes the bytes in portable mode (kernels pinned) ...
 PORTABLE_KEYS = (
@@ -85,8 +93,9 @@ def _caches() -> str:
 def cpu_facts() -> dict[str, str]:
     """The CPU as /proc/cpuinfo and sysfs describe it, without loading torch."""
     info = cpu_mode.cpuinfo()
-    flags = set(info.get("flags", "").split())
+    flags = set(info.get("flags", "").split()) | set(info.get("Features", "").split())
     return {
+        "hw.cpu.arch": cpu_mode.machine(),  # (portable's bytes differ by it while ARCHITECTURES says so)
         "hw.cpu.vendor": info.get("vendor_id", platform.processor() or "unknown"),
         "hw.cpu.model": re.sub(r"\s+", " ", info.get("model name", platform.machine())),
         "hw.cpu.flags": " ".join(f for f in ISA_FLAGS if f in flags) or "none",

@@ -25,8 +25,8 @@ void micro_kernel(Index kc, const T* a, Index step, const T* b, T* c, Index ldc,
     // often each in a page of its own, where no hardware prefetcher follows. Asked for 24 k ahead (both
     // lines the values may span); a prefetch past the matrix's end faults nothing.
     if (!ROWS && step > 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(a + (k + 24) * step), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(a + (k + 24) * step + MR - 1), _MM_HINT_T0);
+      __builtin_prefetch(a + (k + 24) * step, 0, 3);
+      __builtin_prefetch(a + (k + 24) * step + MR - 1, 0, 3);
     }
     const typename L::V b0 = L::load(b + k * 2 * W), b1 = L::load(b + k * 2 * W + W);
 #pragma GCC unroll 16

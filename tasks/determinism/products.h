@@ -1,5 +1,5 @@
 // The portable products' blocking and their operands, included once by blas_pool.cpp (after the
-// micro-kernels, fma_chain.h, and the helpers it names: Index, Operand, avx2/avx512).
+// micro-kernels, fma_chain.h, and the helpers it names: Index, Operand, narrow/wide).
 //
 // c (m x n, row stride ldc) = a (m x k) @ b (k x n), each element the micro-kernel's chain over all of k.
 // The usual blocking (BLIS's): b in blocks of KC x NC packed into panels NR wide, so that the kernel
@@ -195,13 +195,13 @@ void chain_product(Kernel<T> rows, Kernel<T> panel, Index m, Index n, Index k, c
 template <typename T, typename Source>
 void product(int64_t width, Index m, Index n, Index k, const Source& a, const T* b, Operand sb, T* c, Index ldc,
              const T* packed = nullptr, const T* bias = nullptr) {
-  if (width == 512) {
-    using L = avx512::Lanes<T>;
-    chain_product<T, L::MR, 2 * L::W>(avx512::micro_kernel<T, true>, avx512::micro_kernel<T, false>, m, n, k, a, b,
+  if (width == kWideBits) {
+    using L = wide::Lanes<T>;
+    chain_product<T, L::MR, 2 * L::W>(wide::micro_kernel<T, true>, wide::micro_kernel<T, false>, m, n, k, a, b,
                                       sb, c, ldc, packed, bias);
   } else {
-    using L = avx2::Lanes<T>;
-    chain_product<T, L::MR, 2 * L::W>(avx2::micro_kernel<T, true>, avx2::micro_kernel<T, false>, m, n, k, a, b, sb,
+    using L = narrow::Lanes<T>;
+    chain_product<T, L::MR, 2 * L::W>(narrow::micro_kernel<T, true>, narrow::micro_kernel<T, false>, m, n, k, a, b, sb,
                                       c, ldc, packed, bias);
   }
 }
@@ -209,10 +209,10 @@ void product(int64_t width, Index m, Index n, Index k, const Source& a, const T*
 // b (k x n) packed for `product` at `width` (pack_blocks' layout, for that width's panels).
 template <typename T>
 std::vector<T> packed_for(int64_t width, const T* b, Operand sb, Index k, Index n) {
-  const Index nr = 2 * (width == 512 ? avx512::Lanes<T>::W : avx2::Lanes<T>::W);
+  const Index nr = 2 * (width == kWideBits ? wide::Lanes<T>::W : narrow::Lanes<T>::W);
   std::vector<T> to(k * ((n + NC - 1) / NC * NC + nr));
-  width == 512 ? pack_blocks<T, 2 * avx512::Lanes<T>::W>(b, sb, k, n, to.data())
-               : pack_blocks<T, 2 * avx2::Lanes<T>::W>(b, sb, k, n, to.data());
+  width == kWideBits ? pack_blocks<T, 2 * wide::Lanes<T>::W>(b, sb, k, n, to.data())
+               : pack_blocks<T, 2 * narrow::Lanes<T>::W>(b, sb, k, n, to.data());
   return to;
 }
 

@@ -253,10 +253,17 @@ def test_auto_is_portable_where_the_cpu_supports_it_and_native_elsewhere(
     assert cpu_mode.portable_unsupported() is None and cpu_mode.resolve("auto") == "portable"  # x86-64, AVX2
     assert cpu_mode.resolve("native") == "native" and cpu_mode.resolve("portable") == "portable"
     monkeypatch.setattr(cpu_mode.platform, "machine", lambda: "aarch64")  # a Graviton, a GH200's Grace
+    monkeypatch.setattr(cpu_mode, "cpuinfo", lambda: {"Features": "fp asimd evtstrm aes crc32 atomics"})
+    with caplog.at_level("WARNING", logger=cpu_mode.__name__):
+        assert cpu_mode.resolve("auto") == "native"  # its bytes are not yet x86-64's (test_arm64.py)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == cpu_mode.__name__]
+    assert "auto computes in native mode here (portable on aarch64 does not yet give x86-64's bytes" in line
+    monkeypatch.setattr(cpu_mode.platform, "machine", lambda: "riscv64")
+    caplog.clear()
     with caplog.at_level("WARNING", logger=cpu_mode.__name__):
         assert cpu_mode.resolve("auto") == "native"
     (line,) = [r.getMessage() for r in caplog.records if r.name == cpu_mode.__name__]
-    assert "auto computes in native mode here (this CPU is aarch64, not x86-64" in line
+    assert "auto computes in native mode here (this CPU is riscv64, neither x86-64 nor arm64" in line
     monkeypatch.undo()
     monkeypatch.delenv(cpu_mode.MODE_ENV)
     monkeypatch.setenv("CXX", "no-such-c++")  # an x86-64 CPU with AVX2, but nothing to build the kernels with
@@ -268,8 +275,10 @@ def test_auto_is_portable_where_the_cpu_supports_it_and_native_elsewhere(
 
 
 def test_portable_asked_for_on_a_cpu_without_it_is_refused_as_missing_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_mode.platform, "machine", lambda: "aarch64")
-    with pytest.raises(cpu_mode.CpuUnsupported, match="portable needs an x86-64 CPU with AVX2") as refused:
+    monkeypatch.setattr(cpu_mode.platform, "machine", lambda: "riscv64")
+    with pytest.raises(
+        cpu_mode.CpuUnsupported, match="portable needs an x86-64 CPU with AVX2 or an arm64 one"
+    ) as refused:
         cpu_mode.activate("portable", 1)
     assert refused.value.exit_code == 4
 

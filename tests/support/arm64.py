@@ -1,0 +1,189 @@
+"""An arm64 machine on this x86-64 one, for the portable mode's cross-architecture checks (issue 71):
+Debian's arm64 Python and the locked arm64 wheels, run under user-mode emulation.
+
+    python -m tests.support.arm64          # the set-up step (`make arm64-env`; .ci/run runs it)
+
+What it builds, once per lock and cached in ~/.cache/lockstep/arm64/<key> (a new key when uv.lock or
+this recipe's settings change; built in a temporary folder and renamed, so a half-built one is never used):
+
+- `root/`: a sysroot unpacked from Debian's arm64 packages (python3.11 and the libraries it and torch
+  load), with an arm64 `/proc/cpuinfo` and the `midr_el1` files torch's cpuinfo reads (a Neoverse N1's);
+- `site/`: the lock's arm64 wheels of torch and what the determinism code imports (torch's aarch64
+  wheel is a CUDA build: its nvidia libraries come too, ~5 GB, since torch loads them at import).
+
+`run_python` runs that Python under `qemu-aarch64-static -cpu neoverse-n1` in a private mount namespace
+in which /proc/cpuinfo is the arm64 one (torch reads the x86 one and crashes). C++ is compiled by
+Debian's cross compiler (CXX=aarch64-linux-gnu-g++): an x86 program the emulated process starts runs
+natively. The emulator runs NEON and FMA instructions exactly, not a real chip's timing: no timing
+figure comes from it. The system packages (qemu-user-static, g++-aarch64-linux-gnu) and the arm64
+package lists come from Debian's registry, installed by `ensure_system_packages` (root or sudo).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lockstep" / "arm64"
+QEMU = "qemu-aarch64-static"
+CPU = "neoverse-n1"  # an AWS Graviton 2's core: NEON with FMA, no SVE
+CXX = "aarch64-linux-gnu-g++"
+SYSTEM_PACKAGES = ("qemu-user-static", "g++-aarch64-linux-gnu")
+# Debian's arm64 packages the sysroot unpacks, with what they depend on (apt's closure, `_closure`)
+DEBIAN_ROOTS = ("python3.11", "libstdc++6", "libgomp1")
+DEBIAN_SKIP = ("dpkg", "install-info", "tar")  # pulled in by packaging scripts an unpacked root never runs
+# The arm64 wheels: torch with its dependencies (uv resolves them for aarch64, pinned by the lock), and
+# what tasks/determinism and tasks/train/models import beside it.
+WHEELS = ("torch", "torchvision", "numpy", "threadpoolctl", "psutil", "pyyaml", "pydantic")
+PLATFORM = "aarch64-manylinux_2_28"
+# A Neoverse N1's identification (implementer 0x41 Arm, part 0xd0c, r3p1), as Linux shows it.
+MIDR = "0x00000000413fd0c1"
+CPUINFO = (
+    "processor\t: {n}\nBogoMIPS\t: 50.00\n"
+    "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop "
+    "asimddp ssbs\nCPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x3\nCPU part\t: 0xd0c\n"
+    "CPU revision\t: 1\n\n"
+)
+CORES = 2
+
+
+class Arm64Unavailable(RuntimeError):
+    """The emulated arm64 machine cannot be built or run here (one line: what is missing)."""
+
+
+RECIPE_VERSION = 1  # raise when the build below changes in a way the settings above do not show
+
+
+def _key() -> str:
+    recipe = repr((RECIPE_VERSION, DEBIAN_ROOTS, DEBIAN_SKIP, WHEELS, PLATFORM, MIDR, CPUINFO, CORES))
+    return hashlib.sha256(recipe.encode() + (ROOT / "uv.lock").read_bytes()).hexdigest()[:16]
+
+
+def home() -> Path:
+    """Where this lock's arm64 machine is (built or not)."""
+    return CACHE / _key()
+
+
+def _sh(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise Arm64Unavailable(f"{' '.join(command[:4])}... exited {done.returncode}: {' | '.join(tail)}")
+    return done
+
+
+def ensure_system_packages() -> None:
+    """The emulator and the cross compiler from Debian, and arm64 in apt's package lists."""
+    sudo = [] if os.geteuid() == 0 else ["sudo"]
+    foreign = _sh(["dpkg", "--print-foreign-architectures"]).stdout.split()
+    missing = [p for p in SYSTEM_PACKAGES if shutil.which(QEMU if p.startswith("qemu") else CXX) is None]
+    if "arm64" in foreign and not missing:
+        return
+    if "arm64" not in foreign:
+        _sh([*sudo, "dpkg", "--add-architecture", "arm64"])
+    _sh([*sudo, "apt-get", "update", "-qq"])
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    _sh([*sudo, "apt-get", "install", "-y", "-qq", "--no-install-recommends", *SYSTEM_PACKAGES], env=env)
+
+
+def _closure() -> list[str]:
+    """The arm64 packages DEBIAN_ROOTS need, by apt's dependency closure (no recommends)."""
+    flags = ["--recurse", "--no-recommends", "--no-suggests", "--no-conflicts", "--no-breaks", "--no-replaces"]
+    listed = _sh(["apt-cache", "depends", *flags, "--no-enhances", *(f"{p}:arm64" for p in DEBIAN_ROOTS)]).stdout
+    names = {line.strip() for line in listed.splitlines() if line.strip().endswith(":arm64") and line[0].isalnum()}
+    return sorted(n for n in names if n.split(":")[0] not in DEBIAN_SKIP)
+
+
+def _build_root(root: Path, scratch: Path) -> None:
+    debs = scratch / "debs"
+    debs.mkdir()
+    root.mkdir(parents=True)
+    _sh(["apt-get", "download", *_closure(), "media-types"], cwd=debs)
+    for deb in sorted(debs.glob("*.deb")):
+        _sh(["dpkg-deb", "-x", str(deb), str(root)])
+    for n in range(CORES):
+        ident = root / f"sys/devices/system/cpu/cpu{n}/regs/identification"
+        ident.mkdir(parents=True)
+        (ident / "midr_el1").write_text(MIDR + "\n")
+    (root / "cpuinfo").write_text("".join(CPUINFO.format(n=n) for n in range(CORES)))
+
+
+def _build_site(site: Path, scratch: Path) -> None:
+    uv = ROOT / ".uv/bin/uv"
+    pins = _sh([str(uv), "export", "--frozen", "--no-dev", "--no-hashes", "--no-emit-project"], cwd=ROOT).stdout
+    constraints = scratch / "constraints.txt"
+    constraints.write_text(pins)
+    wanted = [line.split(" ;")[0] for line in pins.splitlines() if line.split("==")[0] in WHEELS]
+    if len(wanted) != len(WHEELS):
+        raise Arm64Unavailable(f"uv.lock pins {len(wanted)} of {', '.join(WHEELS)}")
+    _sh(
+        [str(uv), "pip", "install", "--quiet", "--python-platform", PLATFORM, "--python-version", "3.11"]
+        + ["--target", str(site), "-c", str(constraints), *wanted]
+    )
+
+
+def build() -> Path:
+    """The arm64 machine for this lock: built if missing (minutes, ~6 GB), else as it is."""
+    target = home()
+    if (target / "ready").exists():
+        return target
+    ensure_system_packages()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE, prefix="building-") as tmp:
+        scratch = Path(tmp)
+        partial = scratch / "machine"
+        _build_root(partial / "root", scratch)
+        _build_site(partial / "site", scratch)
+        (partial / "ready").write_text("built by tests/support/arm64.py\n")
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(partial, target)
+    for old in CACHE.iterdir():  # an earlier lock's machine (~5 GB): nothing uses it any more
+        if old != target and not old.name.startswith("building-"):
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def run_python(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None, timeout_s: float = 1800):
+    """arm64 Python with `args`, emulated, in `cwd` (on PYTHONPATH, after the arm64 wheels); its
+    CompletedProcess. The C++ op it builds is cached in the machine's own folder, apart from x86's."""
+    machine = home()
+    if not (machine / "ready").exists():
+        raise Arm64Unavailable(f"no arm64 machine at {machine}: run `make arm64-env` first")
+    if shutil.which(QEMU) is None or shutil.which(CXX) is None or shutil.which("unshare") is None:
+        raise Arm64Unavailable(f"{QEMU}, {CXX} or unshare is missing: run `make arm64-env`")
+    root, site = machine / "root", machine / "site"
+    python = [QEMU, "-cpu", CPU, "-L", str(root), str(root / "usr/bin/python3.11")]
+    cache = machine / "cache"
+    cache.mkdir(mode=0o700, exist_ok=True)
+    inner = f'mount --bind {shlex.quote(str(root / "cpuinfo"))} /proc/cpuinfo && exec {shlex.join(python)} "$@"'
+    child_env = {
+        **(env if env is not None else os.environ),
+        "CXX": CXX,
+        "PYTHONPATH": f"{site}:{cwd}",
+        "XDG_CACHE_HOME": str(cache),
+    }
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "bash", "-c", inner, "bash", *args],
+        cwd=cwd,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+if __name__ == "__main__":
+    try:
+        print(build())
+    except Arm64Unavailable as exc:
+        print(f"arm64 machine: {exc}", file=sys.stderr)
+        sys.exit(1)
