@@ -3,8 +3,8 @@ multiply-adds over the inner dimension, in order, from zero, computed by a small
 (blas_pool.cpp, fma_chain.h) on torch's own thread pool.
 
 That definition is what makes the bytes portable: it names one rounding per term and one order, so
-a kernel with 16-lane (AVX-512) or 8-lane (AVX2) vectors, or a scalar loop, gives the same bytes; each
-CPU runs the widest it has. A BLAS promises no order (OpenBLAS's AVX2 and AVX-512 kernels add in
+a kernel with 16-lane (AVX-512), 8-lane (AVX2) or 4-lane (arm64's NEON) vectors, or a scalar loop, gives
+the same bytes; each CPU runs the widest it has. A BLAS promises no order (OpenBLAS's AVX2 and AVX-512 kernels add in
 different ones), so products pinned to one BLAS kernel set held their bytes only by running its AVX2
 kernels everywhere, AVX-512 CPUs included. Each product is cut into chunks (`plan`) that run on torch's
 threads; the cut changes where an element is computed, never its chain, so the bytes are the same on 1
@@ -88,8 +88,8 @@ def gemm(
     convolution's), made in one call; `out` row-major. An operand whose matrices are neither row-major
     nor transposed is copied first. `bias` (2-D only: one value per column of out, contiguous) is added
     to the product as torch's addmm adds it, one rounding, as the op stores it (no pass of its own).
-    `width`: the op's vectors in bits (256, 512; 0 the widest this CPU has), for tests: the bytes do
-    not depend on it."""
+    `width`: the op's vectors in bits (256 or 512 on x86-64, 128 on arm64; 0 the widest this CPU has),
+    for tests: the bytes do not depend on it."""
     a, b = _operand(a), _operand(b)
     chunks = op("gemm_chunks")
     if chunks is not None:

@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tasks.determinism import cpu_mode
 from tests.conftest import ROOT
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lockstep" / "arm64"
@@ -164,8 +165,13 @@ def run_python(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = N
     cache = machine / "cache"
     cache.mkdir(mode=0o700, exist_ok=True)
     inner = f'mount --bind {shlex.quote(str(root / "cpuinfo"))} /proc/cpuinfo && exec {shlex.join(python)} "$@"'
+    # as a stage starts (tests/support/portable.py run_script): no CPU mode or thread settings of this
+    # process's, which pinned x86-64's (ATEN_CPU_CAPABILITY=avx2 is no arm64 capability)
+    inherited = {
+        k: v for k, v in (env if env is not None else os.environ).items() if not k.startswith(("OMP_", "OPENBLAS"))
+    }
     child_env = {
-        **(env if env is not None else os.environ),
+        **cpu_mode.clean_env(inherited),
         "CXX": CXX,
         "PYTHONPATH": f"{site}:{cwd}",
         "XDG_CACHE_HOME": str(cache),
