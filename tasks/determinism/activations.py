@@ -96,7 +96,9 @@ def _formulas(kind: str, x: torch.Tensor, g: torch.Tensor | None, c: _Arithmetic
     raise ValueError(f"no activation {kind!r}; one of {KINDS}")
 
 
-def _exp(x: torch.Tensor) -> torch.Tensor:
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """e^x of float32 x, the formula of activations.h (Cephes' polynomial, then a scaling by 2^n); also
+    normalization.py's softmax and log-softmax."""
     x = x.clamp(_LOW, _HIGH)
     n = torch.round(x * _LOG2E)
     r = (x - n * _LN2_HIGH) - n * _LN2_LOW
@@ -111,7 +113,7 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
 
 def _gauss(z: torch.Tensor) -> torch.Tensor:
     """e^-z^2."""
-    return _exp(-(z.abs() * z.abs()))
+    return exp(-(z.abs() * z.abs()))
 
 
 def _erf_given(z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -127,7 +129,7 @@ def _erf_given(z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 def _one_plus_tanh(u: torch.Tensor) -> torch.Tensor:
     """1 + tanh(u) = 2 / (e^-2u + 1). (Python's `2 / t` would be torch's reciprocal times 2, another value
     where 1/t is subnormal.)"""
-    t = _exp(-(u + u)) + 1
+    t = exp(-(u + u)) + 1
     return torch.full_like(t, 2).div_(t)
 
 
@@ -136,7 +138,7 @@ _FLOAT32 = _Arithmetic(
     *(float.fromhex(h) for h in ("0x1.6a09e6p-1", "0x1.988454p-2", "0x1.988454p-1")),
     _KAPPA32,
     (torch.tensor(3.0) * _KAPPA32).item(),  # rounded to float32, as activations.h's constant
-    _exp,
+    exp,
     _gauss,
     _erf_given,
     _one_plus_tanh,

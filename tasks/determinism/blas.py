@@ -200,6 +200,7 @@ OPS = frozenset(
         "rotated_copy",
         "layer_norm_backward",
         "softmax_backward",
+        "halving_sums",
     }
 )
 

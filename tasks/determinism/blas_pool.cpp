@@ -17,6 +17,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -374,6 +376,97 @@ void softmax_backward(const at::Tensor& dy, const at::Tensor& y, const at::Tenso
   });
 }
 
+// Channels per block of halving_sums: a block's scratch is (A, B, kHalvingChannels) floats, its adds vectorised
+// across the channels (each channel's own adds, in reductions.py's order, whatever the vectors).
+constexpr Index kHalvingChannels = 8;
+constexpr Index kHalvingColumns = 4096;  // b's per chunk of halving_sums' A tree
+
+// Each channel's sum of a term of x (A, C, B), any strides, float32, none empty, over A and B: reductions.py's `halve`
+// along A (element i and i + ceil(n/2) added, the middle of an odd n carried, until one is left), then
+// along B, every add the one the torch code does, so that the two give the same bytes. The term: x (kind 0),
+// (x - m[c])^2 (kind 1), or g (x - m[c]) s[c] (kind 2, g as x), each operation rounded once. Channels are
+// shared among the threads in whole blocks (a channel's adds are its own: no thread count changes them).
+void halving_sums(const at::Tensor& x, const std::optional<at::Tensor>& g, const std::optional<at::Tensor>& m,
+                  const std::optional<at::Tensor>& s, const at::Tensor& out, int64_t kind) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "lockstep_blas: halving_sums: x is float32 (A, C, B)");
+  TORCH_CHECK(0 <= kind && kind <= 2, "lockstep_blas: halving_sums: kind is 0, 1 or 2");
+  TORCH_CHECK(x.numel() > 0, "lockstep_blas: halving_sums: x is empty (its sum is the caller's zeros)");
+  const Index A = x.size(0), C = x.size(1), B = x.size(2);
+  check_floats(out, C, "halving_sums");
+  TORCH_CHECK(kind == 0 || (m && m->numel() == C && m->scalar_type() == at::kFloat && m->is_contiguous()),
+              "lockstep_blas: halving_sums: m is float32 (C), contiguous");
+  TORCH_CHECK(kind != 2 || (s && s->numel() == C && s->scalar_type() == at::kFloat && s->is_contiguous() && g &&
+                            g->sizes() == x.sizes() && g->scalar_type() == at::kFloat),
+              "lockstep_blas: halving_sums: s is float32 (C), contiguous, and g float32 shaped as x");
+  const float* px = x.data_ptr<float>();
+  const float* pg = kind == 2 ? g->data_ptr<float>() : nullptr;
+  const float* pm = kind != 0 ? m->data_ptr<float>() : nullptr;
+  const float* ps = kind == 2 ? s->data_ptr<float>() : nullptr;
+  const Index xa = x.stride(0), xc = x.stride(1), xb = x.stride(2);
+  const Index ga = pg ? g->stride(0) : 0, gc = pg ? g->stride(1) : 0, gb = pg ? g->stride(2) : 0;
+  float* po = out.data_ptr<float>();
+  const Index blocks = (C + kHalvingChannels - 1) / kHalvingChannels;
+  constexpr Index K = kHalvingChannels;
+  // A's tree is each (b, channel)'s own: it runs on chunks of kHalvingColumns b's at a time (scratch that
+  // stays in the core's cache), each chunk's result a stretch of the row that B's tree then halves
+  const Index chunk = std::max<Index>(1, std::min<Index>(B, kHalvingColumns));
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    std::unique_ptr<float[]> scratch(new float[A * chunk * K]), row(new float[B * K]);  // (unfilled)
+    float* t = scratch.get();
+    float* r = row.get();
+    for (Index block = first; block < last; ++block) {
+      const Index c0 = block * K, width = std::min(K, C - c0);
+      for (Index b0 = 0; b0 < B; b0 += chunk) {
+        const Index bn = std::min(chunk, B - b0), plane = bn * K;
+        for (Index a = 0; a < A; ++a) {  // t[a][k][b - b0] = the term at (a, c0 + k, b)
+          for (Index k = 0; k < K; ++k) {
+            const Index c = c0 + k;
+            float* into = t + a * plane + k * bn;
+            if (k >= width) {  // (a short last block: lanes unused)
+              std::fill(into, into + bn, 0.0f);
+              continue;
+            }
+            const float* xs = px + a * xa + c * xc + b0 * xb;
+            const float* gs = pg ? pg + a * ga + c * gc + b0 * gb : nullptr;
+            if (kind == 0 && xb == 1) {  // (the contiguous case apart: vectorised)
+              std::memcpy(into, xs, bn * sizeof(float));
+            } else if (kind == 0) {
+              for (Index b = 0; b < bn; ++b) into[b] = xs[b * xb];
+            } else if (kind == 1 && xb == 1) {
+              for (Index b = 0; b < bn; ++b) into[b] = (xs[b] - pm[c]) * (xs[b] - pm[c]);
+            } else if (kind == 1) {
+              for (Index b = 0; b < bn; ++b) into[b] = (xs[b * xb] - pm[c]) * (xs[b * xb] - pm[c]);
+            } else if (xb == 1 && gb == 1) {
+              for (Index b = 0; b < bn; ++b) into[b] = gs[b] * ((xs[b] - pm[c]) * ps[c]);
+            } else {
+              for (Index b = 0; b < bn; ++b) into[b] = gs[b * gb] * ((xs[b * xb] - pm[c]) * ps[c]);
+            }
+          }
+        }
+        for (Index n = A; n > 1;) {  // along A: planes of (channels, b)
+          const Index pairs = n / 2, kept = n - pairs;
+          for (Index i = 0; i < pairs; ++i) {
+            float* to = t + i * plane;
+            const float* from = t + (i + kept) * plane;
+            for (Index j = 0; j < plane; ++j) to[j] = to[j] + from[j];
+          }
+          n = kept;
+        }
+        for (Index k = 0; k < K; ++k) std::memcpy(r + k * B + b0, t + k * bn, bn * sizeof(float));
+      }
+      for (Index k = 0; k < width; ++k) {  // then along B, each channel's row
+        float* rk = r + k * B;
+        for (Index n = B; n > 1;) {
+          const Index pairs = n / 2, kept = n - pairs;
+          for (Index i = 0; i < pairs; ++i) rk[i] = rk[i] + rk[i + kept];
+          n = kept;
+        }
+      }
+      for (Index k = 0; k < width; ++k) po[c0 + k] = r[k * B];
+    }
+  });
+}
+
 // out (B, C, R1, R2) = x (B, R1, R2, C) (rotate_last): any strides, any dtype, no overlap.
 void rotated_copy(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 4 && out.dim() == 4 && x.scalar_type() == out.scalar_type(),
@@ -419,5 +512,6 @@ TORCH_LIBRARY(lockstep_blas, m) {
       "layer_norm_backward(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? w, Tensor(a!)? dx, Tensor(b!)? dw, "
       "Tensor(c!)? db, int width=0) -> ()",
       layer_norm_backward);
+  m.def("halving_sums(Tensor x, Tensor? g, Tensor? m, Tensor? s, Tensor(a!) out, int kind) -> ()", halving_sums);
   m.def("softmax_backward(Tensor dy, Tensor y, Tensor(a!) out, int width=0) -> ()", softmax_backward);
 }

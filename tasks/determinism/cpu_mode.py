@@ -1,10 +1,10 @@
 """Which CPU code paths a run computes with: `determinism.cpu`, auto (the default), portable or native.
 
-auto is portable where the CPU supports it (x86-64 with AVX2 and FMA) and a C++ compiler can build its
-kernels, and native elsewhere (Arm servers, Apple silicon, a GH200's Grace), said in one log line; the
-run's fingerprint records the mode that ran (`hw.cpu.mode`). portable asked for on a CPU without it is
-refused (exit 4). On arm64 portable runs (NEON, `ARCHITECTURES`), but some of ATen's kernels there still
-add in another order than on x86-64: asked for by name it warns so, and auto does not choose it.
+auto is portable where the CPU supports it (x86-64 with AVX2 and FMA, or arm64 with NEON: `ARCHITECTURES`)
+and a C++ compiler can build its kernels, and native elsewhere, said in one log line; the run's
+fingerprint records the mode that ran (`hw.cpu.mode`) and the architecture. portable asked for on a CPU
+without it is refused (exit 4). Both architectures compute the same bytes in portable mode
+(tests/determinism/test_arm64.py, on an emulated arm64 machine).
 
 CPU kernels pick their code by the CPU they run on, so the same run gives other weight bytes on
 another machine (Intel vs AMD, AVX2 vs AVX-512):
@@ -60,22 +60,13 @@ class Architecture:
     reports: str  # torch.backends.cpu.get_cpu_capability() once that is pinned
     needs: tuple[str, ...]  # /proc/cpuinfo flags the CPU must list
     flags_key: str  # the /proc/cpuinfo line that lists them
-    # Why its bytes are not yet x86-64's, or None: `auto` is portable only where they are.
-    differs: str | None = None
 
 
 # By platform.machine()'s name (lower case). x86-64: AVX2's kernels, also on AVX-512 CPUs. arm64: NEON's
 # (torch's "default" there), also where SVE ones exist; every arm64 CPU has NEON with fused multiply-add.
 ARCHITECTURES = {
     "x86_64": Architecture("avx2", "AVX2", ("avx2", "fma"), "flags"),
-    "aarch64": Architecture(
-        "default",
-        "DEFAULT",
-        ("asimd",),
-        "Features",
-        differs="batch norm, layer norm's forward, mean, sum and log-softmax are still ATen's NEON kernels, "
-        "which add in another order than its AVX2 ones (docs/reproducibility.md, arm64)",
-    ),
+    "aarch64": Architecture("default", "DEFAULT", ("asimd",), "Features"),
 }
 _ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 
@@ -138,22 +129,16 @@ def resolve(mode: str) -> str:
         return mode
     if os.environ.get(MODE_ENV) in ("portable", "native"):
         return os.environ[MODE_ENV]
-    why = portable_unsupported() or _bytes_differ() or _no_compiler()
+    why = portable_unsupported() or _no_compiler()
     if why is None:
         return "portable"
     log.warning(
-        "determinism.cpu: auto computes in native mode here (%s; portable needs x86-64 with AVX2 and FMA, "
-        "and a C++ compiler for its kernels): the weight bytes depend on this CPU's kind, and a GPU's are "
-        "unaffected",
+        "determinism.cpu: auto computes in native mode here (%s; portable needs x86-64 with AVX2 and FMA "
+        "or arm64 with NEON, and a C++ compiler for its kernels): the weight bytes depend on this CPU's kind, "
+        "and a GPU's are unaffected",
         why,
     )
     return "native"
-
-
-def _bytes_differ() -> str | None:
-    """Why portable mode here would not give x86-64's bytes, or None where it does."""
-    differs = ARCHITECTURES[machine()].differs
-    return f"portable on {machine()} does not yet give x86-64's bytes: {differs}" if differs else None
 
 
 def _no_compiler() -> str | None:
@@ -221,8 +206,6 @@ def activate(mode: str, num_threads: int) -> dict[str, Any]:
     portable = mode == "portable"
     if portable:
         _check_portable(torch)
-        if _bytes_differ():  # asked for by name (auto would not choose it): what it does not promise yet
-            log.warning("determinism.cpu: %s", _bytes_differ())
     torch.backends.mkldnn.enabled = not portable
     torch.backends.nnpack.set_flags(not portable)
     if portable:

@@ -3,9 +3,9 @@
 `install` registers tasks/determinism/kernels.py's matrix products and convolutions for their ATen ops
 (the out= and in-place forms too: an op's CPU kernel may call them, as the fused CPU attention of
 nn.MultiheadAttention's inference path writes through aten::bmm.out), activations.py's sigmoid, SiLU
-and GELU, normalization.py's layer norm and softmax backward and thread_invariant.py's mish, softplus,
-ELU backward, softmax and batch norm (whose ATen kernels' values followed the thread count), and a
-refusal for every overload
+and GELU, reductions.py's sum and mean, normalization.py's batch norm, layer norm, softmax and
+log-softmax, sampling.py's normal_ and erfinv, thread_invariant.py's mish, softplus and ELU backward
+(whose ATen kernels' values followed the thread count), and a refusal for every overload
 of the other ops that would compute with MKL, oneDNN, NNPACK or fbgemm (matrix-vector products, LAPACK,
 FFT, fused attention, torch's convolution backends called directly, packed-weight products), rather
 than let them compute CPU-dependent bytes. `refusal` says which call would be refused, and
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tasks.determinism import activations, kernels, normalization, thread_invariant
+from tasks.determinism import activations, kernels, normalization, reductions, sampling, thread_invariant
 
 # ATen ops (every overload) that compute with MKL, oneDNN, NNPACK or fbgemm on the CPU and have no
 # portable route here; a name this torch does not have is skipped.
@@ -161,9 +161,23 @@ _ROUTES = {
     "softplus": thread_invariant.softplus,
     "softplus_backward": thread_invariant.softplus_backward,
     "elu_backward": thread_invariant.elu_backward,
-    "_softmax": thread_invariant.softmax,
-    "native_batch_norm": thread_invariant.batch_norm,
-    "native_batch_norm_backward": thread_invariant.batch_norm_backward,
+    # sums (and the sqrt, exp and log beside them) whose ATen kernels' bytes differed between x86-64 and
+    # arm64, or followed the thread count (reductions.py, normalization.py)
+    "sum": reductions.sum_all,
+    "sum.dim_IntList": reductions.sum_dim,
+    "mean": reductions.mean_all,
+    "mean.dim": reductions.mean_dim,
+    "_softmax": normalization.softmax,
+    "_log_softmax": normalization.log_softmax,
+    "_log_softmax_backward_data": normalization.log_softmax_backward,
+    "native_layer_norm": normalization.layer_norm,
+    "native_batch_norm": normalization.batch_norm,
+    "native_batch_norm_backward": normalization.batch_norm_backward,
+    # random draws whose ATen kernels' transcendental functions differ on arm64 (sampling.py): torchvision's
+    # kaiming and truncated normal initialisations
+    "normal_": sampling.normal_,
+    "erfinv": sampling.erfinv,
+    "erfinv_": sampling.erfinv_,
     # activations whose ATen kernels compute a tensor's tail otherwise than its body (activations.py)
     **{
         f"{kind}{overload}": _activation(kind, inplace=overload == "_")
@@ -177,6 +191,7 @@ _ROUTES = {
     },
 }
 _CONVOLUTIONS = {"convolution": 6, "_convolution": 6}  # -> the index of their `transposed` argument
+_ANY_DTYPE = frozenset({"sum", "sum.dim_IntList", "mean", "mean.dim"})  # integers too (reductions.py)
 
 
 @functools.cache
@@ -224,6 +239,9 @@ def refusal(func: Any, args: Sequence[Any]) -> str | None:
             return f"aten::{name} (transposed)"
         if x.dim() not in (3, 4):
             return f"aten::{name} ({x.dim() - 2}-D)"
+    elif name in _ANY_DTYPE:  # integer sums stay ATen's (exact in any order); complex ones are refused
+        if tensors and tensors[0].is_complex():
+            return f"aten::{name} ({tensors[0].dtype})"
     elif any(t.dtype not in kernels.FLOATS for t in tensors):
         return f"aten::{name} ({', '.join(str(t.dtype) for t in tensors)})"
     return None

@@ -90,14 +90,32 @@ def _caches() -> str:
     return ", ".join(found) or "unknown"
 
 
+# arm64's /proc/cpuinfo names no vendor or model, only codes (as Linux's arch/arm64/include/asm/cputype.h)
+ARM_IMPLEMENTERS = {"0x41": "Arm", "0xc0": "Ampere", "0x4e": "NVIDIA", "0x61": "Apple", "0x48": "HiSilicon"}
+ARM_PARTS = {
+    ("0x41", "0xd0c"): "Neoverse N1",  # AWS Graviton2, Ampere Altra
+    ("0x41", "0xd40"): "Neoverse V1",  # Graviton3
+    ("0x41", "0xd49"): "Neoverse N2",
+    ("0x41", "0xd4f"): "Neoverse V2",  # NVIDIA Grace, Graviton4
+    ("0x41", "0xd84"): "Neoverse V3",
+    ("0x41", "0xd8e"): "Neoverse N3",
+    ("0xc0", "0xac3"): "AmpereOne",
+}
+
+
 def cpu_facts() -> dict[str, str]:
     """The CPU as /proc/cpuinfo and sysfs describe it, without loading torch."""
     info = cpu_mode.cpuinfo()
     flags = set(info.get("flags", "").split()) | set(info.get("Features", "").split())
+    vendor, model = info.get("vendor_id"), info.get("model name")
+    implementer, part = info.get("CPU implementer", "").lower(), info.get("CPU part", "").lower()
+    if implementer:  # arm64
+        vendor = vendor or ARM_IMPLEMENTERS.get(implementer, f"implementer {implementer}")
+        model = model or ARM_PARTS.get((implementer, part), f"part {part}")
     return {
-        "hw.cpu.arch": cpu_mode.machine(),  # (portable's bytes differ by it while ARCHITECTURES says so)
-        "hw.cpu.vendor": info.get("vendor_id", platform.processor() or "unknown"),
-        "hw.cpu.model": re.sub(r"\s+", " ", info.get("model name", platform.machine())),
+        "hw.cpu.arch": cpu_mode.machine(),  # (x86-64 and arm64 compute the same portable bytes)
+        "hw.cpu.vendor": vendor or platform.processor() or "unknown",
+        "hw.cpu.model": re.sub(r"\s+", " ", model or platform.machine()),
         "hw.cpu.flags": " ".join(f for f in ISA_FLAGS if f in flags) or "none",
         "hw.cpu.cache": _caches(),
         "hw.cpu.count": str(os.cpu_count()),

@@ -1,18 +1,17 @@
-"""Layer norm's and softmax's backward, for determinism.cpu: portable: the same bytes on any thread count.
+"""Batch norm, layer norm, softmax and log-softmax, forward and backward, for determinism.cpu: portable: the
+same bytes on any thread count, and on x86-64 and arm64 alike.
 
-ATen's CPU kernel for layer norm's backward adds the weight and bias gradients (sums over every row of the
-batch) into one buffer per thread, over the rows that thread was given, and then adds the buffers: the
-thread count decided where the sums were cut, so convnext's weights followed it (1 against 2 threads, from
-the first step), as did swin's and maxvit's through softmax's backward. Here every sum has one order,
-which neither the threads nor the vector width change (normalization.h says which): a row's in 16
-interleaved chains, a column's in blocks of `BLOCK_ROWS` rows added in order. The rest is ATen's formulas
-(layer_norm_kernel.cpp, SoftMaxKernel.cpp), each operation rounded once. blas_pool.cpp's ops compute it
-on torch's threads; where they cannot be built, the functions below compute the same bytes with torch's
-elementwise ops (tested), as they do for float64. Half and bfloat16 are computed in float32, as ATen does.
-
-The forward passes stay ATen's: each row is one thread's (layer norm; softmax and log-softmax along the
-last dimension), so their bytes never followed the count (tests/determinism/test_zoo_threads.py trains
-convnext and swin on 1-3 threads).
+ATen's CPU kernels for these sum with orders the thread count and the vector width decide: layer norm's
+backward added its weight and bias gradients into one buffer per thread (convnext's weights followed
+the thread count, from the first step; swin's and maxvit's followed it through softmax's backward), batch
+norm's channels-last kernels did the same, and on arm64 every one of their sums, and exp, log and sqrt,
+gave other bytes than on x86-64 (docs/design-history.md, "arm64: what differs"). Here every sum has one
+order (reductions.py's `total`, and normalization.h's for the backward passes blas_pool.cpp computes: a
+row's in 16 interleaved chains, a column's in blocks of rows added in order), square roots are correctly
+rounded (`reductions.sqrt`), e^x and log are own polynomials, and the rest is ATen's formulas
+(layer_norm_kernel.cpp, batch_norm_kernel.cpp, SoftMaxKernel.cpp), each operation rounded once. Where
+blas_pool.cpp cannot be built, torch's elementwise ops compute the same bytes (tested), as they do for
+float64. Half and bfloat16 are computed in float32, as ATen does.
 """
 
 from __future__ import annotations
@@ -23,11 +22,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tasks.determinism import blas, memory
+from tasks.determinism import activations, blas, memory, reductions
 
 CHAINS = 16  # a row's sum: element j into chain j % CHAINS (normalization.h's kChains)
 BLOCK_ROWS = 64  # a column's sum: blocks of this many rows (blas_pool.cpp's kBlockRows)
-_REDUCED = (torch.float16, torch.bfloat16)
+_REDUCED = reductions.REDUCED
 
 
 def layer_norm_backward(
@@ -128,3 +127,160 @@ def softmax_backward(
         grad = y * (dy - _row_sums(dy * y))
     grad = grad.view(moved.shape).movedim(-1, dim).contiguous()
     return grad.to(input_dtype)
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """e^x: activations.py's formula for float32 (ATen's exp differs between x86-64 and arm64), ATen's else."""
+    return activations.exp(x) if x.dtype == torch.float32 else torch.exp(x)
+
+
+def softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    """aten::_softmax: e^(x - the row's max) over its sum (`reductions.total`), in float32 for half and
+    bfloat16 (returned so where `half_to_float`)."""
+    compute = torch.float32 if half_to_float or x.dtype in _REDUCED else x.dtype
+    xf = x.to(compute)
+    e = _exp(xf - xf.amax(dim, keepdim=True))
+    result = e / reductions.total(e, [dim], keepdim=True)
+    return result if half_to_float else result.to(x.dtype)
+
+
+def log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    """aten::_log_softmax: (x - the row's max) - log of the sum of its e^, as `softmax`."""
+    compute = torch.float32 if half_to_float or x.dtype in _REDUCED else x.dtype
+    xf = x.to(compute)
+    shifted = xf - xf.amax(dim, keepdim=True)
+    result = shifted - reductions.log(reductions.total(_exp(shifted), [dim], keepdim=True))
+    return result if half_to_float else result.to(x.dtype)
+
+
+def log_softmax_backward(
+    grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype
+) -> torch.Tensor:
+    """aten::_log_softmax_backward_data: grad - e^output times the sum of grad along `dim`, in `input_dtype`."""
+    compute = torch.float32 if output.dtype in _REDUCED else output.dtype
+    g = grad_output.to(compute)
+    grad = g - _exp(output.to(compute)) * reductions.total(g, [dim], keepdim=True)
+    return grad.to(input_dtype)
+
+
+def layer_norm(
+    x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None, bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """aten::native_layer_norm: the output, and each row's mean and 1/sqrt(variance + eps), shaped and typed
+    as ATen's (the parameters' dtype)."""
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    count = math.prod(normalized_shape)
+    xf = x.to(torch.float32 if x.dtype in _REDUCED else x.dtype)
+    mean = reductions.total(xf, dims, keepdim=True) / count
+    centred = xf - mean
+    rstd = 1 / reductions.sqrt(reductions.total(centred * centred, dims, keepdim=True) / count + eps)
+    out = centred * rstd
+    out = out if weight is None else out * weight
+    out = out if bias is None else out + bias
+    stats = next((t.dtype for t in (weight, bias) if t is not None), x.dtype)
+    return out.to(x.dtype), mean.to(stats), rstd.to(stats)
+
+
+def _channel_shape(x: torch.Tensor) -> list[int]:
+    """Where a per-channel vector broadcasts over x (N, C, ...)."""
+    return [1, -1] + [1] * (x.dim() - 2)
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _laid_out_as(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`t` laid out as ATen lays out its result for `x`: channels-last where x is, contiguous else."""
+    return t.contiguous(memory_format=torch.channels_last if _channels_last(x) else torch.contiguous_format)
+
+
+def _like(x: torch.Tensor, make: reductions.Scratch, dtype: torch.dtype) -> torch.Tensor:
+    """Memory from `make` (memory.empty, or a pool's `take`) of x's shape in `dtype`, laid out as x."""
+    like = x.new_empty(0, dtype=dtype)
+    if _channels_last(x):
+        n, c, h, w = x.shape
+        return make((n, h, w, c), like).permute(0, 3, 1, 2)
+    return make(tuple(x.shape), like)
+
+
+def batch_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """aten::native_batch_norm: the output laid out as x, and the batch's mean and 1/sqrt(variance + eps) per
+    channel (training; empty else), the running statistics updated in place as ATen's (unbiased variance)."""
+    # the statistics in the parameters' dtype, as ATen's: float32 for a half or bfloat16 x under autocast
+    stats = next((t.dtype for t in (weight, bias, running_mean, running_var) if t is not None), x.dtype)
+    compute = torch.float32 if stats in _REDUCED else stats
+    shape, xf = _channel_shape(x), x.to(compute)
+    count = x.numel() // max(x.shape[1], 1)
+    # each sum read from x by blas_pool.cpp (reductions.channel_total), what scratch the torch code needs from
+    # the pool (memory.py: a new tensor of megabytes costs its page faults every step), the output new memory
+    with memory.temporaries() as take:
+        if training:
+            mean = reductions.channel_total(xf, scratch=take) / count
+            squares = reductions.channel_total(xf, center=mean, scratch=take)
+            invstd = 1 / reductions.sqrt(squares / count + eps)
+            if running_mean is not None:
+                running_mean.copy_(running_mean * (1 - momentum) + mean * momentum)
+            if running_var is not None:
+                running_var.copy_(running_var * (1 - momentum) + squares / (count - 1) * momentum)
+            saved = (mean.to(stats), invstd.to(stats))
+        else:
+            if running_mean is None or running_var is None:
+                raise ValueError("native_batch_norm: running_mean and running_var are needed outside training")
+            mean, invstd = running_mean, 1 / reductions.sqrt(running_var + eps)
+            saved = (torch.empty(0, dtype=stats), torch.empty(0, dtype=stats))
+    scale = (invstd if weight is None else invstd * weight).view(shape)
+    out = torch.sub(xf, mean.view(shape), out=_like(x, memory.empty, compute)).mul_(scale)
+    out = out if bias is None else out.add_(bias.view(shape))
+    return _laid_out_as(out.to(x.dtype), x), *saved
+
+
+def batch_norm_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    save_mean: torch.Tensor | None,
+    save_invstd: torch.Tensor | None,
+    train: bool,
+    eps: float,
+    mask: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """aten::native_batch_norm_backward: the gradients of the input (laid out as x), the weight and the bias,
+    each None where `mask` does not ask for it."""
+    mean, invstd = (save_mean, save_invstd) if train else (running_mean, running_var)
+    if mean is None or invstd is None:
+        raise ValueError("native_batch_norm_backward: the saved (training) or running statistics are needed")
+    if not train:
+        invstd = 1 / reductions.sqrt(invstd + eps)
+    stats, shape = invstd.dtype, _channel_shape(x)
+    compute = torch.float32 if stats in _REDUCED else stats
+    count = x.numel() // max(x.shape[1], 1)
+    g, xc = grad.to(compute), x.to(compute)
+    with memory.temporaries() as take:  # (as batch_norm's)
+        sum_g = reductions.channel_total(g, scratch=take) if train or mask[2] else None
+        wanted = train or mask[1]
+        sum_gx = reductions.channel_total(xc, center=mean, scale=invstd, g=g, scratch=take) if wanted else None
+        grad_input = None
+        if mask[0]:
+            scale = (invstd if weight is None else invstd * weight).view(shape)
+            dx = _like(x, memory.empty, compute)
+            if train:  # (g - mean(g) - x-hat mean(g x-hat)) times the scale
+                shifted = torch.sub(xc, mean.view(shape), out=_like(x, take, compute)).mul_(invstd.view(shape))
+                shifted.mul_((sum_gx / count).view(shape))
+                torch.sub(g, (sum_g / count).view(shape), out=dx).sub_(shifted).mul_(scale)
+            else:
+                torch.mul(g, scale, out=dx)
+            grad_input = _laid_out_as(dx.to(x.dtype), x)
+    return grad_input, (sum_gx.to(stats) if mask[1] else None), (sum_g.to(stats) if mask[2] else None)

@@ -1,15 +1,17 @@
 """The portable kernels on arm64: Debian's arm64 Python with the locked arm64 wheels, emulated
-(tests/support/arm64.py), computes each op the portable layer computes itself with the bytes x86-64 computes.
+(tests/support/arm64.py), computes what x86-64 computes, op by op and after training steps of every zoo family.
 
 blas_pool.cpp's NEON build (128-bit vectors, cross-compiled by Debian's aarch64 g++) against x86's AVX2 or
 AVX-512 one: products and convolutions (each element one fused multiply-add chain), the depthwise
-kernels, the activations' own formulas, layer norm's and softmax's backward sums. Each op gets the same
-inputs on both machines (torch's CPU generator is the same Mersenne Twister on both) and their outputs'
-sha256 must agree. What still differs on arm64 is ATen's: tasks/determinism/cpu_mode.py ARCHITECTURES
-says which, and `auto` stays native there until it does not (docs/reproducibility.md, arm64).
+kernels, the activations' own formulas, layer norm's and softmax's backward sums; and what portable
+computes in place of ATen's reductions (reductions.py, normalization.py: batch norm, layer norm, sum,
+mean, softmax, log-softmax and cross-entropy). Each op gets the same inputs on both machines (torch's CPU
+generator is the same Mersenne Twister on both) and their outputs' sha256 must agree; so must the weights
+after each family's initialisation and two SGD steps, for every family of the zoo test, bfloat16
+autocast included.
 
 The emulator runs NEON and FMA instructions exactly, not a real chip's timing. The machine is built by
-`make arm64-env` (.ci/run runs it); the emulated process takes ~1 min to import torch.
+`make arm64-env` (.ci/run runs it); the emulated process takes ~1 min to import torch, ~5 min in all.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 
 import pytest
 
+from tests.determinism.test_portable_escapes import ZOO
 from tests.support import arm64
 from tests.support.portable import run_script
 
@@ -76,8 +79,51 @@ report["layer norm backward"] = digest(*torch.ops.aten.native_layer_norm_backwar
     grad, rows.detach(), [45], mean, rstd, weight, shift, [True, True, True]))
 probabilities = torch.rand(6, 45, generator=generator)
 report["softmax backward"] = digest(torch.ops.aten._softmax_backward_data(grad, probabilities, 1, torch.float32))
-print(json.dumps({"ops": report, "machine": fingerprint()}))
+# ATen's reductions, which portable computes itself (reductions.py, normalization.py): odd sizes included
+for layout in (torch.contiguous_format, torch.channels_last):
+    image = rand(6, 12, 7, 9).detach().to(memory_format=layout).requires_grad_()
+    weight, shift = rand(12), rand(12)
+    running = [torch.zeros(12), torch.ones(12)]
+    normed = F.batch_norm(image, *running, weight, shift, training=True, momentum=0.3)
+    report[f"batch norm, {layout}"] = digest(normed, *gradients(normed, image, weight, shift), *running)
+    normed = F.batch_norm(image, *running, weight, shift, training=False)
+    report[f"batch norm, eval, {layout}"] = digest(normed, *gradients(normed, image, weight))
+rows, weight, shift = rand(5, 7, 45), rand(45), rand(45)
+normed = F.layer_norm(rows, [45], weight, shift)
+report["layer norm"] = digest(normed, *gradients(normed, rows, weight, shift))
+logits, labels = rand(37, 10) * 4, torch.randint(0, 10, (37,), generator=generator)
+loss = F.cross_entropy(logits, labels, label_smoothing=0.1)
+report["cross entropy (log-softmax, sums)"] = digest(loss, *gradients(loss, logits))
+report["softmax"] = digest(F.softmax(logits, 0), F.softmax(logits, 1))
+report["sum, mean"] = digest(rows.sum(), rows.sum((0, 2)), rows.mean(1), rows.mean((0, 1), keepdim=True))
 """
+
+# Two training steps of each zoo family (tests/determinism/test_portable_escapes.py ZOO) from its own
+# initialisation (torchvision's kaiming and truncated normal draws: sampling.py's on both machines).
+STEPS = """
+import sys
+from tasks.train.models import build_model
+
+steps = {}
+for family in sys.argv[1:]:
+    name, precision = family.split(":")
+    torch.manual_seed(0)
+    model = build_model(name, 10, [0.5] * 3, [0.25] * 3, [16, 16])
+    generator = torch.Generator().manual_seed(1)
+    images, labels = torch.rand(2, 3, 3, 16, 16, generator=generator), torch.randint(0, 10, (2, 3), generator=generator)
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    for x, y in zip(images, labels):
+        optimiser.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+            loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
+        loss.backward()
+        optimiser.step()
+    tensors = model.state_dict().values()
+    state = b"".join(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
+    steps[family] = hashlib.sha256(state).hexdigest()
+print(json.dumps({"ops": report, "steps": steps, "machine": fingerprint()}))
+"""
+FAMILIES = [f"{name}:{precision}" for name, precision in ZOO]
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +138,34 @@ def arm64_ready() -> None:
         pytest.skip(str(exc))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_the_portable_kernels_give_x86_bytes_on_arm64(arm64_ready: None) -> None:
-    x86 = json.loads(run_script(OPS).strip().splitlines()[-1])
-    done = arm64.run_python(["-c", OPS])
+@pytest.fixture(scope="module")
+def reports(arm64_ready: None) -> dict[str, dict]:
+    """What OPS and STEPS compute here and on the emulated arm64 machine: one process each (an emulated
+    `import torch` alone takes about a minute)."""
+    x86 = json.loads(run_script(OPS + STEPS, *FAMILIES).strip().splitlines()[-1])
+    done = arm64.run_python(["-c", OPS + STEPS, *FAMILIES], timeout_s=3000)
     assert done.returncode == 0, done.stderr[-3000:]
-    arm = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"x86_64": x86, "arm64": json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_the_portable_kernels_give_x86_bytes_on_arm64(reports: dict[str, dict]) -> None:
+    x86, arm = reports["x86_64"], reports["arm64"]
     assert arm["machine"]["hw.cpu.capability"] == "DEFAULT"  # ATen's NEON kernels, pinned
     assert "128-bit vectors" in arm["machine"]["hw.cpu.products"], arm["machine"]  # blas_pool.cpp's NEON build
     assert sorted(arm["ops"]) == sorted(x86["ops"])
     differ = sorted(name for name in x86["ops"] if x86["ops"][name] != arm["ops"][name])
     assert differ == [], f"ops whose bytes differ on arm64: {differ}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_a_training_step_of_each_zoo_family_gives_x86_weights_on_arm64(reports: dict[str, dict]) -> None:
+    """Each family's own initialisation, then two SGD steps (momentum, weight decay, label smoothing),
+    bfloat16 autocast included: the weights' bytes after them, on x86-64 here and on the emulated arm64
+    machine."""
+    x86, arm = reports["x86_64"]["steps"], reports["arm64"]["steps"]
+    assert len(set(x86.values())) == len(FAMILIES)  # (each family's own weights: the hashes say something)
+    differ = sorted(family for family in FAMILIES if x86[family] != arm[family])
+    assert differ == [], f"families whose weights differ on arm64 after two steps: {differ}"

@@ -95,10 +95,11 @@ def test_the_ops_give_the_torch_codes_bytes_on_every_width_and_thread_count(rows
 def _gradients(threads: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Layer norm's and softmax's gradients on `threads` threads, rows short (as swin's attention has them)."""
     generator = torch.Generator().manual_seed(2)
-    x = torch.randn(517, 96, generator=generator).to(dtype).requires_grad_()
-    weight = torch.randn(96, generator=generator).to(dtype).requires_grad_()
-    bias = torch.randn(96, generator=generator).to(dtype).requires_grad_()
-    scores = torch.randn(64, 16, 49, 49, generator=generator).to(dtype).requires_grad_()
+
+    def draw(*shape: int) -> torch.Tensor:  # (uniform: normal_ is portable's own in one mode, ATen's in the other)
+        return ((torch.rand(shape, generator=generator) - 0.5) * 4).to(dtype).requires_grad_()
+
+    x, weight, bias, scores = draw(517, 96), draw(96), draw(96), draw(64, 16, 49, 49)
     torch.set_num_threads(threads)
     made = torch.autograd.grad(F.layer_norm(x, (96,), weight, bias), [x, weight, bias], torch.ones_like(x) * x.detach())
     (softmax,) = torch.autograd.grad(F.softmax(scores, -1), [scores], scores.detach())
@@ -117,7 +118,9 @@ def test_the_bytes_do_not_follow_the_thread_count(dtype: torch.dtype, torch_thre
             assert torch.equal(got, want), (threads, dtype)
     for got, want in zip(made[1], native[1], strict=True):  # and they are the gradients
         assert got.dtype == dtype
-        tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+        # (float32: the forward passes are portable's too, rounded otherwise than ATen's, and a weight's
+        # gradient adds 517 rows of their outputs)
+        tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
         torch.testing.assert_close(got.float(), want, **tolerance)
 
 

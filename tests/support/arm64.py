@@ -42,8 +42,10 @@ SYSTEM_PACKAGES = ("qemu-user-static", "g++-aarch64-linux-gnu")
 DEBIAN_ROOTS = ("python3.11", "libstdc++6", "libgomp1")
 DEBIAN_SKIP = ("dpkg", "install-info", "tar")  # pulled in by packaging scripts an unpacked root never runs
 # The arm64 wheels: torch with its dependencies (uv resolves them for aarch64, pinned by the lock), and
-# what tasks/determinism and tasks/train/models import beside it.
-WHEELS = ("torch", "torchvision", "numpy", "threadpoolctl", "psutil", "pyyaml", "pydantic")
+# what the default run's data and train stages import beside it (tests/support/arm64_default_run.py).
+WHEELS = ("torch", "torchvision", "numpy", "threadpoolctl", "psutil", "pyyaml", "pydantic", "tqdm", "safetensors")
+WHEELS += ("scikit-learn", "pillow", "pandas", "pyarrow", "narwhals", "rich", "pydot", "cloudpickle", "colorama")
+WHEELS += ("charset-normalizer", "nvidia-ml-py")
 PLATFORM = "aarch64-manylinux_2_28"
 # A Neoverse N1's identification (implementer 0x41 Arm, part 0xd0c, r3p1), as Linux shows it.
 MIDR = "0x00000000413fd0c1"
