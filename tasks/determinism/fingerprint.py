@@ -228,6 +228,13 @@ def _torch_facts(gpu: int) -> dict[str, str]:
     return tags
 
 
+def _as_pinned(facts: dict[str, str]) -> bool:
+    """Whether a fingerprint's ATen capability is the one portable pins on its architecture (x86-64 where a
+    run recorded none: the one portable architecture before arm64)."""
+    architecture = cpu_mode.ARCHITECTURES.get(facts.get("hw.cpu.arch", "x86_64"))
+    return architecture is not None and facts.get("hw.cpu.capability") == architecture.reports
+
+
 def explain(run: dict[str, str], now: dict[str, str], device: str = "cpu") -> tuple[list[str], bool]:
     """Why the bytes of a run and of its rebuild may differ: (the differences that explain it, expected).
 
@@ -240,7 +247,7 @@ def explain(run: dict[str, str], now: dict[str, str], device: str = "cpu") -> tu
     if now.get("hw.cpu.mode", mode) != mode:  # e.g. determinism.cpu: auto, rebuilt on a CPU without AVX2
         return [
             f"hw.cpu.mode: the run computed in {mode} mode, this machine in {now['hw.cpu.mode']} mode "
-            "(determinism.cpu: auto is portable only on x86-64 CPUs with AVX2 and FMA)"
+            "(determinism.cpu: auto is portable only on x86-64 CPUs with AVX2 and FMA and on arm64 ones)"
         ], True
     keys = NATIVE_KEYS if mode == "native" else PORTABLE_KEYS
     if device.startswith("cuda"):
@@ -248,7 +255,10 @@ def explain(run: dict[str, str], now: dict[str, str], device: str = "cpu") -> tu
     differences = [
         f"{key}: run {run.get(key, 'not recorded')}, now {now.get(key, 'unknown')}"
         for key in keys
-        if key in now and run.get(key) != now[key]
+        if key in now
+        and run.get(key) != now[key]
+        # (each architecture pins its own ATen capability, AVX2 or NEON's: both give portable's bytes)
+        and not (key == "hw.cpu.capability" and mode == "portable" and _as_pinned(run) and _as_pinned(now))
     ]
     other_cpu = any(run.get(k) != now.get(k) for k in ("hw.cpu.vendor", "hw.cpu.model", "hw.cpu.flags", "hw.cpu.cache"))
     return differences, mode == "native" and other_cpu

@@ -309,7 +309,7 @@ def test_fingerprint_explains_what_changes_bytes() -> None:
     differences, expected = explain(now, {**now, "hw.cpu.mode": "native"})
     assert expected and differences == [
         "hw.cpu.mode: the run computed in portable mode, this machine in native mode "
-        "(determinism.cpu: auto is portable only on x86-64 CPUs with AVX2 and FMA)"
+        "(determinism.cpu: auto is portable only on x86-64 CPUs with AVX2 and FMA and on arm64 ones)"
     ]
     assert explain({"git.commit": "abc"}, now)[0] == [
         "the run records no hardware fingerprint (made before lockstep recorded one)"

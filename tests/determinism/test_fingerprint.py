@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from tasks.determinism import fingerprint
 from tasks.determinism.fingerprint import nvidia_driver
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize(
@@ -44,3 +46,19 @@ def test_an_arm64_cpu_is_named_from_its_codes(
     facts = fingerprint.cpu_facts()
     assert (facts["hw.cpu.arch"], facts["hw.cpu.vendor"], facts["hw.cpu.model"]) == ("aarch64", vendor, model)
     assert facts["hw.cpu.flags"] == "asimd asimddp"
+
+
+def test_a_portable_run_from_x86_64_is_expected_to_give_the_same_bytes_on_arm64() -> None:
+    """What `make reproduce` of an x86-64 run says on arm64: the architecture, vendor and model differ, none
+    of them decides portable bytes, so a difference in bytes would be a bug; in native mode it would not."""
+    golden = json.loads((ROOT / "tests/determinism/golden/portable_training.json").read_text())
+    x86 = golden["recorded_on"]
+    arm = {**x86, "hw.cpu.arch": "aarch64", "hw.cpu.vendor": "Arm", "hw.cpu.model": "Neoverse N1"}
+    arm |= {"hw.cpu.flags": "asimd asimdhp asimddp", "hw.cpu.capability": "DEFAULT"}
+    arm |= {"hw.env.ATEN_CPU_CAPABILITY": "default", "hw.cpu.products": "fma chains, 128-bit vectors"}
+    assert fingerprint.explain(x86, arm) == ([], False)  # (each pinned its own capability: not a reason)
+    unpinned = {**arm, "hw.cpu.capability": "SVE256"}
+    assert fingerprint.explain(x86, unpinned) == (["hw.cpu.capability: run AVX2, now SVE256"], False)
+    native = {**x86, "hw.cpu.mode": "native"}
+    differences, expected = fingerprint.explain(native, {**arm, "hw.cpu.mode": "native"})
+    assert expected and "hw.cpu.model: run AMD EPYC, now Neoverse N1" in differences
