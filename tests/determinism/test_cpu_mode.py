@@ -256,6 +256,7 @@ def test_auto_is_portable_where_the_cpu_supports_it_and_native_elsewhere(
     monkeypatch.setattr(cpu_mode, "cpuinfo", lambda: {"Features": "fp asimd evtstrm aes crc32 atomics"})
     assert cpu_mode.resolve("auto") == "portable"  # x86-64's bytes there too (test_arm64.py)
     monkeypatch.setattr(cpu_mode, "cpuinfo", lambda: {"Features": "fp evtstrm"})  # (no NEON: not a real arm64)
+    caplog.clear()
     with caplog.at_level("WARNING", logger=cpu_mode.__name__):
         assert cpu_mode.resolve("auto") == "native"
     (line,) = [r.getMessage() for r in caplog.records if r.name == cpu_mode.__name__]
