@@ -39,7 +39,7 @@ def is_depthwise(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
 def forward(x: torch.Tensor, weight: torch.Tensor, geometry: tuple) -> torch.Tensor:
     """The output (N, C, oh, ow) of a depthwise convolution of `x` (N, C, H, W) by `weight` (C, 1, kh, kw),
     without bias, in `x`'s memory layout; `geometry` is (stride, padding, dilation), each (rows, columns)."""
-    last = _channels_last(x)
+    last = memory.channels_last(x)
     (xc,), w = _operands(x, last, x), _weights(x, weight)
     oh, ow = (out_size(x.shape[2 + d], w.shape[2 + d], *(part[d] for part in geometry)) for d in (0, 1))
     out = _empty((x.shape[0], x.shape[1], oh, ow), xc, last)
@@ -52,7 +52,7 @@ def backward(
     """(input gradient, weight gradient) of `forward`, each if `mask` asks for it (as convolution_backward's);
     computed channels-last where `grad` or `x` is (the input gradient comes back so)."""
     w = _weights(x, weight)
-    last = _channels_last(grad) or _channels_last(x)
+    last = memory.channels_last(grad) or memory.channels_last(x)
     grad_input = grad_weight = None
     if mask[0]:
         (g,) = _operands(x, last, grad)
@@ -63,11 +63,6 @@ def backward(
         grad_weight = _compute(_WEIGHT_GRADIENT, g, xc, memory.empty(tuple(w.shape), g), geometry, last)
         grad_weight = grad_weight.to(weight.dtype)
     return grad_input, grad_weight
-
-
-def _channels_last(t: torch.Tensor) -> bool:
-    """Whether `t` (N, C, H, W) is laid out channels-last (and not also contiguous, as with one channel)."""
-    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -13,6 +13,12 @@ import torch
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
+def channels_last(t: torch.Tensor) -> bool:
+    """Whether `t` (N, C, H, W) is laid out channels-last, and not also contiguous (as with one channel or
+    a 1x1 image): the portable kernels then lay out their operands and results as ATen would for it."""
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
 def empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """New memory for a result that is written in full before it is read: from numpy, unfilled.
 

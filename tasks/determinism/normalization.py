@@ -187,19 +187,15 @@ def _channel_shape(x: torch.Tensor) -> list[int]:
     return [1, -1] + [1] * (x.dim() - 2)
 
 
-def _channels_last(x: torch.Tensor) -> bool:
-    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-
-
 def _laid_out_as(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`t` laid out as ATen lays out its result for `x`: channels-last where x is, contiguous else."""
-    return t.contiguous(memory_format=torch.channels_last if _channels_last(x) else torch.contiguous_format)
+    return t.contiguous(memory_format=torch.channels_last if memory.channels_last(x) else torch.contiguous_format)
 
 
 def _like(x: torch.Tensor, make: reductions.Scratch, dtype: torch.dtype) -> torch.Tensor:
     """Memory from `make` (memory.empty, or a pool's `take`) of x's shape in `dtype`, laid out as x."""
     like = x.new_empty(0, dtype=dtype)
-    if _channels_last(x):
+    if memory.channels_last(x):
         n, c, h, w = x.shape
         return make((n, h, w, c), like).permute(0, 3, 1, 2)
     return make(tuple(x.shape), like)
