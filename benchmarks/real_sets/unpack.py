@@ -18,12 +18,12 @@ import fnmatch
 import io
 import posixpath
 import stat
-import tarfile
 import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
 from tasks.core.errors import ExpectedFailure, Refused
+from tasks.core.tar import tarfile
 
 MAX_BYTES = 512 << 20  # what the taken members may add up to; wesnoth's unit sprites are 12 MB
 MAX_MEMBERS = 200_000  # listed, taken or not; wesnoth's data package has about 40,000

@@ -19,7 +19,6 @@ from __future__ import annotations
 import lzma
 import posixpath
 import stat
-import tarfile
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from tasks.core.atomic import atomic_dir
 from tasks.core.errors import ExpectedFailure, Refused
+from tasks.core.tar import tarfile
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 RATIO_FLOOR = 1 << 20  # extracting to less is harmless, and a few tiny flat images compress well: no ratio check

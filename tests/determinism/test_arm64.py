@@ -169,3 +169,47 @@ def test_a_training_step_of_each_zoo_family_gives_x86_weights_on_arm64(reports: 
     assert len(set(x86.values())) == len(FAMILIES)  # (each family's own weights: the hashes say something)
     differ = sorted(family for family in FAMILIES if x86[family] != arm[family])
     assert differ == [], f"families whose weights differ on arm64 after two steps: {differ}"
+
+
+# Debian 12's python3.11 (the emulated machine's, and many arm64 servers') is 3.11.2, older than tarfile's
+# extraction filters (3.11.4): tasks/core/tar.py then takes backports.tarfile's. A dataset archive with a
+# setuid file and a world-writable one goes through tasks/data/archive.py; the `data` filter strips those
+# bits (our own member checks do not look at modes), and refuses a member that leaves the folder.
+TAR_FILTERS = """
+import io, json, sys, tarfile as stdlib, tempfile
+from pathlib import Path
+from tasks.core.tar import tarfile
+from tasks.data.archive import ArchiveLimits, extract
+
+def archive(path, members):
+    with stdlib.open(path, "w") as tar:
+        for name, mode in members:
+            info = stdlib.TarInfo(name)
+            info.size, info.mode = 4, mode
+            tar.addfile(info, io.BytesIO(b"data"))
+
+with tempfile.TemporaryDirectory() as tmp:
+    tmp = Path(tmp)
+    archive(tmp / "set.tar", [("cat/a.png", 0o4755), ("dog/b.png", 0o666)])
+    out = extract(tmp / "set.tar", tmp / "out", ArchiveLimits(10**6, 100, 10))
+    modes = {name: oct((out / name).stat().st_mode & 0o7777) for name in ("cat/a.png", "dog/b.png")}
+    archive(tmp / "out.tar", [("../escaped.png", 0o644)])
+    with tarfile.open(tmp / "out.tar") as tar:
+        try:
+            tar.extractall(tmp / "direct", filter="data")
+            refused = None
+        except tarfile.FilterError as exc:
+            refused = type(exc).__name__
+print(json.dumps({"python": sys.version.split()[0], "module": tarfile.__name__, "modes": modes, "refused": refused}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_archives_are_extracted_through_tarfiles_filters_on_debians_python_3_11_2(arm64_ready: None) -> None:
+    done = arm64.run_python(["-c", TAR_FILTERS], timeout_s=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["python"] == "3.11.2" and seen["module"] == "backports.tarfile", seen
+    assert seen["modes"] == {"cat/a.png": "0o755", "dog/b.png": "0o644"}, seen  # setuid and o+w stripped
+    assert seen["refused"] == "OutsideDestinationError", seen

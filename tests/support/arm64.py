@@ -8,8 +8,8 @@ this recipe's settings change; built in a temporary folder and renamed, so a hal
 
 - `root/`: a sysroot unpacked from Debian's arm64 packages (python3.11 and the libraries it and torch
   load), with an arm64 `/proc/cpuinfo` and the `midr_el1` files torch's cpuinfo reads (a Neoverse N1's);
-- `site/`: the lock's arm64 wheels of torch and what the determinism code imports (torch's aarch64
-  wheel is a CUDA build: its nvidia libraries come too, ~5 GB, since torch loads them at import).
+- `site/`: the lock's arm64 wheels, all of its main dependencies (torch's aarch64 wheel is a CUDA build:
+  its nvidia libraries come too, ~5 GB, since torch loads them at import).
 
 `run_python` runs that Python under `qemu-aarch64-static -cpu neoverse-n1` in a private mount namespace
 in which /proc/cpuinfo is the arm64 one (torch reads the x86 one and crashes). C++ is compiled by
@@ -28,6 +28,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from tasks.determinism import cpu_mode
@@ -41,12 +43,11 @@ SYSTEM_PACKAGES = ("qemu-user-static", "g++-aarch64-linux-gnu")
 # Debian's arm64 packages the sysroot unpacks, with what they depend on (apt's closure, `_closure`)
 DEBIAN_ROOTS = ("python3.11", "libstdc++6", "libgomp1")
 DEBIAN_SKIP = ("dpkg", "install-info", "tar")  # pulled in by packaging scripts an unpacked root never runs
-# The arm64 wheels: torch with its dependencies (uv resolves them for aarch64, pinned by the lock), and
-# what the default run's data and train stages import beside it (tests/support/arm64_default_run.py).
-WHEELS = ("torch", "torchvision", "numpy", "threadpoolctl", "psutil", "pyyaml", "pydantic", "tqdm", "safetensors")
-WHEELS += ("scikit-learn", "pillow", "pandas", "pyarrow", "narwhals", "rich", "pydot", "cloudpickle", "colorama")
-WHEELS += ("charset-normalizer", "nvidia-ml-py")
+# The arm64 wheels are the whole lock's (its main dependencies, as `uv export --no-dev` lists them, torch with
+# its CUDA libraries most of the ~6 GB): the determinism code needs few of them, `make reproduce` on the
+# emulated machine (tests/support/arm64_reproduce.py) needs MLflow, DVC and the rest.
 PLATFORM = "aarch64-manylinux_2_28"
+PYTHON = "3.11.2"  # Debian 12's python3.11, which the sysroot unpacks
 # A Neoverse N1's identification (implementer 0x41 Arm, part 0xd0c, r3p1), as Linux shows it.
 MIDR = "0x00000000413fd0c1"
 CPUINFO = (
@@ -66,7 +67,7 @@ RECIPE_VERSION = 1  # raise when the build below changes in a way the settings a
 
 
 def _key() -> str:
-    recipe = repr((RECIPE_VERSION, DEBIAN_ROOTS, DEBIAN_SKIP, WHEELS, PLATFORM, MIDR, CPUINFO, CORES))
+    recipe = repr((RECIPE_VERSION, DEBIAN_ROOTS, DEBIAN_SKIP, PYTHON, PLATFORM, MIDR, CPUINFO, CORES))
     return hashlib.sha256(recipe.encode() + (ROOT / "uv.lock").read_bytes()).hexdigest()[:16]
 
 
@@ -122,14 +123,12 @@ def _build_root(root: Path, scratch: Path) -> None:
 def _build_site(site: Path, scratch: Path) -> None:
     uv = ROOT / ".uv/bin/uv"
     pins = _sh([str(uv), "export", "--frozen", "--no-dev", "--no-hashes", "--no-emit-project"], cwd=ROOT).stdout
-    constraints = scratch / "constraints.txt"
-    constraints.write_text(pins)
-    wanted = [line.split(" ;")[0] for line in pins.splitlines() if line.split("==")[0] in WHEELS]
-    if len(wanted) != len(WHEELS):
-        raise Arm64Unavailable(f"uv.lock pins {len(wanted)} of {', '.join(WHEELS)}")
+    requirements = scratch / "requirements.txt"
+    requirements.write_text(pins)
+    # Debian 12's Python is 3.11.2: the lock's markers (backports.tarfile below 3.11.4) are evaluated for it
     _sh(
-        [str(uv), "pip", "install", "--quiet", "--python-platform", PLATFORM, "--python-version", "3.11"]
-        + ["--target", str(site), "-c", str(constraints), *wanted]
+        [str(uv), "pip", "install", "--quiet", "--python-platform", PLATFORM, "--python-version", PYTHON]
+        + ["--target", str(site), "-r", str(requirements)]
     )
 
 
@@ -154,9 +153,53 @@ def build() -> Path:
     return target
 
 
-def run_python(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None, timeout_s: float = 1800):
+# The kernel's binfmt_misc handler for arm64 ELF programs (Debian's /usr/share/binfmts/qemu-aarch64):
+# magic and mask of the ELF header's class, byte order and machine (0xb7, AArch64).
+BINFMT = Path("/proc/sys/fs/binfmt_misc")
+HANDLER = "lockstep-aarch64"
+ELF_MAGIC = r"\x7f\x45\x4c\x46\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00"
+ELF_MASK = r"\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff"
+
+
+def _handled(entry: Path) -> bool:
+    text = entry.read_text(errors="replace") if entry.name not in ("register", "status") else ""
+    return "enabled" in text and "magic " + ELF_MAGIC.replace("\\x", "") in text
+
+
+@contextmanager
+def binfmt() -> Iterator[None]:
+    """While open, the kernel runs arm64 programs through the emulator: the processes an emulated program
+    starts (`sys.executable`, as `make reproduce` starts its stages) are emulated too. The handler is
+    registered with the F flag (the emulator opened now, so it works in any mount namespace) unless one is
+    there, and removed after, as is binfmt_misc's mount if this mounted it (root)."""
+    if os.geteuid() != 0:
+        raise Arm64Unavailable("emulating an arm64 program's children needs root (binfmt_misc)")
+    mounted = not (BINFMT / "register").exists()
+    if mounted:
+        _sh(["mount", "-t", "binfmt_misc", "binfmt_misc", str(BINFMT)])
+    ours = not any(_handled(entry) for entry in BINFMT.iterdir())
+    if ours:
+        qemu = shutil.which(QEMU)
+        (BINFMT / "register").write_text(f":{HANDLER}:M::{ELF_MAGIC}:{ELF_MASK}:{qemu}:F")
+    try:
+        yield
+    finally:
+        if ours:
+            (BINFMT / HANDLER).write_text("-1")
+        if mounted:
+            _sh(["umount", str(BINFMT)])
+
+
+def run_python(
+    args: list[str],
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 1800,
+    children: bool = False,
+) -> subprocess.CompletedProcess[str]:
     """arm64 Python with `args`, emulated, in `cwd` (on PYTHONPATH, after the arm64 wheels); its
-    CompletedProcess. The C++ op it builds is cached in the machine's own folder, apart from x86's."""
+    CompletedProcess. The C++ op it builds is cached in the machine's own folder, apart from x86's.
+    `children`: the arm64 programs it starts run emulated too, on the same CPU and sysroot (`binfmt`)."""
     machine = home()
     if not (machine / "ready").exists():
         raise Arm64Unavailable(f"no arm64 machine at {machine}: run `make arm64-env` first")
@@ -177,16 +220,20 @@ def run_python(args: list[str], cwd: Path = ROOT, env: dict[str, str] | None = N
         "CXX": CXX,
         "PYTHONPATH": f"{site}:{cwd}",
         "XDG_CACHE_HOME": str(cache),
+        # read by every emulator the kernel starts for a child (`binfmt`) as -cpu and -L
+        "QEMU_CPU": CPU,
+        "QEMU_LD_PREFIX": str(root),
     }
-    return subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "bash", "-c", inner, "bash", *args],
-        cwd=cwd,
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
+    with binfmt() if children else nullcontext():
+        return subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "bash", "-c", inner, "bash", *args],
+            cwd=cwd,
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import logging
 import re
 import shutil
 import subprocess
-import tarfile
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from tasks.core import layout
 from tasks.core.cli import one_line
 from tasks.core.config.base import shown
 from tasks.core.redact import redact
+from tasks.core.tar import tarfile
 from tasks.tools.reproduce.record import LOGGED_DIR, ReproduceError
 
 log = logging.getLogger("tasks.tools.reproduce")  # the package's one logger, as the CLI configures it
