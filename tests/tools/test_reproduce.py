@@ -249,3 +249,23 @@ def test_data_is_pulled_from_the_remote_and_a_different_record_is_reported(
     assert "last.safetensors: DIFFERS (logged sha256" in done.stdout
     assert report["explained_by"] == [f"hw.threads: run 7, now {threads}"] and not report["bytes_expected_to_differ"]
     assert f"explained by the machine's fingerprint:\n    hw.threads: run 7, now {threads}" in done.stdout
+
+
+@pytest.mark.parametrize("differences", [{}, {"determinism.cpu_capability": {"run": "AVX2", "now": "DEFAULT"}}])
+def test_the_report_of_identical_bytes_names_the_differences_it_saw(differences: dict[str, dict[str, str]]) -> None:
+    """An x86-64 run rebuilt on arm64 (portable): identical weights, while each machine pinned its own ATen
+    capability. The report shows the difference and says the bytes are the same; it claims the same
+    settings only where there is no difference."""
+    from tasks.tools.reproduce.report import Comparison, ReproduceReport, format_report
+
+    report = ReproduceReport(
+        "r", "r", "1", "git commit abc", "md5.dir", weights=[Comparison("best", "sha256", "x", "x")]
+    )
+    report.machine_now, report.machine_differences = {"version.torch": "2.14.1"}, differences
+    text = format_report(report)
+    assert text.startswith("reproduce r: best byte-identical")
+    if differences:
+        assert "determinism.cpu_capability: run AVX2, now DEFAULT" in text
+        assert "the same bytes all the same" in text and "same library versions" not in text
+    else:
+        assert "same library versions, device and determinism settings as the run" in text

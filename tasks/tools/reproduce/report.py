@@ -210,6 +210,9 @@ def format_report(report: ReproduceReport) -> str:
         lines += [f"    {key}: run {d['run']}, now {d['now']}" for key, d in report.machine_differences.items()]
     if report.machine_now and not report.identical and report.failed_stage is None:
         lines += _why_different(report)
+    elif report.machine_now and report.identical and report.machine_differences:
+        # e.g. an x86-64 run rebuilt on arm64 in portable mode: each pins its own ATen capability
+        lines.append("  the same bytes all the same: none of these differences changes them")
     elif report.machine_now and report.identical:
         lines.append("  same library versions, device and determinism settings as the run")
     lines += [f"  warning: {w}" for w in report.warnings]
