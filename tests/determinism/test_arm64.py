@@ -10,8 +10,10 @@ generator is the same Mersenne Twister on both) and their outputs' sha256 must a
 after each family's initialisation and two SGD steps, for every family of the zoo test, bfloat16
 autocast included.
 
-The emulator runs NEON and FMA instructions exactly, not a real chip's timing. The machine is built by
-`make arm64-env` (.ci/run runs it); the emulated process takes ~1 min to import torch, ~5 min in all.
+The emulator runs NEON and FMA instructions exactly, not a real chip's timing. It is a Neoverse N1 (Graviton 2:
+no SVE); `LOCKSTEP_ARM64_CPU=neoverse-v1` runs the same tests on a Neoverse V1 (Graviton 3: SVE) by hand.
+The machine is built by `make arm64-env` (.ci/run runs it); the emulated process takes ~1 min to import
+torch, ~5 min in all.
 """
 
 from __future__ import annotations
@@ -152,7 +154,10 @@ def reports(arm64_ready: None) -> dict[str, dict]:
 @pytest.mark.timeout(3600)
 def test_the_portable_kernels_give_x86_bytes_on_arm64(reports: dict[str, dict]) -> None:
     x86, arm = reports["x86_64"], reports["arm64"]
-    assert arm["machine"]["hw.cpu.capability"] == "DEFAULT"  # ATen's NEON kernels, pinned
+    # the CPU it was (arm64.CPU; an SVE one by hand: LOCKSTEP_ARM64_CPU=neoverse-v1), named by its MIDR
+    assert arm["machine"]["hw.cpu.model"] == {"neoverse-n1": "Neoverse N1", "neoverse-v1": "Neoverse V1"}[arm64.CPU]
+    assert ("sve" in arm["machine"]["hw.cpu.flags"].split()) == (arm64.CPU == "neoverse-v1"), arm["machine"]
+    assert arm["machine"]["hw.cpu.capability"] == "DEFAULT"  # ATen's NEON kernels, pinned (not SVE256 on SVE)
     assert "128-bit vectors" in arm["machine"]["hw.cpu.products"], arm["machine"]  # blas_pool.cpp's NEON build
     assert sorted(arm["ops"]) == sorted(x86["ops"])
     differ = sorted(name for name in x86["ops"] if x86["ops"][name] != arm["ops"][name])

@@ -37,7 +37,6 @@ from tests.conftest import ROOT
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lockstep" / "arm64"
 QEMU = "qemu-aarch64-static"
-CPU = "neoverse-n1"  # an AWS Graviton 2's core: NEON with FMA, no SVE
 CXX = "aarch64-linux-gnu-g++"
 SYSTEM_PACKAGES = ("qemu-user-static", "g++-aarch64-linux-gnu")
 # Debian's arm64 packages the sysroot unpacks, with what they depend on (apt's closure, `_closure`)
@@ -48,15 +47,26 @@ DEBIAN_SKIP = ("dpkg", "install-info", "tar")  # pulled in by packaging scripts 
 # emulated machine (tests/support/arm64_reproduce.py) needs MLflow, DVC and the rest.
 PLATFORM = "aarch64-manylinux_2_28"
 PYTHON = "3.11.2"  # Debian 12's python3.11, which the sysroot unpacks
-# A Neoverse N1's identification (implementer 0x41 Arm, part 0xd0c, r3p1), as Linux shows it.
-MIDR = "0x00000000413fd0c1"
-CPUINFO = (
-    "processor\t: {n}\nBogoMIPS\t: 50.00\n"
-    "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop "
-    "asimddp ssbs\nCPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x3\nCPU part\t: 0xd0c\n"
-    "CPU revision\t: 1\n\n"
-)
+# The CPUs the machine can be, as qemu names them: each one's MIDR_EL1 (implementer 0x41 Arm, variant, part,
+# revision) and /proc/cpuinfo's features, as Linux shows them on it. The tests run on the first;
+# LOCKSTEP_ARM64_CPU picks another by hand (an SVE one: docs/reproducibility.md, "arm64").
+CPUS = {
+    # an AWS Graviton 2's and Ampere Altra's core (r3p1): NEON with FMA, no SVE
+    "neoverse-n1": (
+        "0x00000000413fd0c1",
+        "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs",
+    ),
+    # an AWS Graviton 3's core (r1p1): SVE with 256-bit vectors, bf16 and i8mm
+    "neoverse-v1": (
+        "0x00000000411fd401",
+        "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop "
+        "sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 "
+        "i8mm bf16 dgh rng",
+    ),
+}
+CPU = os.environ.get("LOCKSTEP_ARM64_CPU", "neoverse-n1")
 CORES = 2
+SYSFS_CPUS = "sys/devices/system/cpu"  # torch's cpuinfo reads cpu<n>/regs/identification/midr_el1 there
 
 
 class Arm64Unavailable(RuntimeError):
@@ -67,7 +77,7 @@ RECIPE_VERSION = 1  # raise when the build below changes in a way the settings a
 
 
 def _key() -> str:
-    recipe = repr((RECIPE_VERSION, DEBIAN_ROOTS, DEBIAN_SKIP, PYTHON, PLATFORM, MIDR, CPUINFO, CORES))
+    recipe = repr((RECIPE_VERSION, DEBIAN_ROOTS, DEBIAN_SKIP, PYTHON, PLATFORM, CPUS, CORES))
     return hashlib.sha256(recipe.encode() + (ROOT / "uv.lock").read_bytes()).hexdigest()[:16]
 
 
@@ -113,11 +123,24 @@ def _build_root(root: Path, scratch: Path) -> None:
     _sh(["apt-get", "download", *_closure(), "media-types"], cwd=debs)
     for deb in sorted(debs.glob("*.deb")):
         _sh(["dpkg-deb", "-x", str(deb), str(root)])
-    for n in range(CORES):
-        ident = root / f"sys/devices/system/cpu/cpu{n}/regs/identification"
-        ident.mkdir(parents=True)
-        (ident / "midr_el1").write_text(MIDR + "\n")
-    (root / "cpuinfo").write_text("".join(CPUINFO.format(n=n) for n in range(CORES)))
+    (root / SYSFS_CPUS).mkdir(parents=True)  # where run_python mounts the CPU's own (emulated sysfs)
+    for name, (midr, features) in CPUS.items():
+        (root / "cpus" / name).mkdir(parents=True)
+        (root / "cpus" / name / "cpuinfo").write_text("".join(_cpuinfo(n, midr, features) for n in range(CORES)))
+        for n in range(CORES):
+            ident = root / "cpus" / name / f"cpu{n}/regs/identification"
+            ident.mkdir(parents=True)
+            (ident / "midr_el1").write_text(midr + "\n")
+
+
+def _cpuinfo(n: int, midr: str, features: str) -> str:
+    """Core n's paragraph of /proc/cpuinfo, as Linux writes it on arm64."""
+    code = int(midr, 16)
+    variant, part, revision = (code >> 20) & 0xF, (code >> 4) & 0xFFF, code & 0xF
+    return (
+        f"processor\t: {n}\nBogoMIPS\t: 50.00\nFeatures\t: {features}\nCPU implementer\t: 0x41\n"
+        f"CPU architecture: 8\nCPU variant\t: {variant:#x}\nCPU part\t: {part:#05x}\nCPU revision\t: {revision}\n\n"
+    )
 
 
 def _build_site(site: Path, scratch: Path) -> None:
@@ -209,7 +232,15 @@ def run_python(
     python = [QEMU, "-cpu", CPU, "-L", str(root), str(root / "usr/bin/python3.11")]
     cache = machine / "cache"
     cache.mkdir(mode=0o700, exist_ok=True)
-    inner = f'mount --bind {shlex.quote(str(root / "cpuinfo"))} /proc/cpuinfo && exec {shlex.join(python)} "$@"'
+    if CPU not in CPUS:
+        raise Arm64Unavailable(f"LOCKSTEP_ARM64_CPU={CPU}: expected one of {', '.join(CPUS)}")
+    own = root / "cpus" / CPU
+    # the CPU's /proc/cpuinfo and sysfs identification, in this process's own mount namespace
+    inner = (
+        f"mount --bind {shlex.quote(str(own / 'cpuinfo'))} /proc/cpuinfo && "
+        f"mount --bind {shlex.quote(str(own))} {shlex.quote(str(root / SYSFS_CPUS))} && "
+        f'exec {shlex.join(python)} "$@"'
+    )
     # as a stage starts (tests/support/portable.py run_script): no CPU mode or thread settings of this
     # process's, which pinned x86-64's (ATEN_CPU_CAPABILITY=avx2 is no arm64 capability)
     inherited = {
