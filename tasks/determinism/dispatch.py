@@ -4,8 +4,8 @@
 (the out= and in-place forms too: an op's CPU kernel may call them, as the fused CPU attention of
 nn.MultiheadAttention's inference path writes through aten::bmm.out), activations.py's sigmoid, SiLU
 and GELU, reductions.py's sum and mean, normalization.py's batch norm, layer norm, softmax and
-log-softmax, sampling.py's normal_ and erfinv, thread_invariant.py's mish, softplus and ELU backward
-(whose ATen kernels' values followed the thread count), and a refusal for every overload
+log-softmax, sampling.py's normal_ and erfinv, exp_activations.py's mish, softplus and ELU (whose ATen
+kernels' values followed the thread count, and whose exp and log differ on arm64), and a refusal for every overload
 of the other ops that would compute with MKL, oneDNN, NNPACK or fbgemm (matrix-vector products, LAPACK,
 FFT, fused attention, torch's convolution backends called directly, packed-weight products), rather
 than let them compute CPU-dependent bytes. `refusal` says which call would be refused, and
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tasks.determinism import activations, kernels, normalization, reductions, sampling, thread_invariant
+from tasks.determinism import activations, exp_activations, kernels, normalization, reductions, sampling
 
 # ATen ops (every overload) that compute with MKL, oneDNN, NNPACK or fbgemm on the CPU and have no
 # portable route here; a name this torch does not have is skipped.
@@ -154,13 +154,16 @@ _ROUTES = {
     "native_layer_norm_backward.out": _layer_norm_backward_out,
     "_softmax_backward_data": normalization.softmax_backward,
     "_softmax_backward_data.out": _softmax_backward_out,
-    # kernels whose values followed the thread count, run so that they cannot (thread_invariant.py)
-    "mish": thread_invariant.mish,
-    "mish_": thread_invariant.mish_,
-    "mish_backward": thread_invariant.mish_backward,
-    "softplus": thread_invariant.softplus,
-    "softplus_backward": thread_invariant.softplus_backward,
-    "elu_backward": thread_invariant.elu_backward,
+    # activations built on e^x, whose ATen kernels' values followed the thread count and whose exp and
+    # log differ on arm64 (exp_activations.py)
+    "mish": exp_activations.mish,
+    "mish_": exp_activations.mish_,
+    "mish_backward": exp_activations.mish_backward,
+    "softplus": exp_activations.softplus,
+    "softplus_backward": exp_activations.softplus_backward,
+    "elu": exp_activations.elu,
+    "elu_": exp_activations.elu_,
+    "elu_backward": exp_activations.elu_backward,
     # sums (and the sqrt, exp and log beside them) whose ATen kernels' bytes differed between x86-64 and
     # arm64, or followed the thread count (reductions.py, normalization.py)
     "sum": reductions.sum_all,

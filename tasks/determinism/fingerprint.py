@@ -91,7 +91,14 @@ def _caches() -> str:
 
 
 # arm64's /proc/cpuinfo names no vendor or model, only codes (as Linux's arch/arm64/include/asm/cputype.h)
-ARM_IMPLEMENTERS = {"0x41": "Arm", "0xc0": "Ampere", "0x4e": "NVIDIA", "0x61": "Apple", "0x48": "HiSilicon"}
+ARM_IMPLEMENTERS = {
+    "0x41": "Arm",
+    "0xc0": "Ampere",
+    "0x4e": "NVIDIA",
+    "0x61": "Apple",
+    "0x48": "HiSilicon",
+    "0x46": "Fujitsu",
+}
 ARM_PARTS = {
     ("0x41", "0xd0c"): "Neoverse N1",  # AWS Graviton2, Ampere Altra
     ("0x41", "0xd40"): "Neoverse V1",  # Graviton3
@@ -100,6 +107,7 @@ ARM_PARTS = {
     ("0x41", "0xd84"): "Neoverse V3",
     ("0x41", "0xd8e"): "Neoverse N3",
     ("0xc0", "0xac3"): "AmpereOne",
+    ("0x46", "0x001"): "A64FX",  # Fugaku: SVE, 512-bit
 }
 
 
