@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -245,9 +247,34 @@ def test_the_mode_cannot_change_once_torch_is_loaded() -> None:
         cpu_mode.pin_env("fast")
 
 
-def test_auto_is_portable_where_the_cpu_supports_it_and_native_elsewhere(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _warnings(check: Callable[[], bool]) -> list[str]:
+    """The warnings cpu_mode's own logger emitted while `check` ran (which must hold), read by a handler on
+    that logger: caplog's list held two records of one call in a fresh clone's `make test` (another test in
+    the process had changed the logging set-up), which this count does not depend on."""
+    logger, lines = logging.getLogger(cpu_mode.__name__), _Lines()
+    level, disabled = logger.level, logger.disabled
+    logger.addHandler(lines)
+    logger.setLevel(logging.WARNING)
+    logger.disabled = False
+    try:
+        assert check()
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+        logger.disabled = disabled
+    return lines.lines
+
+
+def test_auto_is_portable_where_the_cpu_supports_it_and_native_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_mode.resolve("auto") == "portable"  # this process was pinned portable: auto follows it
     monkeypatch.delenv(cpu_mode.MODE_ENV)  # a process nobody pinned yet decides by its CPU
     assert cpu_mode.portable_unsupported() is None and cpu_mode.resolve("auto") == "portable"  # x86-64, AVX2
@@ -256,24 +283,15 @@ def test_auto_is_portable_where_the_cpu_supports_it_and_native_elsewhere(
     monkeypatch.setattr(cpu_mode, "cpuinfo", lambda: {"Features": "fp asimd evtstrm aes crc32 atomics"})
     assert cpu_mode.resolve("auto") == "portable"  # x86-64's bytes there too (test_arm64.py)
     monkeypatch.setattr(cpu_mode, "cpuinfo", lambda: {"Features": "fp evtstrm"})  # (no NEON: not a real arm64)
-    caplog.clear()
-    with caplog.at_level("WARNING", logger=cpu_mode.__name__):
-        assert cpu_mode.resolve("auto") == "native"
-    (line,) = [r.getMessage() for r in caplog.records if r.name == cpu_mode.__name__]
+    (line,) = _warnings(lambda: cpu_mode.resolve("auto") == "native")
     assert "auto computes in native mode here (this CPU lacks asimd" in line
     monkeypatch.setattr(cpu_mode.platform, "machine", lambda: "riscv64")
-    caplog.clear()
-    with caplog.at_level("WARNING", logger=cpu_mode.__name__):
-        assert cpu_mode.resolve("auto") == "native"
-    (line,) = [r.getMessage() for r in caplog.records if r.name == cpu_mode.__name__]
+    (line,) = _warnings(lambda: cpu_mode.resolve("auto") == "native")
     assert "auto computes in native mode here (this CPU is riscv64, neither x86-64 nor arm64" in line
     monkeypatch.undo()
     monkeypatch.delenv(cpu_mode.MODE_ENV)
     monkeypatch.setenv("CXX", "no-such-c++")  # an x86-64 CPU with AVX2, but nothing to build the kernels with
-    caplog.clear()
-    with caplog.at_level("WARNING", logger=cpu_mode.__name__):
-        assert cpu_mode.resolve("auto") == "native" and cpu_mode.resolve("portable") == "portable"
-    (line,) = [r.getMessage() for r in caplog.records if r.name == cpu_mode.__name__]
+    (line,) = _warnings(lambda: cpu_mode.resolve("auto") == "native" and cpu_mode.resolve("portable") == "portable")
     assert "auto computes in native mode here (no C++ compiler (no-such-c++) to build its kernels" in line
 
 
