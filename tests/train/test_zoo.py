@@ -126,8 +126,11 @@ def test_the_stem_follows_the_image_size() -> None:
 
 
 def test_an_image_size_a_model_cannot_take_is_one_clear_error() -> None:
+    drawn = torch.get_rng_state()
     with pytest.raises(ModelError, match=r"train.model: vgg16 cannot take 1x28x28 images: .*too small"):
         build_model("vgg16", 10, [0.5], [0.2], [28, 28])
+    # refused before its 138M weights were drawn: checked on the network without values (the meta device)
+    assert torch.equal(torch.get_rng_state(), drawn)
     with pytest.raises(ModelError, match=r"train.model: vit_b_16 cannot be built for 28x28 images: .*patch size"):
         build_model("vit_b_16", 10, [0.5], [0.2], [28, 28])
     with pytest.raises(ModelError, match=r"train.model: vit_b_16 takes square images only; the data's are 32x48"):
@@ -139,6 +142,18 @@ def _split(n: int, channels: int, size: int, num_classes: int = 3) -> Preprocess
     images = rng.integers(0, 256, (n, channels, size, size), dtype=np.uint8)
     labels = np.arange(n, dtype=np.int64) % num_classes
     return Preprocessed(images, labels, [str(c) for c in range(num_classes)], [0.5] * channels, [0.25] * channels)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "regnet_x_400mf"])  # checked before its build; after (tensor widths)
+def test_the_size_check_leaves_the_weights_as_an_unchecked_build_draws_them(name: str) -> None:
+    torch.manual_seed(3)
+    net = build_model(name, 10, [0.5] * 3, [0.2] * 3, [32, 32]).net
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    unchecked = build_model(name, 10, [0.5] * 3, [0.2] * 3, None).net  # no size: no check (the same small stem)
+    assert torch.equal(torch.get_rng_state(), after)
+    for (key, value), other in zip(net.state_dict().items(), unchecked.state_dict().values(), strict=True):
+        assert torch.equal(value, other), key
 
 
 def test_vit_runs_natively_and_is_refused_in_portable_mode_with_the_way_out() -> None:
