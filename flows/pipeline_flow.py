@@ -2,9 +2,9 @@
 
 DVC owns caching. For each stage in order, the task asks DVC whether the stage is stale
 (`Repo.status`); if it is, it runs the stage function in this process (torch and MLflow are
-imported once, not once per stage) and records the result with `Repo.commit`, which writes the
-same dvc.lock entry `dvc repro` would. So a stage reproduced by one entry point is not redone by
-the other, and both give the same weights.
+imported once, not once per stage), and the flow records it in dvc.lock as `dvc commit` does: the
+same entry `dvc repro` would write, quick stages together with the next (flows/commits.py). So a
+stage reproduced by one entry point is not redone by the other, and both give the same weights.
 
 A run holds the project's pipeline lock (tasks/core/lock.py) from start to end: an
 overlapping run, from any entry point, waits for it or is refused.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -28,11 +29,11 @@ from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
 from flows import noop, notify, prefect_env, prefect_settings
+from flows.commits import PendingCommits
 from flows.noop import anything_stale, stale_stages
 from flows.run_params import check_run_params
 from flows.summary import brief, summarize
 from tasks.core.atomic import write_text
-from tasks.core.cli import dvc_logs_once
 from tasks.core.config.params import STAGES, Params
 from tasks.core.config.yaml_io import PARAMS_FILE
 from tasks.core.fetch import DownloadError
@@ -51,14 +52,6 @@ def _is_stale(stage: str) -> bool:
     return bool(stale_stages([stage]))
 
 
-def _commit(stage: str) -> None:
-    from dvc.repo import Repo  # ~1 s to load: only once a stage ran (a no-op flow run commits nothing)
-
-    dvc_logs_once()
-    with Repo(str(ROOT)) as repo:
-        repo.commit(stage, force=True)
-
-
 def _run_if_stale(stage: str, params: Params, force: bool, up_to_date: bool = False) -> dict[str, Any]:
     """`up_to_date`: the flow found no stage stale before the first ran (one DVC status for all seven,
     not one per task); otherwise DVC is asked here, after the stages before this one have run."""
@@ -68,8 +61,7 @@ def _run_if_stale(stage: str, params: Params, force: bool, up_to_date: bool = Fa
         return {"ran": False}
     from tasks.runner import run_stage  # imports torch (~1.7 s): only once a stage has to run, pinned (prepare)
 
-    metrics = run_stage(stage, params)
-    _commit(stage)
+    metrics = run_stage(stage, params)  # recorded in dvc.lock by the flow (_stages: flows/commits.py)
     logger.info("%s: %s", stage, brief(metrics))
     return {"ran": True, **metrics}
 
@@ -176,10 +168,14 @@ def _stages(
     with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
         if run_id:  # from the start: a run on another host asks Prefect whether this one is over (orphans.py)
             tag_run(run_id, {FLOW_RUN_TAG: flow_run_id})
-        for name in STAGES:
-            with notify.stage(name):  # a failure or crash inside names the stage
-                forced = force or (reingest and name == "download")
-                results[name] = STAGE_TASKS[name](name, params, forced)
+        with PendingCommits(ROOT).flushed() as commits:  # before the push below: dvc.lock names what to push
+            for name in STAGES:
+                began = time.monotonic()
+                with notify.stage(name):  # a failure or crash inside names the stage
+                    forced = force or (reingest and name == "download")
+                    results[name] = STAGE_TASKS[name](name, params, forced)
+                if results[name]["ran"]:
+                    commits.ran(name, time.monotonic() - began)
         summary = summarize(results, before, data_md5())
         if run_id:
             retrained = str(results["train"]["ran"]).lower()

@@ -182,15 +182,23 @@ def text_with_overrides(
     text: str, overrides: dict[str, Any] | None, path: str | Path = PARAMS_FILE
 ) -> tuple[str, Params]:
     """`with_overrides` on a params file's `text` (read once by the caller); errors name `path`."""
-    from ruamel.yaml import YAML  # round-trip YAML (DVC's own dependency): keeps comments and order
+    from ruamel.yaml import YAML, RoundTripRepresenter  # round-trip YAML (DVC's own): keeps comments and order
 
     name = _named(path)
     params = parse_params(text, path)  # the file as it is must be valid too
     if not overrides:
         return text, params
+
+    # None written as `null` (params.yaml's style), by a representer of its own: ruamel's add_representer
+    # changes the class it is called on for the whole process, and DVC writes dvc.lock with that class:
+    # after a `--set`, a flow's dvc.lock said `null` where `dvc repro` writes nothing.
+    class NullRepresenter(RoundTripRepresenter):
+        pass
+
+    NullRepresenter.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
     rt = YAML()
+    rt.Representer = NullRepresenter
     rt.preserve_quotes = True
-    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
     doc = rt.load(text)
     for key, value in overrides.items():
         *parents, leaf = key.split(".")
