@@ -70,16 +70,18 @@ tune: $(STAMP)  ## the sweep on your data within an hour, its best trial's param
 ##@ Check it
 
 # Tests run in a new random order each time (pytest-randomly; it prints the seed to repeat one with
-# `ARGS=--randomly-seed=N`), so a test that leans on another's leftovers fails. Three
-# xdist workers on a 2-core machine, each taking whole modules (their fixtures are built once), longest
-# first (tests/conftest.py): most tests spend their time waiting on a single-threaded subprocess or a
-# server, which leaves a core idle with two workers (measured: docs/design-history.md, "Test tiers").
-PYTEST := $(VENV)/bin/python -m pytest -n 3 --dist loadscope --no-loadscope-reorder
+# `ARGS=--randomly-seed=N`), so a test that leans on another's leftovers fails. xdist workers each
+# take whole modules (their fixtures are built once), longest first (tests/conftest.py). The full tier
+# has three on a 2-core machine: most of its tests wait on a single-threaded subprocess or a server,
+# which leaves a core idle with two (docs/design-history.md, "Test tiers"). The fast tier computes in
+# its workers: a third costs its imports and contention (2 workers: 267 s, 443 CPU-seconds; 3: 320 s,
+# 556; docs/tests.md).
+PYTEST := $(VENV)/bin/python -m pytest --dist loadscope --no-loadscope-reorder
 test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow; ARGS="-k config"
-	$(PYTEST) -m "not slow" $(ARGS)
+	$(PYTEST) -n 2 -m "not slow" $(ARGS)
 
 test-all: $(STAMP)  ## every test: end-to-end pipelines, servers, faults (what CI runs)
-	$(PYTEST) $(ARGS)
+	$(PYTEST) -n 3 $(ARGS)
 
 # deptry has no per-folder rules, so it runs twice: the shipped code may not import a dev-group
 # package (DEP004); then everything, tests and benchmarks included, for undeclared (DEP001),
