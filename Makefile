@@ -74,8 +74,8 @@ tune: $(STAMP)  ## the sweep on your data within an hour, its best trial's param
 # take whole modules (their fixtures are built once), longest first (tests/conftest.py). The full tier
 # has three on a 2-core machine: most of its tests wait on a single-threaded subprocess or a server,
 # which leaves a core idle with two (docs/design-history.md, "Test tiers"). The fast tier computes in
-# its workers: a third costs its imports and contention (2 workers: 267 s, 443 CPU-seconds; 3: 320 s,
-# 556; docs/tests.md).
+# its workers: a third costs its imports and contention (one checkout, 2026-12-03: 2 workers 267 s, 443
+# CPU-seconds; 3: 320 s, 556; a fresh clone later took 338-352 s with two: docs/tests.md).
 PYTEST := $(VENV)/bin/python -m pytest --dist loadscope --no-loadscope-reorder
 test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow; ARGS="-k config"
 	$(PYTEST) -n 2 -m "not slow" $(ARGS)
