@@ -50,6 +50,11 @@ prefect_settings.configure()
 MLFLOW_WORKERS = "1"
 os.environ["MLFLOW_WORKERS"] = MLFLOW_WORKERS
 
+# The DVC repositories tests make with `dvc init` lack the project's `core.analytics = false`: every DVC
+# command there would start a background process posting a report to analytics.dvc.org. Tests reach
+# loopback and their own namespaces only.
+os.environ["DVC_NO_ANALYTICS"] = "1"
+
 # Tests shrink the config, not the code.
 TINY: dict[str, Any] = {
     # Enough epochs for a model that has learnt digits (val accuracy ~0.98 in ~4 s): after 2, one
@@ -103,6 +108,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
     env["MLFLOW_WORKERS"] = MLFLOW_WORKERS
+    env["DVC_NO_ANALYTICS"] = "1"
     env.update(extra)
     return env
 

@@ -24,6 +24,10 @@ import torch
 from tasks.determinism import reductions
 
 CHUNK = 16  # values per Box-Muller chunk, as torch's normal_fill_16
+# Chunks transformed together: Box-Muller's ~40 elementwise passes then run on 1 MiB that stays in the cache,
+# not on the whole tensor streamed through memory for each (a large model's biggest weight is ~100 MB).
+# Each chunk is computed alone, so the block changes no byte; 28M values: 5.3 s -> 2.1 s (2026-12-03).
+BLOCK = 1 << 14
 _TWO_PI = 2 * math.pi  # (u2 times it in float64, then rounded to float32, as torch's normal_fill_16)
 # Cephes sinf/cosf: pi/4 in three parts (each exact in float32), and the polynomials, highest power first
 _DP1, _DP2, _DP3 = 0.78515625, 2.4187564849853515625e-4, 3.77489497744594108e-8
@@ -50,7 +54,9 @@ def normal_(
     draws = torch.empty(max(n, CHUNK), dtype=compute).uniform_(0, 1, generator=generator)
     whole = draws.numel() // CHUNK * CHUNK
     values = draws.clone()
-    values[:whole] = _box_muller(draws[:whole].view(-1, 2, CHUNK // 2)).view(-1)
+    chunks, out = draws[:whole].view(-1, 2, CHUNK // 2), values[:whole].view(-1, 2, CHUNK // 2)
+    for first in range(0, chunks.shape[0], BLOCK):
+        out[first : first + BLOCK] = _box_muller(chunks[first : first + BLOCK])
     if whole < draws.numel():  # the tail: the last 16 values again, from 16 fresh draws
         fresh = torch.empty(CHUNK, dtype=compute).uniform_(0, 1, generator=generator)
         values[-CHUNK:] = _box_muller(fresh.view(1, 2, CHUNK // 2)).view(-1)

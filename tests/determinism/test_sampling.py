@@ -24,6 +24,16 @@ def test_normal_draws_are_torchs_within_rounding_and_leave_the_generator_as_torc
     assert torch.equal(ours.get_state(), theirs.get_state())
 
 
+def test_blocks_of_chunks_give_the_bytes_of_one_pass_over_the_whole() -> None:
+    n = 3 * sampling.BLOCK * sampling.CHUNK + 40  # three blocks, a short fourth and a recomputed tail
+    made = sampling.normal_(torch.empty(n), generator=torch.Generator().manual_seed(6))
+    draws = torch.empty(n).uniform_(0, 1, generator=torch.Generator().manual_seed(6))
+    whole = n // sampling.CHUNK * sampling.CHUNK
+    at_once = sampling._box_muller(draws[:whole].view(-1, 2, sampling.CHUNK // 2)).view(-1)
+    kept = n - sampling.CHUNK  # (the last 16 are the tail's, recomputed from fresh draws)
+    assert torch.equal(made[:kept], at_once[:kept])
+
+
 def test_few_draws_and_other_dtypes_and_layouts_are_normal_too() -> None:
     generator = torch.Generator().manual_seed(4)
     few = sampling.normal_(torch.empty(5), generator=generator)
