@@ -77,10 +77,6 @@ tune: $(STAMP)  ## the sweep on your data within an hour, its best trial's param
 # its workers: a third costs its imports and contention (one checkout, 2026-12-03: 2 workers 267 s, 443
 # CPU-seconds; 3: 320 s, 556; a fresh clone later took 338-352 s with two: docs/tests.md).
 PYTEST := $(VENV)/bin/python -m pytest --dist loadscope --no-loadscope-reorder
-# Where PYTHONDONTWRITEBYTECODE is set (as on these machines) pytest rewrites every test module's asserts
-# again in each worker, ~7 s of a worker's collection (22.8 s -> 15.6 s with them kept, 2026-12-03): the
-# test targets keep them in __pycache__/ (git-ignored) for the next run.
-test test-all: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow; ARGS="-k config"
 	$(PYTEST) -n 2 -m "not slow" $(ARGS)
 
