@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tasks.core.config.train import TrainConfig
-from tasks.data.preprocess import Preprocessed
+from tasks.data.preprocess import Preprocessed, load_split
 
 STEP_BUDGET = 600  # optimiser steps a folder trains for at least
 MIN_EPOCHS = 15  # ... and epochs (a folder large enough has STEP_BUDGET steps in fewer)
@@ -90,6 +91,12 @@ def resolve(cfg: TrainConfig, data: DataProfile) -> tuple[TrainConfig, dict[str,
     if not choices:
         return cfg, choices
     return cfg.model_copy(update={key: choice.value for key, choice in choices.items()}), choices
+
+
+def epochs_on(cfg: TrainConfig, pre_dir: Path) -> int:
+    """The epochs the train stage will run with `cfg` on `pre_dir`'s training split (`auto` chosen as it
+    chooses): what a sweep's pruner needs before the trial trains."""
+    return resolve(cfg, profile(load_split(pre_dir, "train", stream=True)))[0].epochs
 
 
 def as_trained(cfg: TrainConfig, trained: dict[str, Any]) -> TrainConfig:

@@ -23,7 +23,15 @@ from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import load_params
 from tasks.tools.sweep import results
 from tasks.tools.sweep import study as search
-from tasks.tools.sweep.trials import Pruning, TrialOutcome, TrialSpec, best_value, derived_seed, trial_params
+from tasks.tools.sweep.trials import (
+    Pruning,
+    TrialOutcome,
+    TrialSpec,
+    best_value,
+    derived_seed,
+    trial_params,
+    warmup_epochs,
+)
 from tests.conftest import write_params
 
 SPACE = {
@@ -67,7 +75,7 @@ class Trainer:
 
     def _train(self, spec: TrialSpec) -> TrialOutcome:
         self.ran.append(spec.number)
-        pruning, history = Pruning(self.cfg, spec.earlier), []
+        pruning, history = Pruning(self.cfg, spec.earlier, spec.values["train.epochs"]), []
         for row in _curve(spec):
             history.append(row)
             if pruning.should_stop(spec.number, row):
@@ -270,3 +278,17 @@ def test_a_budget_stops_before_a_batch_that_would_overrun_it_and_more_time_resum
     more = _params(tmp_path, budget_s=10_000)
     search.run_study(search.open_study(more.sweep, None, tmp_path / "study", "fp"), more.sweep, "fp", trainer)
     assert trainer.ran == list(range(12)) and results.table(study) == whole
+
+
+def test_the_auto_warm_up_is_a_quarter_of_the_trials_epochs(tmp_path: Path) -> None:
+    """`sweep.warmup_epochs: auto` (the default): a trial of 40 epochs, far below an earlier one at every
+    epoch, runs 10 before it can be pruned, then is at the end of its 11th; a given count is kept."""
+    import optuna
+
+    auto = _params(tmp_path, warmup_epochs="auto").sweep
+    assert [warmup_epochs(auto, epochs) for epochs in (1, 7, 8, 40, 50, 200)] == [1, 1, 2, 10, 12, 50]
+    assert warmup_epochs(_params(tmp_path, warmup_epochs=3).sweep, 40) == 3
+    strong = optuna.trial.create_trial(value=0.9, intermediate_values={epoch: 0.9 for epoch in range(1, 41)})
+    pruning = Pruning(auto, [strong], 40)
+    stops = [pruning.should_stop(1, {"epoch": epoch, "val_accuracy": 0.1}) for epoch in range(1, 41)]
+    assert stops.index(True) + 1 == 11

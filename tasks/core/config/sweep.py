@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from tasks.core.config.base import (
     MAX_EPOCHS,
     MAX_PROCESSES,
+    Auto,
     Section,
     shown,
     url_credentials,
@@ -74,7 +75,9 @@ class SweepConfig(Section):
     sampler: Literal["tpe", "random"] = "tpe"
     startup_trials: int = Field(4, ge=0, le=10_000)  # tpe: random trials before it models the results
     pruner: Literal["median", "none"] = "median"
-    warmup_epochs: int = Field(1, ge=0, le=MAX_EPOCHS)  # median: epochs every trial runs before it can be pruned
+    # median: epochs every trial runs before it can be pruned; auto: a quarter of the trial's epochs
+    # (tasks/tools/sweep/trials.py `warmup_epochs`)
+    warmup_epochs: Annotated[int, Field(ge=0, le=MAX_EPOCHS)] | Auto = "auto"
     metric: Literal["val_accuracy", "val_loss"] = "val_accuracy"
     direction: Literal["maximize", "minimize"] = "maximize"
     retries: int = Field(1, ge=0, le=10)  # a crashed trial is run again this many times, then recorded failed
