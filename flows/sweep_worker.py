@@ -27,7 +27,6 @@ from tasks.runner import train_trial
 from tasks.tools.sweep.study import SweepError, data_digest
 from tasks.tools.sweep.trials import Pruned, Pruning, TrialOutcome, TrialSpec, best_value, trial_params
 from tasks.tracking.runs import PARENT_ENV
-from tasks.train.auto import epochs_on
 
 # One trial at a time per process: a trial seeds the process-wide RNGs and sets torch's thread
 # count, so two in one process (a Dask worker with several threads) would draw from each other's.
@@ -96,6 +95,10 @@ def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOut
     os.environ.pop(PARENT_ENV, None)  # nested in this sweep's run, never in an earlier trial's
     if context.parent_run_id is not None:
         os.environ[PARENT_ENV] = context.parent_run_id
+    # here: tasks.train.auto loads numpy, which the coordinator (flows/sweep.py imports this module) must
+    # not load before its bootstrap pins determinism.cpu
+    from tasks.train.auto import epochs_on
+
     epochs = epochs_on(params.train, project / layout.PREPROCESSED_DIR)  # the pruner's warm-up: a share of them
     pruning, history, started = Pruning(params.sweep, spec.earlier, epochs), [], time.monotonic()
 

@@ -1,6 +1,7 @@
 """Importing a package configures nothing: `import tasks`, `import stack`, `import flows` and each module of
-flows/ leave the environment, logging's record factory and sys.excepthook as they were, and start no
-thread or process. Entry points configure by explicit calls (tasks/determinism/bootstrap.py `start`,
+flows/ leave the environment, logging's record factory and sys.excepthook as they were, start no thread
+or process, and load neither numpy nor torch. Entry points configure by explicit calls
+(tasks/determinism/bootstrap.py `start`,
 flows/prefect_settings.py `configure`), so a module imported by a test, a tool or another module behaves
 the same wherever it is imported from.
 
@@ -34,6 +35,11 @@ for name in sys.argv[1:]:
         what.append(f"threads: {threads} -> {threading.active_count()}")
     if what:
         changed[name] = what
+# numpy and torch read determinism.cpu's variables once, when they load: an entry point must import
+# neither before its bootstrap (`start`) has set them (a late `import numpy` broke `make sweep` once)
+loaded = [name for name in ("numpy", "torch") if name in sys.modules]
+if loaded:
+    changed["(loaded before a bootstrap)"] = loaded
 import multiprocessing
 children = [str(child) for child in multiprocessing.active_children()]
 if children:
