@@ -1,9 +1,8 @@
 """Importing a package configures nothing: `import tasks`, `import stack`, `import flows` and each module of
 flows/ leave the environment, logging's record factory and sys.excepthook as they were, start no thread
 or process, and load neither numpy nor torch. Entry points configure by explicit calls
-(tasks/determinism/bootstrap.py `start`,
-flows/prefect_settings.py `configure`), so a module imported by a test, a tool or another module behaves
-the same wherever it is imported from.
+(tasks/determinism/bootstrap.py `start`, flows/prefect_settings.py `configure`), so a module imported by a
+test, a tool or another module behaves the same wherever it is imported from.
 
 One fresh process imports them in turn (one import of Prefect, MLflow and torch for all) and reports what
 each import changed.
