@@ -31,7 +31,7 @@ from prefect.tasks import exponential_backoff
 from flows import noop, notify, prefect_env, prefect_settings
 from flows.commits import PendingCommits
 from flows.noop import anything_stale, stale_stages
-from flows.run_params import check_run_params
+from flows.run_params import check_run_params, recheck
 from flows.summary import brief, summarize
 from tasks.core.atomic import write_text
 from tasks.core.config.params import STAGES, Params
@@ -131,7 +131,8 @@ def pipeline(
     # A run started through the API changes only the keys it may (tasks/core/config/policy.py), be it
     # with `overrides` or with a `params_file` that differs from params.yaml; `--set` and `--params` at
     # the prompt allow theirs (_run). The allow-list comes from where no run can set it, and the file
-    # is read once: what was checked is what runs, whatever happens to the file meanwhile (run_params.py).
+    # is read before the lock and, if it changed meanwhile, again under it: what was checked is what
+    # runs, whatever happens to the file (run_params.py).
     checked = check_run_params(params_file, overrides, prefect_env.run_allow_list())
     notify.checked(checked.params.orchestration.notify)  # the hooks route by these, not by the file
     params = checked.params
@@ -139,6 +140,11 @@ def pipeline(
     with pipeline_lock(
         f"Prefect flow run {flow_run.name or FLOW_NAME}", params.orchestration.lock_wait_s, logger=logger
     ):
+        checked = recheck(checked, prefect_env.run_allow_list())  # the file DVC will record is the one used
+        if checked.params is not params:  # written while this run waited (a sweep's --apply, another run)
+            params = checked.params
+            notify.checked(params.orchestration.notify)
+            logger.info("%s was changed while this run waited for the lock: running what it holds now", params_file)
         if overrides:  # written as checked, like `dvc exp run -S`: the file is the record of what ran
             write_text(checked.path, checked.text)
             logger.info("%s updated: %s", params_file, json.dumps(overrides))

@@ -7,6 +7,7 @@ pipeline lock) could otherwise switch the data checks off or name a rendezvous e
 unpickles what a rendezvous sends). So the file is read once, here; the text with the overrides
 applied and its validated `Params` are what the run writes back (overrides) and hands to every stage
 (they run in the flow's own process, on the `Params` object), and what its notification hooks use.
+Once the run holds the lock, a file written meanwhile is read and checked again (`recheck`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tasks.core.config.base import ConfigError
 from tasks.core.config.params import Params
 from tasks.core.config.policy import changed_keys, refuse_api_overrides
 from tasks.core.config.yaml_io import PARAMS_FILE, load_params, parse_params, read_params_text, text_with_overrides
+from tasks.core.errors import Refused
 from tasks.core.layout import ROOT
 
 
@@ -30,6 +32,7 @@ class CheckedParams:
     text: str
     params: Params
     overrides: dict[str, Any] = field(default_factory=dict)
+    read: str = ""  # the file as it was read, before the overrides
 
     @property
     def path(self) -> Path:
@@ -47,8 +50,32 @@ def check_run_params(
     text = read_params_text(path)  # the one read of this run's params file
     given = parse_params(text, path)
     refuse_api_overrides(_changes(path, given), allowed, f"params_file {params_file}")
+    read = text
     text, params = text_with_overrides(text, overrides, path)
-    return CheckedParams(params_file, text, params, dict(overrides or {}))
+    return CheckedParams(params_file, text, params, dict(overrides or {}), read)
+
+
+class ParamsChanged(Refused):
+    """The run's params file was rewritten, in a way the run cannot follow, while it waited for the lock."""
+
+
+def recheck(checked: CheckedParams, allowed: frozenset[str] | set[str]) -> CheckedParams:
+    """Under the pipeline lock: `checked` if the params file is still as the run read it, else the file
+    as it is now, checked again (the same overrides and allow-list).
+
+    Whatever wrote it meanwhile (a sweep's `--apply`, another run's overrides, an edit) would otherwise
+    be lost under this run's overrides, or be recorded in dvc.lock (DVC reads the file when it commits a
+    stage) for stages this run trained on the values it read before. Only the CPU mode cannot follow:
+    the flow's process was prepared for it before it waited."""
+    if read_params_text(checked.path) == checked.read:
+        return checked
+    again = check_run_params(checked.params_file, checked.overrides or None, allowed)
+    if again.params.determinism.cpu != checked.params.determinism.cpu:
+        raise ParamsChanged(
+            f"{checked.params_file}: determinism.cpu was changed to {again.params.determinism.cpu!r} while this "
+            "run waited for the pipeline lock: nothing ran; start the run again"
+        )
+    return again
 
 
 def inside_project(params_file: str) -> str:

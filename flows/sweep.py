@@ -68,24 +68,31 @@ SWEEP_DIR = layout.ARTIFACTS / "sweep"
 
 
 @flow(name=FLOW_NAME, log_prints=True)
-def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]:
+def sweep(
+    params_file: str = PARAMS_FILE, apply: bool = False, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Run (or resume) the Optuna study `sweep.name` over `sweep.space`; with `apply`, write the best
     trial's params into params.yaml.
 
     Args:
         params_file: the params file, relative to the project root.
         apply: write the best trial's values, its seed and `sweep.applied` into params.yaml.
+        overrides: dotted keys written into params.yaml first (`--set`), e.g. {"sweep.trials": 16}.
     """
     os.chdir(ROOT)
     logger = get_run_logger()
-    loaded = bootstrap(params_file)
+    loaded = bootstrap(params_file, overrides)
     params = _trial_threads(loaded, logger)
     cfg = params.sweep
     if not cfg.space:
         raise ConfigError(f"{params_file}: sweep.space is empty: name the train keys to search (docs/sweeps.md)")
     # Held for the whole sweep: a pipeline run must not swap the data under the trials.
     client = _dask_client()
+    # params.yaml is written under the lock too (`--set` first, `--apply` last), as the pipeline flow
+    # writes its own: a pipeline run never trains on one version of the file and records another in dvc.lock
     with pipeline_lock(f"sweep {cfg.name}", params.orchestration.lock_wait_s, logger=logger):
+        if overrides:
+            set_params(params_file, overrides)
         with pipeline_run(params.tracking, entry_point="sweep") as parent_id:
             for name in ("download", "stats", "preprocess"):
                 STAGE_TASKS[name](name, params, False)
@@ -103,9 +110,9 @@ def sweep(params_file: str = PARAMS_FILE, apply: bool = False) -> dict[str, Any]
             if weights is not None:
                 summary["best"]["weights"] = weights.as_posix()  # relative to the project
             _record(study, summary, study_dir, parent_id, params)
-    logger.info("sweep %s: %s", cfg.name, summary["line"])
-    if apply:  # a thread count fixed for native trials goes with their values
-        _apply(params_file, summary, cfg.name, None if params is loaded else params.determinism.num_threads)
+        logger.info("sweep %s: %s", cfg.name, summary["line"])
+        if apply:  # a thread count fixed for native trials goes with their values
+            _apply(params_file, summary, cfg.name, None if params is loaded else params.determinism.num_threads)
     return summary
 
 
@@ -230,18 +237,34 @@ def _run(args: argparse.Namespace) -> int:
     overrides = dict(_override(text) for text in args.overrides)
     # fail fast, before a server starts; the local cluster's workers inherit the pinned environment
     params = bootstrap(ROOT / args.params, overrides)
-    check_store(params.tracking)
-    check_storage(os.environ.get(STORAGE_ENV) or params.sweep.storage)
     address = args.address or params.sweep.address or os.environ.get(ADDRESS_ENV)
     tls = tls_dir(args.tls)
     if address:
         check_scheduler_address(address, tls, "sweep.address")
-    if overrides:
-        params = set_params(ROOT / args.params, overrides)
-    with prefect_env.local_api():
-        summary = sweep.with_options(task_runner=_task_runner(params, address, tls))(args.params, args.apply)
+        _check_tracking_reaches(address, params)
+    check_store(params.tracking)
+    check_storage(os.environ.get(STORAGE_ENV) or params.sweep.storage)
+    with prefect_env.local_api():  # the flow writes `overrides` into params.yaml once it holds the lock
+        runner = _task_runner(params, address, tls)
+        summary = sweep.with_options(task_runner=runner)(args.params, args.apply, overrides or None)
     print(summary["line"])
     return 0
+
+
+def _check_tracking_reaches(address: str, params: Params) -> None:
+    """Trials log where the coordinator does (SweepContext.tracking_uri): a store that is a file on this
+    machine (sqlite, the project's own by default) is no place that another machine's workers reach."""
+    uri = tracking_uri()
+    if (
+        params.tracking.enabled
+        and uri.startswith(("sqlite:", "file:"))
+        and not cluster.is_loopback(cluster.split_address(address)[1])
+    ):
+        raise ConfigError(
+            f"sweep.address {address}: its workers are on other machines, and the trials would log to {uri}, "
+            "a file on this one: set MLFLOW_TRACKING_URI to a tracking server they all reach (docs/sweeps.md), "
+            "or tracking.enabled: false"
+        )
 
 
 def _dask(role: str, argv: list[str]) -> int:

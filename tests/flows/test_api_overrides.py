@@ -133,8 +133,10 @@ def test_a_params_file_swapped_while_the_run_waits_for_the_lock_changes_nothing(
     """Issue 66, item 3. A params file that passes the check (it is params.yaml's copy) is swapped
     while its run waits for the pipeline lock, held by a real holder: the new one switches the data
     checks off, names a foreign rendezvous and moves the records to another MLflow experiment. The run
-    goes on with the bytes it checked: its params file ends up holding them (with the allowed
-    override), and nothing is recorded in the swapped file's experiment."""
+    never computes with bytes it did not check, nor writes its own over another writer's: once it holds
+    the lock it finds the file changed and checks it again, which refuses it in one line, with nothing
+    run or written (a sweep's `--apply` written meanwhile passes the check and is what runs), and
+    nothing is recorded in the swapped file's experiment."""
     repo = clone_project(dvc_repo["repo"], tmp_path / "repo")
     params = yaml.safe_load((repo / "params.yaml").read_text())
     incoming = repo / "incoming" / "params.yaml"  # a folder others can write to (an upload, a data folder)
@@ -155,6 +157,8 @@ def test_a_params_file_swapped_while_the_run_waits_for_the_lock_changes_nothing(
         incoming.write_text(yaml.safe_dump(swapped, sort_keys=False))
     (state,) = flow_run_states(proc, log)
 
-    assert state["type"] == "COMPLETED", (state, log.read_text()[-3000:])
-    assert yaml.safe_load(incoming.read_text()) == params  # what was checked, lr written again as it was
+    assert state["type"] == "FAILED" and "\n" not in state["message"], (state, log.read_text()[-3000:])
+    refused = state["message"].partition("params_file incoming/params.yaml: ")[2]  # refused by the check again
+    assert "train.rdzv_endpoint reach the network" in refused and "checks.enabled" in refused, state
+    assert yaml.safe_load(incoming.read_text()) == swapped  # as its writer left it: not overwritten
     assert client_for(repo).get_experiment_by_name("swapped-in") is None

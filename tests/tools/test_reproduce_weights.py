@@ -239,8 +239,21 @@ def test_the_rebuild_environment_carries_no_credentials_and_reaches_no_host(
     """Whatever the rebuilt stages (the run's commit's code) would fetch: no token, no netrc, and HTTP goes
     to a closed port on loopback, not to the host the record named."""
     url = attacker.add("/anything", b"x")
-    env = reproduce_rebuild._stage_env()
+    others = {  # what else a user's shell may hold: cloud and database logins, the team stack's addresses
+        "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-K7MDENG",
+        "PGPASSWORD": "pg-Passw0rd",
+        "MLFLOW_TRACKING_PASSWORD": "ml-Passw0rd",
+        "PREFECT_API_AUTH_STRING": "admin:pf-Passw0rd",
+        "LOCKSTEP_SWEEP_STORAGE": "postgresql://sweep:pw@db.example/optuna",
+        "MLFLOW_TRACKING_URI": "https://user:pw@mlflow.example",
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in others.items():
+            patch.setenv(name, value)
+        env = reproduce_rebuild._stage_env()
     assert TOKEN_ENV not in env and AUTH_ENV not in env and env["NETRC"] == os.devnull
+    assert not set(others) & set(env), sorted(set(others) & set(env))
+    assert env["PATH"] == os.environ["PATH"]  # the rest of the environment is the user's
     done = subprocess.run([sys.executable, "-c", _REQUEST, url], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("failed:"), done.stdout + done.stderr
     assert attacker.requests == []

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tasks.core.config.base import ConfigError
 from tasks.core.errors import ExitCode, Refused
 from tasks.tools.sweep import cluster
 from tests.conftest import ROOT, copy_project, free_port, listening, stop_group, subprocess_env
@@ -264,3 +265,17 @@ def test_the_local_cluster_is_loopback_and_needs_its_temporary_credentials(tmp_p
             _client(local.scheduler_address.replace("tls://", "tcp://"))
         with pytest.raises((OSError, TimeoutError)):
             _client(local.scheduler_address, cluster.security(cluster.write_credentials(tmp_path / "other")))
+
+
+def test_workers_on_other_machines_are_not_sent_the_projects_own_tracking_file(tmp_path: Path) -> None:
+    """Trials log where the coordinator does: its project's sqlite store is a file no other machine
+    reaches, so a cluster off loopback is refused before anything starts (with a tracking server, or
+    tracking off, it runs: tests/hosts/test_sweep_hosts.py)."""
+    project = copy_project(tmp_path / "project")
+    assert _sweep("tls", str(tmp_path / "tls"), cwd=project).returncode == 0
+    params = (project / "params.yaml").read_bytes()
+    done = _sweep("--address", "tls://192.0.2.10:8786", "--tls", str(tmp_path / "tls"), cwd=project)
+    assert done.returncode == ConfigError.exit_code, done.stderr
+    assert done.stderr.startswith("error: sweep.address tls://192.0.2.10:8786") and done.stderr.count("\n") == 1
+    assert "MLFLOW_TRACKING_URI" in done.stderr and "sqlite:///" in done.stderr
+    assert (project / "params.yaml").read_bytes() == params and not (project / "mlflow.db").exists()

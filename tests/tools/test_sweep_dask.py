@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tasks.core.lock import pipeline_lock
 from tests.conftest import (
     PrefectServer,
     client_for,
@@ -107,10 +108,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, prefect_server: PrefectSer
         cluster.stop()
 
 
-def _sweep(cluster: Cluster, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+def _sweep(cluster: Cluster, name: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return run(
         [sys.executable, "-m", "flows.sweep", "--address", cluster.address, "--set", f"sweep.name={name}", *extra],
         cluster.project,
+        check,
         **cluster.flow_env,
     )
 
@@ -271,3 +273,15 @@ def test_a_crashing_trial_is_retried_once_then_recorded_failed_on_a_local_cluste
     assert attempts == [("1", "FAILED", "failed"), ("2", "FAILED", "failed")]
     share = max(1, len(os.sched_getaffinity(0)) // params["sweep"]["workers"])
     assert {r.data.tags["determinism.num_threads"] for r in runs} == {str(share)}
+
+
+def test_a_sweep_writes_params_yaml_only_while_it_holds_the_pipeline_lock(cluster: Cluster) -> None:
+    """`--set` is written once the lock is held (as `--apply` is written before it is let go): a sweep
+    refused by a running pipeline leaves params.yaml as it was, so that run's dvc.lock records the file
+    it trained on."""
+    project = cluster.project
+    before = (project / "params.yaml").read_bytes()
+    with pipeline_lock("the test's pipeline run", 0, root=project):
+        done = _sweep(cluster, "while-locked", "--set", "orchestration.lock_wait_s=1", check=False)
+    assert done.returncode != 0 and "the test's pipeline run" in done.stdout + done.stderr, done.stderr[-2000:]
+    assert (project / "params.yaml").read_bytes() == before

@@ -20,7 +20,7 @@ from tasks.core.cli import exit_code
 from tasks.core.config.yaml_io import load_params
 from tasks.tools.sweep.results import summarise
 from tasks.tools.sweep.space import distributions
-from tasks.tools.sweep.study import JOURNAL, open_study, run_study
+from tasks.tools.sweep.study import JOURNAL, open_study, run_study, study_digest
 from tasks.tools.sweep.trials import TrialOutcome, TrialSpec, derived_seed
 from tests.conftest import write_params
 
@@ -165,3 +165,24 @@ def test_the_sweeps_own_trials_pass_and_apply(tmp_path: Path) -> None:
     applied = load_params(params_file)
     assert applied.sweep.applied is not None and applied.sweep.applied.trial == summary["best"]["trial"]
     assert applied.train.seed == derived_seed(cfg.seed, summary["best"]["trial"], "train")
+
+
+def test_a_study_resumes_after_its_winner_was_applied_even_without_tracking(tmp_path: Path) -> None:
+    """`make tune` twice: the first writes the winner (its searched values and seed) into params.yaml,
+    the second resumes the same study. With tracking off the winner has no MLflow run to name."""
+    params_file = write_params(tmp_path / "params.yaml", {"sweep": {"trials": 2, "batch": 1, "space": SPACE}})
+    before = load_params(params_file)
+    cfg, digest = before.sweep, study_digest(before, "data")
+    run_study(open_study(cfg, None, tmp_path / "study", digest), cfg, digest, NoTraining())
+    study = open_study(cfg, None, tmp_path / "study", digest)
+    summary = summarise(study, cfg, 0.0)
+    assert summary["best"]["run_id"] is None  # (no trial logged a run)
+    _apply(str(params_file), summary, cfg.name)
+    applied = load_params(params_file)
+    assert applied.sweep.applied is not None and applied.sweep.applied.run_id is None
+    assert applied.train.lr == summary["best"]["params"]["train.lr"]
+    assert study_digest(applied, "data") == study_digest(before, "data")
+    open_study(applied.sweep, None, tmp_path / "study", study_digest(applied, "data"))  # resumes: no SweepError
+    # a train key no trial overrides is an input of the study: another value is another study
+    other = applied.model_copy(update={"train": applied.train.model_copy(update={"momentum": 0.5})})
+    assert study_digest(other, "data") != study_digest(before, "data")

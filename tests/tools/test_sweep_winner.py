@@ -1,7 +1,8 @@
 """The winner's weights on the coordinator (tasks/tools/sweep/results.py `winner_weights`): machines share no
 disk, so weights trained on another machine come from the trial's MLflow run, and only with the sha256 the
-trial reported. The fetch itself (MLflow's `download_artifacts`) is replaced here by a stand-in that
-writes given bytes; across real hosts and a real server: tests/hosts/test_sweep_hosts.py."""
+trial reported. The fetch itself (MLflow's `download_artifacts`, and its client's artifact listing) is
+replaced here by a stand-in that writes given bytes; across real hosts and a real server:
+tests/hosts/test_sweep_hosts.py."""
 
 from __future__ import annotations
 
@@ -22,12 +23,28 @@ def _summary(run_id: str | None = "a" * 32, digest: bytes = WEIGHTS) -> dict[str
     return {"study": "s", "best": best}
 
 
+class Listing:
+    """MLflow's client, standing in for its artifact listing: the size the store reports (None: unknown)."""
+
+    size: int | None = len(WEIGHTS)
+
+    def __init__(self, tracking_uri: str) -> None:
+        assert tracking_uri == "http://tracking"
+
+    def list_artifacts(self, run_id: str, path: str) -> list[Any]:
+        from mlflow.entities import FileInfo
+
+        return [FileInfo(f"{path}/best.safetensors", False, self.size)]
+
+
 @pytest.fixture
 def fetches(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """MLflow's download, standing in: what it was asked for, and the bytes it 'downloads' (WEIGHTS)."""
+    import mlflow
     import mlflow.artifacts
 
     asked: list[dict[str, Any]] = []
+    monkeypatch.setattr(mlflow, "MlflowClient", type("Store", (Listing,), {}))
 
     def download(**kwargs: Any) -> str:
         asked.append(kwargs)
@@ -76,4 +93,29 @@ def test_without_a_run_or_a_winner_nothing_is_fetched(
     with caplog.at_level(logging.WARNING):
         assert winner_weights(_summary(run_id=None), tmp_path, None) is None
     assert "on the worker that trained it" in caplog.text
+    assert fetches == []
+
+
+@pytest.mark.parametrize("listed", [len(WEIGHTS), None])  # a store that knows the size, and one that does not
+def test_a_checkpoint_over_the_cap_is_refused_and_nothing_is_written(
+    tmp_path: Path, fetches: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, listed: int | None
+) -> None:
+    import mlflow
+
+    from tasks.tools.sweep import results
+
+    monkeypatch.setattr(results, "MAX_CHECKPOINT_BYTES", len(WEIGHTS) - 1)
+    monkeypatch.setattr(mlflow.MlflowClient, "size", listed)
+    with pytest.raises(WinnerUnavailable, match="more than the"):
+        winner_weights(_summary(), tmp_path, "http://tracking")
+    assert len(fetches) == (0 if listed else 1)  # refused before the download where the size was listed
+    assert not (tmp_path / "trial-0003" / "best.safetensors").exists()
+
+
+@pytest.mark.parametrize("run_id", ["../../etc", "A" * 32, "a" * 31])
+def test_a_malformed_run_id_from_the_studys_storage_names_nothing(
+    tmp_path: Path, fetches: list[dict[str, Any]], run_id: str
+) -> None:
+    with pytest.raises(WinnerUnavailable, match="malformed"):
+        winner_weights(_summary(run_id=run_id), tmp_path, "http://tracking")
     assert fetches == []

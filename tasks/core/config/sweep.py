@@ -59,7 +59,8 @@ class AppliedSweep(Section):
 
     study: str = Field(max_length=64)
     trial: int = Field(ge=0)
-    run_id: str = Field(pattern=r"^[0-9a-f]{32}$")  # the trial's MLflow run (make reproduce ARGS=...)
+    # the trial's MLflow run (make reproduce ARGS=...); null: the sweep ran with tracking.enabled false
+    run_id: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
 
 
 class SweepConfig(Section):

@@ -22,6 +22,8 @@ from tasks.core import layout
 from tasks.core.config.params import Params
 from tasks.core.credentials import AUTH_ENV, TOKEN_ENV
 from tasks.core.hashing import data_md5
+from tasks.core.lock import LOCK_URL_ENV
+from tasks.core.redact import SECRET_NAME
 from tasks.determinism import cpu_mode
 from tasks.tools.reproduce import record as records
 from tasks.tools.reproduce import report as reports
@@ -65,12 +67,19 @@ print(json.dumps({**tags, **{f"determinism.{k}": str(v) for k, v in settings.ite
 """
 
 
+# Addresses that may carry a login (a database URL's password): the sweep's study (flows/sweep.py
+# STORAGE_ENV), the pipeline lock's database, the tracking server, a libpq password file
+CREDENTIAL_ADDRESSES = {"LOCKSTEP_SWEEP_STORAGE", LOCK_URL_ENV, "MLFLOW_TRACKING_URI", "PGPASSFILE"}
+
+
 def _stage_env() -> dict[str, str]:
     # The rebuild must not nest under, or log into, a run of whatever launched us; and it computes
     # in the mode the run's params name (each stage pins it), not in ours. It holds no credentials
-    # (no download token, an empty netrc) and no route out (NO_ROUTE): a record chose its hosts.
-    dropped = {runs.PARENT_ENV, "MLFLOW_RUN_ID", TOKEN_ENV, AUTH_ENV, "no_proxy", "NO_PROXY"}
-    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    # (no download token, an empty netrc, nothing named like a secret: cloud keys, PGPASSWORD, MLflow's
+    # and Prefect's tokens, nor an address that may hold a login; tracking is off in the workspace)
+    # and no route out (NO_ROUTE): a record chose its hosts.
+    dropped = {runs.PARENT_ENV, "MLFLOW_RUN_ID", TOKEN_ENV, AUTH_ENV, "no_proxy", "NO_PROXY", *CREDENTIAL_ADDRESSES}
+    env = {k: v for k, v in os.environ.items() if k not in dropped and not SECRET_NAME.search(k)}
     env.update({name: NO_ROUTE for name in _PROXY_VARS}, NETRC=os.devnull)
     return cpu_mode.clean_env(env)
 

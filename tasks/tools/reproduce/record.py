@@ -24,13 +24,13 @@ from tasks.core.config.base import ConfigError, shown
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import load_params, load_yaml
 from tasks.core.errors import Refused
+from tasks.core.fetch import MAX_CHECKPOINT_BYTES
 
 LOGGED_DIR = "reproduce"  # the train run's artifact dir with what it was made from
 WEIGHTS = ("best.safetensors", "last.safetensors")
 # What reproduce downloads from a tracking server that others may write to, at most (bytes).
 RECORD_FILES = ("params.yaml", "data.dvc", "dvc.lock")  # dvc.lock: optional
 MAX_RECORD_BYTES = 1 << 20  # each is a few KB
-MAX_WEIGHTS_BYTES = 1 << 30  # each checkpoint; resnet18 in fp32 is 45 MB
 
 
 class ReproduceError(Refused):
@@ -114,7 +114,7 @@ def download_record(client: Any, run: Any, dest: Path) -> Path:
             f"run {run_id}: its checkpoints ({', '.join(WEIGHTS)}) were not logged: nothing to compare with"
         )
     wanted = {f"{LOGGED_DIR}/{name}": (logged[name], MAX_RECORD_BYTES) for name in RECORD_FILES if name in logged}
-    wanted.update({f"checkpoints/{name}": (checkpoints[name], MAX_WEIGHTS_BYTES) for name in WEIGHTS})
+    wanted.update({f"checkpoints/{name}": (checkpoints[name], MAX_CHECKPOINT_BYTES) for name in WEIGHTS})
     for path, (size, cap) in wanted.items():  # all checked before any is downloaded
         _check_size(run_id, path, size, cap)
     for path, (_, cap) in wanted.items():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 from tasks.core.atomic import atomic_file, write_text
 from tasks.core.config.sweep import SweepConfig
 from tasks.core.errors import ExpectedFailure
+from tasks.core.fetch import MAX_CHECKPOINT_BYTES
 from tasks.core.hashing import file_digest
 from tasks.core.spreadsheet import value_cell
 from tasks.tools.sweep.study import best_trial
@@ -128,6 +131,17 @@ def plots(study: Any, out_dir: Path) -> list[Path]:
     return drawn
 
 
+_HEX32, _HEX64 = re.compile(r"[0-9a-f]{32}"), re.compile(r"[0-9a-f]{64}")
+
+
+def _check_size(study: str, run_id: str, size: int | None) -> None:
+    if size is not None and size > MAX_CHECKPOINT_BYTES:
+        raise WinnerUnavailable(
+            f"sweep {study}: run {run_id}'s checkpoints/{WEIGHTS} is {size} bytes, more than the "
+            f"{MAX_CHECKPOINT_BYTES} a checkpoint may be: not fetched"
+        )
+
+
 def winner_weights(summary: dict[str, Any], study_dir: Path, tracking_uri: str | None) -> Path | None:
     """The best trial's weights on this machine (the coordinator's), at
     `<study_dir>/trial-NNNN/best.safetensors`, with the sha256 its trial reported; None when no trial
@@ -153,14 +167,24 @@ def winner_weights(summary: dict[str, Any], study_dir: Path, tracking_uri: str |
         return None
 
     # heavy: mlflow (~4 s), only when the winner's weights are downloaded
+    from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
+    # The run and the digest come back from the study's storage, which others may write (a shared
+    # database): checked as a run id and a sha256 before they name anything, the file's size before it
+    # is fetched, and again once it is here (a store may not know a size)
+    run_id, study = str(best["run_id"]), summary["study"]
+    if not (_HEX32.fullmatch(run_id) and isinstance(wanted, str) and _HEX64.fullmatch(wanted)):
+        raise WinnerUnavailable(f"sweep {study}: trial {best['trial']}'s stored run id or sha256 is malformed")
+    listed = {Path(a.path).name: a.file_size for a in MlflowClient(tracking_uri).list_artifacts(run_id, "checkpoints")}
+    _check_size(study, run_id, listed.get(WEIGHTS))
     with tempfile.TemporaryDirectory(prefix="lockstep-winner-") as tmp:
         fetched = Path(
             download_artifacts(
-                run_id=best["run_id"], artifact_path=f"checkpoints/{WEIGHTS}", dst_path=tmp, tracking_uri=tracking_uri
+                run_id=run_id, artifact_path=f"checkpoints/{WEIGHTS}", dst_path=tmp, tracking_uri=tracking_uri
             )
         )
+        _check_size(study, run_id, fetched.stat().st_size)
         got = file_digest(fetched)
         if got != wanted:
             raise WinnerUnavailable(
@@ -168,7 +192,7 @@ def winner_weights(summary: dict[str, Any], study_dir: Path, tracking_uri: str |
                 f"{got[:12]}, not the {str(wanted)[:12]} its trial reported: not written"
             )
         with atomic_file(target) as staged:
-            staged.write_bytes(fetched.read_bytes())
+            shutil.copyfile(fetched, staged)
     log.info(
         "sweep %s: trial %d's weights fetched from its MLflow run into %s", summary["study"], best["trial"], target
     )

@@ -67,7 +67,11 @@ class SweepStorageUnavailable(ExpectedFailure):
 def study_digest(params: Params, data_digest: str) -> str:
     """What a study's trials depend on: the sweep's settings, every param a trial reads, the data."""
     sweep = params.sweep.model_dump(exclude=set(RESUMABLE_KEYS))
-    fixed = {"seed": params.seed, "determinism": params.determinism.model_dump(), "train": params.train.model_dump()}
+    # What `trial_params` sets for every trial (the searched keys, its seed, its strategy) is no input of
+    # the study: `--apply` writes the winner's into params.yaml, and `make tune` again must resume.
+    overridden = {"seed", "strategy", *(key.removeprefix("train.") for key in params.sweep.space)}
+    train = {key: value for key, value in params.train.model_dump().items() if key not in overridden}
+    fixed = {"seed": params.seed, "determinism": params.determinism.model_dump(), "train": train}
     text = json.dumps({"sweep": sweep, "fixed": fixed, "data": data_digest}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -111,8 +115,8 @@ def open_study(cfg: SweepConfig, storage: str | None, study_dir: Path, digest: s
     elif recorded != digest:
         raise SweepError(
             f"sweep.name: study {cfg.name!r} ({len(study.trials)} trials) was run with other sweep settings, "
-            "train params or data: resuming it would mix them; choose another sweep.name, or delete "
-            f"{study_dir} to start again"
+            "train params or data: resuming it would mix them; choose another sweep.name"
+            + (f", or delete {study_dir} to start again" if storage is None else "")
         )
     return study
 
