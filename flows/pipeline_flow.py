@@ -133,14 +133,15 @@ def pipeline(
     # the prompt allow theirs (_run). The allow-list comes from where no run can set it, and the file
     # is read before the lock and, if it changed meanwhile, again under it: what was checked is what
     # runs, whatever happens to the file (run_params.py).
-    checked = check_run_params(params_file, overrides, prefect_env.run_allow_list())
+    allowed = prefect_env.run_allow_list()
+    checked = check_run_params(params_file, overrides, allowed)
     notify.checked(checked.params.orchestration.notify)  # the hooks route by these, not by the file
     params = checked.params
     prepare(params.determinism.cpu)  # the stages run in this process, on these params: before torch loads
     with pipeline_lock(
         f"Prefect flow run {flow_run.name or FLOW_NAME}", params.orchestration.lock_wait_s, logger=logger
     ):
-        checked = recheck(checked, prefect_env.run_allow_list())  # the file DVC will record is the one used
+        checked = recheck(checked, allowed)  # the file DVC will record is the one used
         if checked.params is not params:  # written while this run waited (a sweep's --apply, another run)
             params = checked.params
             notify.checked(params.orchestration.notify)

@@ -47,11 +47,10 @@ def check_run_params(
     path = (ROOT / inside_project(params_file)).resolve()
     if overrides:
         refuse_api_overrides(overrides, allowed)
-    text = read_params_text(path)  # the one read of this run's params file
-    given = parse_params(text, path)
+    read = read_params_text(path)  # the one read of this run's params file (again only in `recheck`)
+    given = parse_params(read, path)
     refuse_api_overrides(_changes(path, given), allowed, f"params_file {params_file}")
-    read = text
-    text, params = text_with_overrides(text, overrides, path)
+    text, params = text_with_overrides(read, overrides, path)
     return CheckedParams(params_file, text, params, dict(overrides or {}), read)
 
 
