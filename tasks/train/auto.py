@@ -11,8 +11,10 @@ same bytes, on every rank of a DDP job and in every process that asks again.
 Why these rules (docs/training.md, "Real image sets", has the measurements):
 - epochs: what limits a small folder is optimiser steps, not epochs. 15 epochs of 173 images is 45
   steps of 64 images, and the model ends far from fitting its own training set. Every folder gets at
-  least `STEP_BUDGET` steps (the digits recipe: 30 epochs of 20), at least `MIN_EPOCHS` epochs (what a
-  large folder gets, as before), and at most `MAX_EPOCHS`.
+  least `STEP_BUDGET` steps, at least `MIN_EPOCHS` epochs (what a large folder gets, as before), and at
+  most `MAX_EPOCHS`. The budget was 600 steps (the 8x8 digits' recipe: 30 epochs of 20); on 5,000 real
+  handwritten digits (3,486 training images, 55 steps an epoch) it left 15 epochs, 98.3-98.9% test
+  accuracy over three seeds; 1,600 steps (30 epochs) gave 98.8-99.1% (2026-12-04).
 - early stopping guards the longer budget: a run whose validation score has not improved for half its
   epochs (at least `MIN_PATIENCE`) ends there; best.safetensors is still the best epoch's. Not sooner:
   a small folder's validation split is a few dozen images, and in the first epochs, at the peak
@@ -37,7 +39,7 @@ import numpy as np
 from tasks.core.config.train import TrainConfig
 from tasks.data.preprocess import Preprocessed, load_split
 
-STEP_BUDGET = 600  # optimiser steps a folder trains for at least
+STEP_BUDGET = 1600  # optimiser steps a folder trains for at least
 MIN_EPOCHS = 15  # ... and epochs (a folder large enough has STEP_BUDGET steps in fewer)
 MAX_EPOCHS = 200  # a folder of a few dozen images: more epochs only memorise them
 MIN_PATIENCE = 10  # epochs without a better validation score before a longer run stops

@@ -38,11 +38,12 @@ def _profile(*counts: int, shape: tuple[int, int, int] = (3, 32, 32)) -> DataPro
 @pytest.mark.parametrize(
     ("images", "epochs"),
     [
-        (173, 200),  # 3 steps an epoch: 600 steps would be 200 epochs, the most
-        (726, 50),  # 12 steps: 50 epochs reach 600
-        (1374, 28),  # 22 steps
-        (5000, 15),  # 79 steps: 600 in 8 epochs, but never fewer than 15
-        (12, 200),  # one step an epoch: the most, not 600
+        (173, 200),  # 3 steps an epoch: 1,600 steps would be 534 epochs; 200 is the most
+        (726, 134),  # 12 steps: 134 epochs reach 1,600
+        (1374, 73),  # 22 steps
+        (3486, 30),  # 55 steps: the real digits' 30 epochs (docs/training.md)
+        (12000, 15),  # 188 steps: 1,600 in 9 epochs, but never fewer than 15
+        (12, 200),  # one step an epoch: the most, not 1,600
     ],
 )
 def test_epochs_give_a_small_folder_the_steps_a_large_one_gets(images: int, epochs: int) -> None:
@@ -53,14 +54,14 @@ def test_epochs_give_a_small_folder_the_steps_a_large_one_gets(images: int, epoc
 
 def test_accumulated_batches_count_as_one_step() -> None:
     cfg, _ = resolve(TrainConfig(**FROM_DATA, batch_size=32, accumulate_steps=2), _profile(363, 363))
-    assert cfg.epochs == 50  # 12 optimiser steps of 64 images, as batch_size 64 alone
+    assert cfg.epochs == 134  # 12 optimiser steps of 64 images, as batch_size 64 alone
 
 
 def test_patience_is_half_the_run_and_absent_when_it_would_never_stop() -> None:
     long, choices = resolve(TrainConfig(**FROM_DATA), _profile(100, 73))
     assert (long.epochs, long.early_stop_patience) == (200, 100)
     assert "half of 200 epochs" in choices["early_stop_patience"].reason
-    short, _ = resolve(TrainConfig(**FROM_DATA), _profile(2500, 2500))
+    short, _ = resolve(TrainConfig(**FROM_DATA), _profile(6000, 6000))
     assert (short.epochs, short.early_stop_patience) == (15, 10)
     given, _ = resolve(TrainConfig(**{**FROM_DATA, "epochs": 8}), _profile(100, 73))
     assert given.early_stop_patience is None  # 10 epochs of patience in 8: it could never stop
@@ -91,7 +92,7 @@ def test_compress_continues_with_what_train_chose() -> None:
     chosen, _ = resolve(folder, _profile(300, 60))
     # the checkpoint records the recipe keys that differ from their defaults: patience and balance here
     tuned = as_trained(folder, result_config(chosen))
-    assert (tuned.epochs, tuned.early_stop_patience, tuned.class_balance) == (100, 50, "sampler")  # 6 steps an epoch
+    assert (tuned.epochs, tuned.early_stop_patience, tuned.class_balance) == (200, 100, "sampler")  # 6 steps an epoch
     unweighted, _ = resolve(folder, _profile(300, 250))  # class_balance "none": left out of the checkpoint
     assert as_trained(folder, result_config(unweighted)).class_balance == "none"
 
@@ -108,13 +109,13 @@ def test_the_train_stage_chooses_and_records_why(pre: Path, tmp_path: Path) -> N
     result = train(cfg, 42, pre, tmp_path)
     recorded = json.loads((tmp_path / "train.json").read_text())["recipe"]
     assert recorded == result.recipe
-    assert recorded["epochs"]["value"] == 30  # 1,238 digits make 20 steps an epoch: 30 epochs for 600
+    assert recorded["epochs"]["value"] == 80  # 1,238 digits make 20 steps an epoch: 80 epochs for 1,600
     assert "1238 training images make 20 optimiser steps an epoch" in recorded["epochs"]["reason"]
     assert recorded["class_balance"]["value"] == "none"
     config = read_safetensors(tmp_path / "best.safetensors", tensors=False)[0]["config"]
-    assert config["epochs"] == 30 and config["early_stop_patience"] == 15  # numbers, never "auto"
+    assert config["epochs"] == 80 and config["early_stop_patience"] == 40  # numbers, never "auto"
     rows = json.loads((tmp_path / "history.json").read_text())
-    assert result.stopped_early_at == (len(rows) if len(rows) < 30 else None)
+    assert result.stopped_early_at == (len(rows) if len(rows) < 80 else None)
 
 
 @pytest.fixture
@@ -162,7 +163,7 @@ def test_a_folder_run_records_each_choice_in_mlflow_the_card_and_compress(folder
     for stage in ("train", "evaluate", "compress", "export"):
         run_stage(stage, params)
     recipe = json.loads((layout.TRAIN_DIR / "train.json").read_text())["recipe"]
-    # 84 training images: 2 steps an epoch, 300 wanted, 200 at most; the largest class 5x the smallest
+    # 84 training images: 2 steps an epoch, 800 wanted, 200 at most; the largest class 5x the smallest
     assert {key: choice["value"] for key, choice in recipe.items()} == {
         "epochs": 200,
         "early_stop_patience": 100,
