@@ -28,7 +28,7 @@ from tasks.train.stage import train
 from tests.conftest import write_params
 
 FOLDER = {"source": "imagefolder", "path": "/data/photos"}
-FROM_DATA = {"epochs": "auto", "early_stop_patience": "auto", "class_balance": "auto"}
+FROM_DATA = {"epochs": "auto", "early_stop_patience": "auto", "class_balance": "auto", "label_smoothing": "auto"}
 
 
 def _profile(*counts: int, shape: tuple[int, int, int] = (3, 32, 32)) -> DataProfile:
@@ -74,16 +74,21 @@ def test_class_balance_follows_the_largest_class_over_the_smallest(counts: tuple
     cfg, choices = resolve(TrainConfig(**FROM_DATA), _profile(*counts))
     assert cfg.class_balance == choices["class_balance"].value == balance
     assert f"{max(counts) / min(counts):.1f}x" in choices["class_balance"].reason
+    # label smoothing: hard targets where the classes are drawn equally often, 0.1 elsewhere
+    assert cfg.label_smoothing == choices["label_smoothing"].value == (0.0 if balance == "sampler" else 0.1)
+    assert f"{max(counts) / min(counts):.1f}x" in choices["label_smoothing"].reason
 
 
 def test_what_the_user_set_is_kept_and_a_published_source_is_resolved_when_params_load() -> None:
-    given = TrainConfig(epochs=7, early_stop_patience=3, class_balance="sampler")
+    given = TrainConfig(epochs=7, early_stop_patience=3, class_balance="sampler", label_smoothing=0.2)
     assert resolve(given, _profile(500, 5)) == (given, {})
     digits = Params.model_validate({"train": FROM_DATA}).train  # digits: a measured recipe, no data rule
     assert (digits.epochs, digits.early_stop_patience, digits.class_balance) == (30, None, "none")
+    assert digits.label_smoothing == 0.1
     assert resolve(digits, _profile(500, 5)) == (digits, {})
     folder = Params.model_validate({"data": FOLDER, "train": FROM_DATA}).train
     assert (folder.epochs, folder.early_stop_patience, folder.class_balance) == ("auto", "auto", "auto")
+    assert folder.label_smoothing == "auto"
     assert SOURCES["imagefolder"].recipe.epochs == "auto"
 
 
@@ -168,6 +173,7 @@ def test_a_folder_run_records_each_choice_in_mlflow_the_card_and_compress(folder
         "epochs": 200,
         "early_stop_patience": 100,
         "class_balance": "sampler",
+        "label_smoothing": 0.0,  # as imbalanced
     }
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("lockstep").experiment_id
@@ -175,6 +181,7 @@ def test_a_folder_run_records_each_choice_in_mlflow_the_card_and_compress(folder
     logged = train_run.data.params
     assert logged["train.epochs"] == "auto" and logged["auto.train.epochs"] == "200"
     assert logged["auto.train.class_balance.reason"] == recipe["class_balance"]["reason"]
+    assert logged["train.label_smoothing"] == "auto" and logged["auto.train.label_smoothing"] == "0.0"
     card = (layout.EXPORT_DIR / "model_card.md").read_text()
     assert f"- class_balance (auto, from the data): `sampler`: {recipe['class_balance']['reason']}" in card
     # compress fine-tuned nothing here, but resolved from the checkpoint what it would fine-tune with

@@ -23,7 +23,6 @@ from tasks.core.config.train import SOURCE_AUTO_KEYS, DeterminismConfig, Evaluat
 FILE_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {
         **dict.fromkeys(SOURCE_AUTO_KEYS, "auto"),
-        "label_smoothing": 0.1,
     },
     "sweep": {
         "space": {

@@ -113,13 +113,13 @@ AUGMENT_PRESETS: Registry[AugmentPreset] = Registry(
 AugmentName = AUGMENT_PRESETS.named("auto")
 # The train keys whose `auto` a data source's recipe decides (tasks/core/config/data.py SourceRecipe):
 # resolved by `for_source`, or, what the recipe leaves to the data, by the train stage.
-SOURCE_AUTO_KEYS = ("model", "epochs", "hflip", "augment", "early_stop_patience", "class_balance")
+SOURCE_AUTO_KEYS = ("model", "epochs", "hflip", "augment", "early_stop_patience", "class_balance", "label_smoothing")
 
 
 class TrainConfig(Section):
     # one of MODELS (ours: resnet9, small_cnn), or any of TORCHVISION_MODELS: adapted to the data's channels and
     # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py).
-    # auto (model, epochs, hflip, augment, early_stop_patience, class_balance): SOURCES[data.source].recipe,
+    # auto (model, epochs, hflip, augment, early_stop_patience, class_balance, label_smoothing): the source's recipe,
     # resolved by Params (params.yaml says auto, and a params file that leaves them out gets auto:
     # FILE_DEFAULTS in params.py), but for what an image folder's recipe leaves to its data: the train stage
     # chooses that (tasks/train/auto.py). A TrainConfig made alone gets the defaults below, or resolves with
@@ -134,7 +134,7 @@ class TrainConfig(Section):
     scheduler: Literal["cosine", "step", "none"] = "cosine"
     step_size: int = Field(10, ge=1, le=MAX_EPOCHS)
     gamma: float = Field(0.1, gt=0, le=1)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    label_smoothing: Annotated[float, Field(ge=0, lt=1)] | Auto = 0.0
     # augmentation: a random translation by up to N pixels (auto: an eighth of the shorter image side,
     # at least 1: 1 px on 8x8 digits, 4 px on 28-32 px images, as the CIFAR baselines pad and crop)
     random_shift: Annotated[int, Field(ge=0, le=64)] | Auto = "auto"
