@@ -76,6 +76,9 @@ def test_compress_measures_every_variant_and_export_ships_what_was_measured(dvc_
     assert "BatchNormalization" not in _ops(compress_dir / "models/fp32.onnx")
     static_ops = _ops(compress_dir / "models/static_int8.onnx")
     assert {"QuantizeLinear", "DequantizeLinear", "Conv"} <= set(static_ops) and "Relu" not in static_ops
+    # global pooling as the op ORT has an int8 kernel for (tasks/ship/quantize.py global_pools); fp32 as exported
+    assert "GlobalAveragePool" in static_ops and "ReduceMean" not in static_ops
+    assert "ReduceMean" in _ops(compress_dir / "models/fp32.onnx")
 
     # export ships the measured files, byte for byte, with a dynamic batch axis and weights inside
     assert sha256(export_dir / "model.onnx") == sha256(compress_dir / "models/static_int8.onnx")
@@ -294,6 +297,7 @@ def test_every_variant_is_built_for_resnet9(dvc_repo: dict[str, Any], tmp_path: 
         assert "BatchNormalization" not in _ops(out / f"models/{name}.onnx"), name
     assert _ops(out / "models/fp32.onnx").count("Add") == 3  # the three residual pairs
     assert "QuantizeLinear" in _ops(out / "models/static_int8.onnx")
+    assert "ReduceMean" not in _ops(out / "models/static_int8.onnx")  # its global pooling stays int8
     assert rows["static_int8"].size_ratio < 0.3 and rows["static_int8"].top1_agreement > 0.9
 
     full, pruned = _conv_shapes(out / "models/fp32.onnx"), _conv_shapes(out / "models/pruned_ln.onnx")
