@@ -6,6 +6,10 @@ details, argued). This hook replaces the marker `<!-- bench-table -->` in benchm
 table at build time, so that no number on the page is copied by hand. `LOCKSTEP_BENCH_JSON` names
 another results file. Without one the page says how to make it; a file that cannot be read fails
 the build.
+
+The figures differ by machine kind (the CPU decides int8's speed, a vCPU pair's ceiling, ...), so a
+run on another kind is kept beside it as `bench-<kind>.json` (`python -m benchmarks --out DIR`, its
+bench.json renamed) and rendered after the main table, under a heading naming its machine.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from mkdocs.exceptions import PluginError
 PAGE = "benchmarks.md"
 MARKER = "<!-- bench-table -->"
 RESULTS = Path("benchmarks") / "results" / "bench.json"
+OTHER_KINDS = "bench-*.json"  # the same benchmarks on another machine kind, beside RESULTS
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs: Any) -> str:
@@ -29,12 +34,18 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs
     path = _results_path(config)
     if not path.is_file():
         return markdown.replace(MARKER, _missing(path))
+    others = sorted(path.parent.glob(OTHER_KINDS))
+    # a heading a machine kind when there is more than one
+    return markdown.replace(MARKER, "\n".join(_rendered(results, heading=bool(others)) for results in [path, *others]))
+
+
+def _rendered(path: Path, heading: bool) -> str:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-        table = render(record)
+        title = f"### On {_cell(record['machine']['cpu'])} (`{path.name}`)\n\n" if heading else ""
+        return title + render(record)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise PluginError(f"benchmarks hook: cannot render {path}: {error!r}") from error
-    return markdown.replace(MARKER, table)
 
 
 def _results_path(config: Any) -> Path:

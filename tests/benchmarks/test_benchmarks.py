@@ -50,6 +50,28 @@ def test_the_docs_render_the_committed_results_with_the_day_they_were_measured()
     assert hook.render(undated).startswith("Measured on a day not recorded")
 
 
+def test_the_docs_render_each_machine_kinds_results_under_its_own_heading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mkdocs.exceptions import PluginError
+
+    hook = load_file(ROOT / "docs" / "hooks" / "benchmarks.py", "benchmarks_hook")
+    record = json.loads((ROOT / "benchmarks" / "results" / "bench.json").read_text())
+    (tmp_path / "bench.json").write_text(json.dumps(record))
+    other = {**record, "machine": {**record["machine"], "cpu": "Other CPU"}, "date": "2026-12-31"}
+    (tmp_path / "bench-other.json").write_text(json.dumps(other))
+    monkeypatch.setenv("LOCKSTEP_BENCH_JSON", str(tmp_path / "bench.json"))
+    page = type("Page", (), {"file": type("File", (), {"src_uri": hook.PAGE})()})()
+    rendered = hook.on_page_markdown(f"# B\n\n{hook.MARKER}\n", page, {}, None)
+    main, second = f"### On {record['machine']['cpu']} (`bench.json`)", "### On Other CPU (`bench-other.json`)"
+    assert hook.MARKER not in rendered and rendered.index(main) < rendered.index(second)
+    assert "Measured 2026-12-31 on Other CPU (" in rendered.split(second)[1]
+
+    (tmp_path / "bench-other.json").write_text('{"machine": {}}')  # a broken file fails the build, named
+    with pytest.raises(PluginError, match="bench-other.json"):
+        hook.on_page_markdown(hook.MARKER, page, {}, None)
+
+
 def smoke_run(tmp_path: Path, suites: list[str]) -> tuple[dict[str, dict], str]:
     """`python -m benchmarks --smoke --only SUITES`: the figures by id, checked for what every figure
     must have; and the Markdown table. (Two tests share the suites, so that the two xdist workers
