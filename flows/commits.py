@@ -7,7 +7,8 @@ whatever the stage cost (dvc.lock lists every stage's code with its md5: ~2,900 
 spent 8.4 s of a 49-s forced digits run on it (2026-12-03, sampled with py-spy). So stages are committed
 together, with one write: at once when the work not yet committed took `COMMIT_AFTER_S` or more (a
 training), else with the next one, and when the run ends or fails. A run killed outright (SIGKILL, power)
-then redoes at most that much work; one that fails commits what ran before the failure.
+then redoes at most that much work; one that fails commits what ran before the failure. Stages whose
+entries come out as dvc.lock holds them (a re-read source that had not changed) leave the file as it is.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def commit_stages(root: Path, stages: list[str]) -> None:
         return
     # heavy: dvc (~0.7 s), only once a stage ran (a no-op flow run commits nothing)
     from dvc.repo import Repo, lock_repo
+    from dvc.stage.serialize import to_lockfile
 
     dvc_logs_once()
     with Repo(str(root)) as repo, lock_repo(repo):
@@ -44,7 +46,12 @@ def commit_stages(root: Path, stages: list[str]) -> None:
             info.stage.save()
             info.stage.commit(filter_info=info.filter_info)
         for dvcfile in {info.stage.dvcfile.path: info.stage.dvcfile for info in infos}.values():
-            dvcfile.dump_stages([i.stage for i in infos if i.stage.dvcfile.path == dvcfile.path], update_pipeline=False)
+            mine = [i.stage for i in infos if i.stage.dvcfile.path == dvcfile.path]
+            # Entries the file holds already are not written again (DVC rewrites it whatever changed):
+            # the nightly re-read of an unchanged source ran the download stage to the same outputs.
+            recorded = dvcfile.lockfile_contents.get("stages", {})
+            if any(recorded.get(stage.name) != to_lockfile(stage)[stage.name] for stage in mine):
+                dvcfile.dump_stages(mine, update_pipeline=False)
 
 
 class PendingCommits:

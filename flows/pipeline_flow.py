@@ -53,8 +53,9 @@ def _is_stale(stage: str) -> bool:
 
 
 def _run_if_stale(stage: str, params: Params, force: bool, up_to_date: bool = False) -> dict[str, Any]:
-    """`up_to_date`: the flow found no stage stale before the first ran (one DVC status for all seven,
-    not one per task); otherwise DVC is asked here, after the stages before this one have run."""
+    """`up_to_date`: the flow found this stage up to date already, asking DVC about several stages at
+    once (before the first ran, or after a re-read left the data unchanged: `_stages`); otherwise DVC
+    is asked here, after the stages before this one have run."""
     logger = get_run_logger()
     if not force and (up_to_date or not _is_stale(stage)):
         logger.info("%s: up to date (dvc.lock), skipped", stage)
@@ -176,13 +177,18 @@ def _stages(
         if run_id:  # from the start: a run on another host asks Prefect whether this one is over (orphans.py)
             tag_run(run_id, {FLOW_RUN_TAG: flow_run_id})
         with PendingCommits(ROOT).flushed() as commits:  # before the push below: dvc.lock names what to push
-            for name in STAGES:
+            rest_up_to_date = False
+            for at, name in enumerate(STAGES):
                 began = time.monotonic()
                 with notify.stage(name):  # a failure or crash inside names the stage
                     forced = force or (reingest and name == "download")
-                    results[name] = STAGE_TASKS[name](name, params, forced)
+                    results[name] = STAGE_TASKS[name](name, params, forced, up_to_date=rest_up_to_date)
                 if results[name]["ran"]:
                     commits.ran(name, time.monotonic() - began)
+                    # The scheduled re-read of a source that has not changed (most nights): DVC is asked
+                    # about the six stages after it in one opening of the repository, not one each.
+                    if name == "download" and not force and data_md5() == before:
+                        rest_up_to_date = not stale_stages(STAGES[at + 1 :])
         summary = summarize(results, before, data_md5())
         if run_id:
             retrained = str(results["train"]["ran"]).lower()

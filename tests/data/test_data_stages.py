@@ -52,6 +52,16 @@ def test_download_writes_the_documented_format(raw_dir: Path) -> None:
     assert sorted(p.name for p in raw_dir.iterdir()) == ["images.npy", "labels.npy", "meta.json"]
 
 
+def test_digits_are_scikit_learns_load_digits_rescaled(raw_dir: Path) -> None:
+    from sklearn.datasets import load_digits  # what the source reads its file as, without importing it
+
+    bunch = load_digits()
+    raw = read_raw(raw_dir)
+    np.testing.assert_array_equal(raw.images[..., 0], np.rint(bunch.images * (255.0 / 16.0)).astype(np.uint8))
+    np.testing.assert_array_equal(raw.labels, bunch.target)
+    assert json.loads((raw_dir / "meta.json").read_text())["classes"] == [str(n) for n in bunch.target_names]
+
+
 def test_reingesting_gives_identical_bytes(raw_dir: Path, tmp_path: Path) -> None:
     again = tmp_path / "data"
     download(DataConfig(source="digits"), again, tmp_path / "cache")

@@ -69,6 +69,25 @@ def test_stages_committed_together_write_what_dvc_commit_writes_for_each(
     assert _stale(ours) == {"c"}
 
 
+def test_stages_that_come_out_as_recorded_leave_dvc_lock_as_it_was(
+    made: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-read source that had not changed: its stage ran again to the same outputs, and dvc.lock (which
+    DVC would write again whole, ~1 s for the project's) is not touched; a changed output still is."""
+    ours = _copy(made, tmp_path / "ours")
+    monkeypatch.chdir(ours)
+    commit_stages(ours, ["a", "b"])
+    lock = ours / "dvc.lock"
+    recorded, written_at = lock.read_text(), lock.stat().st_mtime_ns
+    (ours / "a.txt").write_text("same\n")  # stage a ran again: the same bytes, a new file
+    commit_stages(ours, ["a", "b"])
+    assert lock.stat().st_mtime_ns == written_at and lock.read_text() == recorded
+
+    (ours / "b.txt").write_text("other\n")  # b now puts out something else: its entry is written
+    commit_stages(ours, ["a", "b"])
+    assert lock.read_text() != recorded and _stale(ours) == {"c"}
+
+
 def _override_with_null() -> None:
     """What `python -m flows.pipeline --set KEY=null` does in the flow's process before it commits."""
     text, _ = text_with_overrides(
