@@ -292,3 +292,18 @@ def test_the_auto_warm_up_is_a_quarter_of_the_trials_epochs(tmp_path: Path) -> N
     pruning = Pruning(auto, [strong], 40)
     stops = [pruning.should_stop(1, {"epoch": epoch, "val_accuracy": 0.1}) for epoch in range(1, 41)]
     assert stops.index(True) + 1 == 11
+
+
+def test_a_local_cluster_starts_at_most_one_worker_a_core(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from flows import sweep as sweep_flow  # Prefect's import: only for this test
+
+    monkeypatch.setattr(sweep_flow, "cores_given", lambda: 2)
+    # on the module's logger itself: Prefect's logging set-up on import replaced the root's handlers
+    monkeypatch.setattr(sweep_flow.log, "handlers", [caplog.handler])
+    with caplog.at_level(logging.WARNING, logger=sweep_flow.__name__):
+        assert [sweep_flow.local_workers(n) for n in (1, 2)] == [1, 2]
+        assert not caplog.records
+        assert sweep_flow.local_workers(4) == 2
+    assert "sweep.workers is 4, and this machine gives 2 core(s): starting 2 local workers" in caplog.text
