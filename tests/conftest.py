@@ -432,7 +432,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 # The multi-host bed (tests/hosts/) is one unit of work for xdist: its modules share one bed and one team
-# stack (session fixtures, ~1 min to make and a trained run on top), which a second worker taking one of
+# stack (package fixtures, ~1 min to make and a trained run on top), which a second worker taking one of
 # them would make again. Every other test keeps `--dist loadscope`'s module grouping.
 BED_SCOPE = "tests/hosts/"
 

@@ -1,6 +1,11 @@
 """The multi-host bed (tests/support/hosts.py) and the team on it (tests/support/team.py), made once per
 test process: every module of tests/hosts/ is one xdist unit of work (tests/conftest.py), so one worker
-makes one bed and one stack for all of them."""
+makes one bed and one stack for all of them.
+
+The fixtures are package-scoped (tests/hosts/ is a package for that alone): the bed and its servers go
+when the package's last test ends, not when the worker's session does. Session-scoped, a worker that
+took other modules after the bed kept its PostgreSQL, MLflow, Prefect and SeaweedFS running, idle,
+for the rest of the run (the last eight minutes of a 25-minute one, 2026-12-04)."""
 
 from __future__ import annotations
 
@@ -12,16 +17,11 @@ import pytest
 from tests.conftest import ROOT
 from tests.support.hosts import LAST_REMOVAL, Bed, remove_leftovers, why_unavailable
 from tests.support.team import (
-    CLIENT_DIR,
-    DEPLOYMENT,
     HOSTS,
-    POOL,
-    PROJECT,
     Pool,
     Team,
     Trained,
     deploy,
-    free_address_port,
     join,
     make_team,
     push_data,
@@ -29,13 +29,10 @@ from tests.support.team import (
     write_timings,
 )
 
-# what the test modules import from here (the fixtures' types and the team's names)
-__all__ = ["CLIENT_DIR", "DEPLOYMENT", "POOL", "PROJECT", "Pool", "Team", "Trained", "free_address_port"]
-
 TIMINGS = ROOT / "test-artifacts" / "many-hosts-timings.json"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def bed() -> Iterator[Bed]:
     why = why_unavailable()
     if why:
@@ -47,7 +44,7 @@ def bed() -> Iterator[Bed]:
         yield made
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def team(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
     made = make_team(bed, tmp_path_factory.mktemp("hosts"))
     try:
@@ -63,21 +60,21 @@ def team(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         write_timings(made, TIMINGS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def data_pushed(team: Team) -> Team:
     """The laptop: clone, join the stack's S3 as the DVC remote, make the data snapshot and push it."""
     push_data(team)
     return team
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def trainers(team: Team) -> Team:
     """trainer-a and trainer-b: clones of the served commit, joined to the stack."""
     join(team, ["trainer-a", "trainer-b"])
     return team
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def trained(data_pushed: Team, trainers: Team) -> Trained:
     """trainer-a ran the pipeline by hand (dvc pull, python -m flows.pipeline, dvc push)."""
     return run_by_hand(data_pushed, "trainer-a")

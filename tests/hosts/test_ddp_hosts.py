@@ -35,8 +35,8 @@ import pytest
 import yaml
 
 from tests.conftest import merge
-from tests.hosts.conftest import Team, free_address_port
 from tests.support.hosts import Host, tail
+from tests.support.team import Team, free_address_port
 
 pytestmark = pytest.mark.slow
 

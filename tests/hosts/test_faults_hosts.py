@@ -16,7 +16,7 @@ nothing lost, the next run clean, and the bed as it was (link up, servers up: in
 The clean run the bytes are held to is the session's `trained` (trainer-a's pipeline by hand, shared
 with the other bed modules); "the next run" is trainer-a's pipeline by hand again, in that clone,
 where nothing is stale: a run of seconds that still takes the lock, sweeps and records on the servers.
-The tests share the bed and the stack with the other bed modules (session fixtures) and run in any
+The tests share the bed and the stack with the other bed modules (package fixtures) and run in any
 order: each finds its own runs (by start time and flow run id).
 """
 
@@ -30,12 +30,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT
-from tests.hosts.conftest import Pool, Team, Trained
 from tests.hosts.fault_scripts import FILES, RUNS, TRAINING
 from tests.hosts.remote_scripts import DVC_BUCKET_LIST
 from tests.support import faults
 from tests.support.hosts import as_json_lines
-from tests.support.team import STATES, start_runs, wait_final
+from tests.support.team import STATES, Pool, Team, Trained, start_runs, wait_final
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ import time
 import psutil
 import pytest
 
-from tests.hosts.conftest import Trained
 from tests.hosts.remote_scripts import MLFLOW_CHECK
 from tests.support.hosts import tail
+from tests.support.team import Trained
 from tests.tools.test_predict import write_split_pngs
 
 pytestmark = pytest.mark.slow

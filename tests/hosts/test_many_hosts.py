@@ -15,7 +15,7 @@ the trainers get the code from it with `git clone`, the stack's client folder fr
   the data and of the trainers' pipeline outputs in the DVC remote; runs on two trainers at once
   take turns (the pipeline lock in the stack's PostgreSQL).
 
-The tests share one bed and one stack (session fixtures, tests/hosts/conftest.py) and run in any
+The tests share one bed and one stack (package fixtures, tests/hosts/conftest.py) and run in any
 order: each finds its own runs (by host and start time, or flow run id).
 """
 
@@ -29,10 +29,9 @@ import time
 import pytest
 import yaml
 
-from tests.hosts.conftest import Pool, Team, Trained, free_address_port
 from tests.hosts.remote_scripts import ASK, DVC_BUCKET_LIST, HOLD, LISTEN, MLFLOW_CHECK, PREFECT_CHECK, RUNS_SINCE
 from tests.support.hosts import tail
-from tests.support.team import PUSHED, leftovers, start_runs, wait_final
+from tests.support.team import PUSHED, Pool, Team, Trained, free_address_port, leftovers, start_runs, wait_final
 
 pytestmark = pytest.mark.slow
 

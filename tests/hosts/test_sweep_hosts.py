@@ -43,9 +43,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import sha256
-from tests.hosts.conftest import Team, free_address_port
 from tests.support.hosts import Host, as_json_lines, tail
-from tests.support.team import wait_for_port
+from tests.support.team import Team, free_address_port, wait_for_port
 
 pytestmark = pytest.mark.slow
 
