@@ -35,6 +35,7 @@ from stack.state import (
     StackError,
     write_object_store_security,
 )
+from tasks.core.redact import redact
 
 LOOPBACK = "127.0.0.1"
 
@@ -297,6 +298,19 @@ def _wait(name: str, ready: Callable[[], bool], exited: Callable[[], bool], log:
         if ready():
             return
         if exited():
-            raise StackError(f"{name}: the server exited before it answered (a port in use?); log: {log}")
+            raise StackError(f"{name}: the server exited before it answered (a port in use?); log: {log}{_tail(log)}")
         time.sleep(0.2)
-    raise StackError(f"{name}: the server did not answer within {START_TIMEOUT_S} s; log: {log}")
+    raise StackError(f"{name}: the server did not answer within {START_TIMEOUT_S} s; log: {log}{_tail(log)}")
+
+
+def _tail(log: Path, lines: int = 12) -> str:
+    """The log's last lines, secrets masked, for an error: the log may be gone by the time someone reads
+    it (a test's folder, a container's disk)."""
+    try:
+        with open(log, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - 16384))  # a server's last words, not its whole log
+            text = file.read().decode(errors="replace")
+    except OSError:
+        return ""
+    last = text.splitlines()[-lines:]
+    return "\n" + "\n".join(redact(line[:300]) for line in last) if last else ""

@@ -61,7 +61,7 @@ PORTS = (
 
 
 class StackError(ExpectedFailure):
-    """A server of the stack would not start or stop: one line naming it and its log."""
+    """A server of the stack would not start or stop: a line naming it and its log, then the log's last lines."""
 
 
 @dataclass(frozen=True)
