@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tasks.core.atomic import write_text
+
 TICKS = os.sysconf("SC_CLK_TCK")
 PERIOD_S = 0.5
 
@@ -169,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     code, samples = run_sampled(command)
     report = summary(samples, os.getpid())
     report["command"], report["exit_code"] = command, code
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(args.out)
+    write_text(args.out, json.dumps(report, indent=1) + "\n")
     print(f"{report['command_tree_cpu_s']} CPU-s in the command's processes, {report['busy_cpu_s']} busy: {args.out}")
     return code
 

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.process_cpu import main, role
 
 # a Python child that spins for a second of CPU, then its parent exits with code 3
@@ -24,7 +26,9 @@ def test_each_kind_of_process_gets_its_role() -> None:
     assert role("/usr/bin/git status") == "git"
 
 
-def test_the_commands_tree_is_counted_apart_and_its_exit_code_kept(tmp_path: Path, monkeypatch) -> None:
+def test_the_commands_tree_is_counted_apart_and_its_exit_code_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # `-m tasks spin` is no stage: the child only needs a command line of a known role. It spins here.
     fake = tmp_path / "tasks"
     fake.mkdir()
