@@ -35,6 +35,8 @@ from stack.state import (
     StackError,
     write_object_store_security,
 )
+from tasks.core.atomic import write_text
+from tasks.core.processes import start_mark, started_as
 from tasks.core.redact import redact
 
 LOOPBACK = "127.0.0.1"
@@ -71,7 +73,8 @@ class Daemon:
         saved = json.loads(self.pidfile.read_text())
         try:
             proc = psutil.Process(saved["pid"])
-            return proc if proc.create_time() == saved["started"] and proc.status() != psutil.STATUS_ZOMBIE else None
+            same = started_as(proc, saved.get("mark"), saved.get("started"))  # a stack saved before marks
+            return proc if same and proc.status() != psutil.STATUS_ZOMBIE else None
         except psutil.NoSuchProcess:
             return None
 
@@ -92,8 +95,10 @@ class Daemon:
                 cwd=self.stack.root,
                 umask=0o077,  # its files (object data, databases, logs): its user's alone
             )
-        started = psutil.Process(proc.pid).create_time()
-        self.pidfile.write_text(json.dumps({"pid": proc.pid, "started": started}))
+        server = psutil.Process(proc.pid)
+        # "started" for a person reading it; "mark" tells the process apart, whatever the clock does
+        record = {"pid": proc.pid, "started": server.create_time(), "mark": start_mark(server)}
+        write_text(self.pidfile, json.dumps(record))
         _wait(self.name, self.ready, lambda: proc.poll() is not None, self.log)
         self.after_start()
 

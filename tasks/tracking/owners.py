@@ -25,16 +25,15 @@ from pathlib import Path
 import psutil
 
 from tasks.core.cli import one_line
+from tasks.core.processes import start_mark, started_as
 
 log = logging.getLogger(__name__)
 
 OWNER_HOST = "lockstep.owner.host"
 OWNER_PIDNS = "lockstep.owner.pidns"  # the same host name in two containers: their pids differ
 OWNER_PID = "lockstep.owner.pid"
-OWNER_STARTED = "lockstep.owner.started"  # ISO 8601 UTC, ms: tells a reused pid apart
-# Linux derives a start time from the boot time, which NTP can shift by a second; a pid reused
-# within a second of its previous owner's start is far rarer than that shift.
-SAME_START_S = 1.0
+OWNER_STARTED = "lockstep.owner.started"  # ISO 8601 UTC, ms: for people (a clock step moves it)
+OWNER_MARK = "lockstep.owner.start_mark"  # tasks.core.processes.start_mark: tells a reused pid apart
 
 # verdicts
 GONE, STALE = "gone", "stale"  # marked
@@ -60,6 +59,7 @@ def owner_tags(proc: psutil.Process | None = None) -> dict[str, str]:
         OWNER_PIDNS: _pid_namespace(),
         OWNER_PID: str(proc.pid),
         OWNER_STARTED: iso_time(proc.create_time()),
+        OWNER_MARK: start_mark(proc),
     }
 
 
@@ -72,19 +72,19 @@ def who(what: str) -> str:
     return f"{what} (pid {os.getpid()} on {platform.node()}, user {user})"
 
 
-def _process_gone(pid: int, started: float) -> str | None:
-    """How the process `pid` started at `started` is gone, or None if it runs (or cannot be told)."""
+def _process_gone(pid: int, mark: str | None, started: float) -> str | None:
+    """How the process `pid` that started at `mark` (or, in a run from before marks, at wall-clock
+    `started`) is gone, or None if it runs (or cannot be told)."""
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return "has exited (a zombie)"
-        now_started = proc.create_time()
+        if not started_as(proc, mark, started):
+            return f"is gone (pid {pid} is now another process, started {iso_time(proc.create_time())})"
     except psutil.NoSuchProcess:
         return "is gone"
     except psutil.Error:  # access denied: it exists, someone else's
         return None
-    if abs(now_started - started) > SAME_START_S:
-        return f"is gone (pid {pid} is now another process, started {iso_time(now_started)})"
     return None
 
 
@@ -106,7 +106,7 @@ def judge_owner(tags: dict[str, str]) -> tuple[str, str]:
         return ELSEWHERE, f"{process} is on {where}: not checked from here"
     if pid <= 0:
         return UNOWNED, f"owner pid {pid} is not a process"
-    gone = _process_gone(pid, started)
+    gone = _process_gone(pid, tags.get(OWNER_MARK), started)
     if gone is None:
         return ALIVE, f"{process} is running"
     return GONE, f"{process} {gone}"
@@ -150,4 +150,4 @@ def session_owner() -> tuple[str, psutil.Process]:
 def session_key(owner: tuple[str, psutil.Process] | None = None) -> str:
     """An id shared by every stage process of one `dvc repro` / `dvc exp run` invocation."""
     kind, proc = owner or session_owner()
-    return f"{kind}:{proc.pid}:{proc.create_time():.3f}"
+    return f"{kind}:{proc.pid}:{start_mark(proc)}"  # the same at every stage, whatever the clock does

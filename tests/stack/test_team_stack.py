@@ -44,6 +44,7 @@ import yaml
 from stack.__main__ import down, join, up
 from stack.servers import ObjectStore, s3_client
 from stack.state import DVC_BUCKET, MLFLOW_BUCKET, Stack, open_stack
+from tasks.core.processes import started_as
 from tasks.tracking.dashboard import run_page
 from tests.conftest import ROOT, commit_all, copy_project, listening, run, service, sha256
 from tests.support.chromium import basic_auth_proxy, dom_and_screenshot
@@ -170,7 +171,7 @@ def _server_processes(stack: Stack) -> list[psutil.Process]:
     for pidfile in sorted(stack.pids.glob("*.json")):
         saved = json.loads(pidfile.read_text())
         proc = psutil.Process(saved["pid"])
-        assert proc.create_time() == saved["started"], pidfile
+        assert started_as(proc, saved["mark"]), pidfile
         processes.append(proc)
     return processes
 
@@ -476,7 +477,8 @@ def test_the_object_store_keeps_its_other_ports_on_loopback_and_its_files_privat
     # SeaweedFS logs into the stack's logs/, not into glog's files in /tmp (named by each process's PID)
     weeds = [proc.pid for proc in _server_processes(team.stack) if proc.name() == "weed"]
     assert weeds and not [p for pid in weeds for p in Path(tempfile.gettempdir()).glob(f"weed.*.{pid}")]
-    assert re.search(r"^I\d{4} \d\d:\d\d:\d\d", (team.stack.logs / "seaweedfs.log").read_text(), re.MULTILINE)
+    weed_log = (team.stack.logs / "seaweedfs.log").read_text()
+    assert re.search(r"^I\d{4} \d\d:\d\d:\d\d", weed_log, re.MULTILINE)
     # ports: an object store made with STACK_HOST=0.0.0.0 (its own folder; the rest of its stack not started)
     wide = open_stack(tmp_path / "wide", host="0.0.0.0")
     store = ObjectStore(wide)

@@ -25,9 +25,10 @@ import psutil
 import pytest
 
 from tasks.core.config.service import TrackingConfig
+from tasks.core.processes import start_mark
 from tasks.tracking import orphans
 from tasks.tracking.orphans import KILLED_REASON, mark_orphans
-from tasks.tracking.owners import OWNER_HOST, OWNER_PID, OWNER_PIDNS, OWNER_STARTED, iso_time
+from tasks.tracking.owners import OWNER_HOST, OWNER_MARK, OWNER_PID, OWNER_PIDNS, OWNER_STARTED, iso_time, session_key
 from tasks.tracking.runs import PARENT_ENV, pipeline_run, stage_run
 from tasks.tracking.store import tracking_uri
 from tests.conftest import ROOT, subprocess_env
@@ -207,6 +208,25 @@ def test_a_reused_pid_is_told_apart_by_its_start_time(store: Store) -> None:
     assert [m.run_id for m in marked] == [reused]
     assert f"is gone (pid {me.pid} is now another process, started " in store.reason(reused)
     assert store.status(reused) == "KILLED" and store.status(mine) == "RUNNING"
+
+
+def test_an_owner_is_told_by_its_start_mark_whatever_the_clock_did(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    me = psutil.Process()
+    key = session_key(("process", me))
+    # a clock step of 5 s since the run began moves this process's wall-clock start: still its owner
+    mine = _owned_by(store, me.pid, me.create_time() - 5, **{OWNER_MARK: start_mark(me)})
+    # the wall-clock start matches, but the mark names another process that had this pid
+    reused = _owned_by(store, me.pid, me.create_time(), **{OWNER_MARK: "another-boot/1"})
+    marked = mark_orphans(store.client, [store.experiment_id], marked_by="test")
+    assert [m.run_id for m in marked] == [reused]
+    assert store.status(mine) == "RUNNING"
+    # a `dvc repro`'s stages share one parent run by this key: a step between two stages keeps it
+    pslinux = pytest.importorskip("psutil._pslinux")
+    boot = pslinux.boot_time()
+    monkeypatch.setattr(pslinux, "boot_time", lambda: boot + 5.0)
+    assert session_key(("process", psutil.Process())) == key
 
 
 def test_runs_it_cannot_check_are_left_alone_unless_older_than_asked(store: Store) -> None:

@@ -1,0 +1,50 @@
+"""When a process started, told in a way a clock step does not change: how a saved pid is known to
+still be the same process, and not a stranger that reused it.
+
+psutil's `create_time()` is a wall-clock time. On Linux it is the start since boot plus the boot
+time, and the kernel derives the boot time from the current clock: when NTP or a VM's clock sync steps
+the clock, every running process's create_time moves with it. It moved by exactly 5 s on a CI machine
+(2026-12-05), and the stack took its own MLflow server for a stranger and left it running when asked
+to stop it. psutil identifies a process by its start since boot for this reason
+(`Process._get_ident`), but does not make that public; `start_mark` reads it, with the boot's id, so
+that a mark made before a reboot never matches a process after it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+
+# A record made before marks existed holds only the wall-clock start, which NTP's slews move by up to
+# a second; a pid reused within a second of its previous owner's start is far rarer than that.
+SAME_START_S = 1.0
+
+_PROC = Path("/proc")
+
+
+def start_mark(proc: psutil.Process) -> str:
+    """When `proc` started, in a form no clock step changes: "<boot id>/<clock ticks since boot>" on
+    Linux; elsewhere (macOS keeps a process's start as a fixed timestamp) "wall/<its start>".
+
+    Raises psutil.NoSuchProcess if the process is gone."""
+    if not (_PROC / "self" / "stat").exists():
+        return f"wall/{proc.create_time():.6f}"
+    try:
+        stat = (_PROC / str(proc.pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        raise psutil.NoSuchProcess(proc.pid) from None
+    boot = (_PROC / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
+    # proc(5): the command's name (field 2) may hold spaces and ")", so fields are counted after its
+    # last ")"; the start since boot is field 22, the 20th after the name
+    return f"{boot}/{stat[stat.rindex(')') + 2 :].split()[19]}"
+
+
+def started_as(proc: psutil.Process, mark: str | None, started: float | None = None) -> bool:
+    """Whether `proc` is the process a record names: by its `mark` (start_mark) or, in a record made
+    before marks, by its wall-clock start `started` within SAME_START_S.
+
+    Raises psutil.NoSuchProcess if the process is gone."""
+    if mark is not None:
+        return start_mark(proc) == mark
+    return started is not None and abs(proc.create_time() - started) <= SAME_START_S

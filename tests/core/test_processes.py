@@ -1,0 +1,62 @@
+"""A saved pid is known to be the same process by a mark no clock step moves (tasks/core/processes.py).
+
+A clock step is made the way the kernel makes it: Linux derives every process's wall-clock start from
+the boot time, which it derives from the current clock, so psutil's boot time is moved here by 5 s (the
+step a CI machine took on 2026-12-05) and a fresh psutil.Process then reports a start 5 s later.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from tasks.core.processes import start_mark, started_as
+
+STEP_S = 5.0
+
+
+@pytest.fixture
+def clock_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    pslinux = pytest.importorskip("psutil._pslinux")  # the wall-clock start is the boot time's sum on Linux
+    boot = pslinux.boot_time()
+    monkeypatch.setattr(pslinux, "boot_time", lambda: boot + STEP_S)
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_the_mark_is_the_same_after_a_clock_step_while_the_wall_clock_start_moves(clock_step: None) -> None:
+    before = psutil.Process()
+    mark, wall = start_mark(before), before.create_time()  # psutil caches both per Process object
+    # the step is in place from here on: a new lookup sees the moved boot time
+    after = psutil.Process()
+    assert after.create_time() == pytest.approx(wall + STEP_S)
+    assert start_mark(after) == mark and started_as(after, mark, wall)
+
+
+def test_a_record_from_before_marks_is_judged_by_its_wall_clock_start_within_a_second() -> None:
+    me = psutil.Process()
+    assert started_as(me, None, me.create_time() + 0.4)
+    assert not started_as(me, None, me.create_time() - 3600)
+    assert not started_as(me, None, None)
+
+
+def test_another_process_or_a_reused_pid_does_not_match(child: subprocess.Popen[bytes]) -> None:
+    me, other = psutil.Process(), psutil.Process(child.pid)
+    assert start_mark(other) != start_mark(me)
+    assert not started_as(me, start_mark(other), me.create_time())  # the mark decides, not the wall clock
+    mark = start_mark(other)
+    child.kill()
+    child.wait()
+    with pytest.raises(psutil.NoSuchProcess):
+        start_mark(other)
+    assert mark.count("/") == 1  # "<boot id>/<ticks>" on Linux, "wall/<start>" elsewhere
