@@ -14,6 +14,7 @@ import socket
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from tasks.core.atomic import atomic_file, write_text
@@ -58,6 +59,10 @@ PORTS = (
     "admin",
     "admin_grpc",
 )
+# `weed mini`'s built-in plugin worker dials the admin server's gRPC at its HTTP port + 10000 (Go's
+# GrpcPortOffset) whatever -admin.port.grpc says (SeaweedFS 4.48): any other pair leaves the worker
+# retrying, and logging it, for as long as the stack runs.
+ADMIN_GRPC_OFFSET = 10000
 
 
 class StackError(ExpectedFailure):
@@ -166,21 +171,54 @@ def open_stack(root: Path, host: str | None = None) -> Stack:
                 f"{root} was made for host {saved['host']}, not {host}: stop it and remove the folder, "
                 f"or use another {STACK_DIR_ENV}"
             )
-        return Stack(root, saved["host"], {name: int(saved["ports"][name]) for name in PORTS})
-    stack = Stack(root, host or "127.0.0.1", _free_ports(host or "127.0.0.1", len(PORTS)))
+        return Stack(root, saved["host"], _paired_admin_ports(state, saved))
+    stack = Stack(root, host or "127.0.0.1", _free_ports(host or "127.0.0.1"))
     root.mkdir(parents=True, exist_ok=True, mode=0o700)  # before anything is written in it
     _make_secrets(stack)
     write_text(state, json.dumps({"host": stack.host, "ports": stack.ports}, indent=2) + "\n")
     return stack
 
 
-def _free_ports(host: str, count: int) -> dict[str, int]:
-    """`count` distinct ports nobody listens on now (all held open together, so none is picked twice)."""
+def _free_ports(host: str, names: tuple[str, ...] = PORTS, taken: frozenset[int] = frozenset()) -> dict[str, int]:
+    """A port for each of `names` that nobody listens on now and is not in `taken` (all held open
+    together, so none is picked twice), with the admin server's gRPC port at its HTTP port +
+    ADMIN_GRPC_OFFSET."""
     with ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind((host, 0))
-        return dict(zip(PORTS, (int(sock.getsockname()[1]) for sock in sockets), strict=True))
+
+        def bind(port: int = 0) -> int:
+            sock = held.enter_context(socket.socket())
+            sock.bind((host, port))
+            return int(sock.getsockname()[1])
+
+        def fresh() -> int:
+            while (port := bind()) in taken:  # held: the next bind gets another
+                pass
+            return port
+
+        ports = {name: fresh() for name in names if name not in ("admin", "admin_grpc")}
+        if "admin" not in names:
+            return ports
+        for _ in range(100):
+            admin = fresh()
+            grpc = admin + ADMIN_GRPC_OFFSET
+            if grpc <= 65535 and grpc not in taken:
+                try:
+                    return {**ports, "admin": admin, "admin_grpc": bind(grpc)}
+                except OSError:  # in use: another admin port (the one tried stays held until the return)
+                    pass
+        raise StackError(f"{host}: no free pair of ports N and N+{ADMIN_GRPC_OFFSET} for SeaweedFS's admin server")
+
+
+def _paired_admin_ports(state: Path, saved: dict[str, Any]) -> dict[str, int]:
+    """The saved ports, with the admin pair picked again if a stack made before ADMIN_GRPC_OFFSET holds
+    another pair (state.json rewritten; a running object store takes the new pair at its next start)."""
+    ports = {name: int(saved["ports"][name]) for name in PORTS}
+    if ports["admin_grpc"] == ports["admin"] + ADMIN_GRPC_OFFSET:
+        return ports
+    others = frozenset(port for name, port in ports.items() if name not in ("admin", "admin_grpc"))
+    ports.update(_free_ports(saved["host"], ("admin", "admin_grpc"), taken=others))
+    write_text(state, json.dumps({**saved, "ports": ports}, indent=2) + "\n")
+    return ports
 
 
 def _make_secrets(stack: Stack) -> None:

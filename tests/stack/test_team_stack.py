@@ -479,6 +479,8 @@ def test_the_object_store_keeps_its_other_ports_on_loopback_and_its_files_privat
     assert weeds and not [p for pid in weeds for p in Path(tempfile.gettempdir()).glob(f"weed.*.{pid}")]
     weed_log = (team.stack.logs / "seaweedfs.log").read_text()
     assert re.search(r"^I\d{4} \d\d:\d\d:\d\d", weed_log, re.MULTILINE)
+    # its built-in worker reaches the admin server (at the port it dials: stack/state.py ADMIN_GRPC_OFFSET)
+    assert "Plugin worker connected" in weed_log, weed_log[-3000:]
     # ports: an object store made with STACK_HOST=0.0.0.0 (its own folder; the rest of its stack not started)
     wide = open_stack(tmp_path / "wide", host="0.0.0.0")
     store = ObjectStore(wide)
