@@ -104,6 +104,7 @@ def run_allow_list() -> frozenset[str]:
 # Crashed a run that sent one and then neither another nor a final state within MISSED_HEARTBEATS
 # periods. `python -m stack up` makes the automation (`ensure_zombie_automation`).
 MISSED_HEARTBEATS = 3
+HEARTBEAT_ENV = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 ZOMBIE_AUTOMATION = "lockstep: crash flow runs that stopped sending heartbeats"
 
 
@@ -167,7 +168,12 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[None
     a run took on 2 cores; measured 2026-12-02).
     """
     # Prefect loads where a server is talked to: stack/ and the tests import this module without it (~2 s)
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        temporary_settings,
+    )
 
     server = None
     if os.environ.get("PREFECT_API_URL"):
@@ -180,6 +186,12 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[None
     if server is not None and while_starting is not None:
         threading.Thread(target=while_starting, daemon=True).start()
     settings = {PREFECT_API_URL: server.wait(), PREFECT_API_AUTH_STRING: server.auth_string} if server else None
+    if settings and HEARTBEAT_ENV not in os.environ:
+        # Heartbeats feed a zombie automation on a server (the stack's: ZOMBIE_AUTOMATION); this server is
+        # ours and ends with the process, so none watches them. Prefect's heartbeat thread sleeps in whole
+        # seconds and each flow run waits for it to wake at its end (flow_engine._send_heartbeats, 3.8.8):
+        # up to a second a run (0.99 s in a profiled no-op --reingest run, 2026-12-05).
+        settings[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
     with temporary_settings(settings) if settings else nullcontext():
         yield
 
