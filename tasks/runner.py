@@ -19,7 +19,7 @@ import yaml
 from tasks.core import layout
 from tasks.core.atomic import write_text
 from tasks.core.cli import dvc_logs_once
-from tasks.core.config.params import Params
+from tasks.core.config.params import NUMPY_STAGES, Params
 from tasks.core.hashing import data_md5, file_digest
 from tasks.determinism.bootstrap import start
 from tasks.determinism.fingerprint import fingerprint
@@ -254,7 +254,7 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
     from tasks.ship.export import CARD, GATES, TORCH_DIR, CardContext, export
     from tasks.train.checkpoints import read_safetensors
 
-    lineage = {k: v for k, v in lineage_tags().items() if k.startswith(("git.", "version."))}
+    lineage = {k: v for k, v in lineage_tags(torch=True).items() if k.startswith(("git.", "version."))}
     # the weights fine-tuned from, as the train stage recorded them in the checkpoint
     lineage.update(read_safetensors(layout.TRAIN_DIR / "best.safetensors", tensors=False)[0].get("pretrained") or {})
     # This process's machine: the fingerprint stays out of DVC outputs (train.json), whose hashes must
@@ -298,11 +298,6 @@ _WRAPPERS: dict[str, Callable[[Params, StageRun], dict[str, Any]]] = {
     "compress": _compress,
     "export": _export,
 }
-
-
-# The data stages compute with numpy alone: they pin its seeds and never load torch, which costs seconds
-# in each of their processes. The others pin torch's seeds and switches too.
-NUMPY_STAGES = ("download", "stats", "preprocess")
 
 
 def _pin(stage: str, params: Params) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import platform
 import subprocess
-import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -29,12 +28,14 @@ def _sha256(path: Path) -> str:
     return file_digest(path) if path.exists() else "none"
 
 
-def lineage_tags() -> dict[str, str]:
+def lineage_tags(torch: bool = False) -> dict[str, str]:
     """Where a run came from: code, data, pipeline state and library versions.
 
-    The CUDA/cuDNN versions need torch imported; a stage has imported it by now, the flow's parent
-    run (which computes nothing) records the installed torch version without importing it (~1 s
-    of every no-op flow run).
+    `torch`: the run computes with torch (a model stage, which has pinned and so imported it by now):
+    the CUDA/cuDNN versions it computes with are recorded too. A run that computes without it (a data
+    stage, a pipeline's parent run) records the installed torch's version alone, never importing it
+    (~1 s of every no-op flow run), and whatever this process happens to have loaded meanwhile (the
+    flow's process loads torch in a thread while its server starts: flows/pipeline.py).
     """
     commit = _git("rev-parse", "HEAD")
     # dvc.lock and data.dvc are rewritten by the pipeline itself and are recorded by hash below;
@@ -50,11 +51,12 @@ def lineage_tags() -> dict[str, str]:
         "version.torchvision": version("torchvision"),  # not imported: ~3.5 s
         "host": platform.node(),
     }
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if torch:
+        import torch as loaded  # loaded already: the run's stage pinned it (tasks/determinism/bootstrap.py)
+
+        cudnn = loaded.backends.cudnn.version() if loaded.backends.cudnn.is_available() else None
         tags.update(
-            {"version.torch": torch.__version__, "version.cuda": str(torch.version.cuda), "version.cudnn": str(cudnn)}
+            {"version.torch": loaded.__version__, "version.cuda": str(loaded.version.cuda), "version.cudnn": str(cudnn)}
         )
     return tags
 

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tasks.core.config.params import Params
+from tasks.core.config.params import NUMPY_STAGES, Params
 from tasks.core.config.service import TrackingConfig
 from tasks.core.layout import project_root
 from tasks.core.redact import redact, redact_mapping
@@ -314,7 +314,7 @@ def stage_run(
         )
         try:
             run = StageRun(mlflow, active.info.run_id)
-            run.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags()})
+            run.set_tags({"lockstep.stage": stage, "device": "cpu", **lineage_tags(torch=stage not in NUMPY_STAGES)})
             run.log_params(params)
             try:
                 yield run

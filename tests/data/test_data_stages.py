@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tasks.core.config.data import DataConfig, SplitConfig
+from tasks.core.config.params import NUMPY_STAGES
 from tasks.core.config.yaml_io import load_params
 from tasks.core.errors import ExpectedFailure
 from tasks.data.download import download
@@ -18,7 +19,6 @@ from tasks.data.formats import FORMAT, RawDataset, open_raw, read_raw, write_raw
 from tasks.data.preprocess import load_split, preprocess
 from tasks.data.splits import split_indices
 from tasks.data.stats import channel_stats, compute_stats
-from tasks.runner import NUMPY_STAGES
 from tests.conftest import client_for, copy_project, run
 
 SPLIT = SplitConfig(train=0.7, val=0.15, test=0.15)  # assign: hash, the default (tests/data/test_splits.py)

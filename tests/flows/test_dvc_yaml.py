@@ -10,8 +10,7 @@ import pytest
 import yaml
 
 from tasks.core import layout
-from tasks.core.config.params import STAGE_PARAMS, STAGES
-from tasks.runner import NUMPY_STAGES
+from tasks.core.config.params import NUMPY_STAGES, STAGE_PARAMS, STAGES
 from tests.conftest import write_params
 from tests.support.code_graph import PACKAGES, ROOT, closure, module_path
 

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tasks.core.config.params import STAGES
-from tasks.runner import NUMPY_STAGES
+from tasks.core.config.params import NUMPY_STAGES, STAGES
 from tasks.tracking.dashboard import run_page
 from tests.conftest import TINY, PrefectServer, client_for, clone_project, run, sha256
 from tests.support.first_run import TwoRuns

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,15 @@ def test_a_store_failing_again_while_the_run_closes_keeps_the_first_error(
         pass  # a stage that succeeded but whose run could not be closed is not reported as recorded
     monkeypatch.undo()
     assert MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id).info.status == "FINISHED"
+
+
+def test_only_a_run_that_computes_with_torch_records_its_cuda_versions_whatever_is_loaded() -> None:
+    import torch  # loaded here, as the flow's process loads it in a thread while its server starts
+
+    from tasks.tracking.lineage import lineage_tags
+
+    without, computing = lineage_tags(), lineage_tags(torch=True)
+    assert not {"version.cuda", "version.cudnn"} & set(without)  # a data stage's or a parent's: the same always
+    assert computing["version.cuda"] == str(torch.version.cuda) and "version.cudnn" in computing
+    # the installed distribution's version, and the loaded module's (which names its build: "+cu130")
+    assert without["version.torch"] == version("torch") and computing["version.torch"] == torch.__version__

@@ -134,6 +134,9 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "export": ("seed", "determinism", "export"),
 }
 STAGES: tuple[str, ...] = tuple(STAGE_PARAMS)
+# The data stages compute with numpy alone: they pin its seeds and never load torch, which costs seconds
+# in each of their processes (tasks/runner.py `_pin`), and their runs record no CUDA versions.
+NUMPY_STAGES: tuple[str, ...] = ("download", "stats", "preprocess")
 
 
 def is_params_key(key: str) -> bool:

@@ -46,7 +46,8 @@ _PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PR
 # The pinning values come from the record as validated here (argv), not through the workspace's
 # params reader, whose module has moved between commits (tasks/core/config.py, then a package). It
 # starts as every entry point does (tasks/determinism/bootstrap.py `start`); a commit from before
-# `start` pinned with the two functions it is made of.
+# `start` pinned with the two functions it is made of, and one from before `lineage_tags(torch=...)`
+# read torch's versions from what it had loaded.
 _PROBE = """
 import json, sys
 pinned = json.loads(sys.argv[1])
@@ -62,7 +63,11 @@ else:
     settings = start(seed, threads, strict=strict, cpu=cpu)
 from tasks.determinism.fingerprint import fingerprint
 from tasks.tracking.lineage import lineage_tags
-tags = {k: v for k, v in lineage_tags().items() if k.startswith("version.")}
+try:
+    lineage = lineage_tags(torch=True)
+except TypeError:  # a commit from before the flag: it read torch's versions from sys.modules
+    lineage = lineage_tags()
+tags = {k: v for k, v in lineage.items() if k.startswith("version.")}
 print(json.dumps({**tags, **{f"determinism.{k}": str(v) for k, v in settings.items()}, **fingerprint()}))
 """
 
