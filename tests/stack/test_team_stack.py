@@ -30,6 +30,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -477,10 +478,14 @@ def test_the_object_store_keeps_its_other_ports_on_loopback_and_its_files_privat
     # SeaweedFS logs into the stack's logs/, not into glog's files in /tmp (named by each process's PID)
     weeds = [proc.pid for proc in _server_processes(team.stack) if proc.name() == "weed"]
     assert weeds and not [p for pid in weeds for p in Path(tempfile.gettempdir()).glob(f"weed.*.{pid}")]
-    weed_log = (team.stack.logs / "seaweedfs.log").read_text()
-    assert re.search(r"^I\d{4} \d\d:\d\d:\d\d", weed_log, re.MULTILINE)
-    # its built-in worker reaches the admin server (at the port it dials: stack/state.py ADMIN_GRPC_OFFSET)
-    assert "Plugin worker connected" in weed_log, weed_log[-3000:]
+    log = team.stack.logs / "seaweedfs.log"
+    assert re.search(r"^I\d{4} \d\d:\d\d:\d\d", log.read_text(), re.MULTILINE)
+    # its built-in worker reaches the admin server (at the port it dials: stack/state.py ADMIN_GRPC_OFFSET),
+    # about a second after the store answers
+    deadline = time.monotonic() + 30
+    while "Plugin worker connected" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "Plugin worker connected" in log.read_text(), log.read_text()[-3000:]
     # ports: an object store made with STACK_HOST=0.0.0.0 (its own folder; the rest of its stack not started)
     wide = open_stack(tmp_path / "wide", host="0.0.0.0")
     store = ObjectStore(wide)
