@@ -26,10 +26,11 @@ import time
 from typing import Any
 
 from flows import noop, prefect_env, prefect_settings
+from flows.local_records import wait_recorded
 from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
 from flows.run_params import params_file_changes
 from tasks.core.cli import exit_code
-from tasks.core.config.params import Params
+from tasks.core.config.params import STAGES, Params
 from tasks.core.config.yaml_io import PARAMS_FILE, load_yaml
 from tasks.core.layout import ROOT
 from tasks.core.redact import redact
@@ -74,10 +75,17 @@ def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
     # A scheduled re-read (--reingest) mostly finds the data unchanged and trains nothing: no torch then.
     warm = _warm_imports if args.reingest and not args.force else _warm_imports_with_torch
-    with prefect_env.local_api(while_starting=warm):
-        return pipeline(
-            params_file=args.params, force=args.force, reingest=args.reingest, overrides=dict(args.overrides) or None
+    with prefect_env.local_api(while_starting=warm) as own_server:
+        state = pipeline(
+            params_file=args.params,
+            force=args.force,
+            reingest=args.reingest,
+            overrides=dict(args.overrides) or None,
+            return_state=True,
         )
+        if own_server:  # recorded before the server stops with this process; a completed run ran a task per stage
+            wait_recorded(state.state_details.flow_run_id, task_runs=len(STAGES) if state.is_completed() else 0)
+        return state.result()  # raises what the flow raised
 
 
 def _override(text: str) -> tuple[str, Any]:

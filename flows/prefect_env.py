@@ -156,8 +156,9 @@ AUTH_USER = "lockstep"
 
 
 @contextmanager
-def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[None]:
-    """Flows called inside run against PREFECT_API_URL if set, else against a server of our own.
+def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[bool]:
+    """Flows called inside run against PREFECT_API_URL if set, else against a server of our own;
+    yields whether the server is ours (it stops with the process: flows/local_records.py).
 
     Prefect's ephemeral mode would start that server too, but only once a flow is called, after
     importing Prefect's server code into this process (~2.5 s) and then waiting ~3 s for it. Started
@@ -193,7 +194,7 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[None
         # up to a second a run (0.99 s in a profiled no-op --reingest run, 2026-12-05).
         settings[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
     with temporary_settings(settings) if settings else nullcontext():
-        yield
+        yield server is not None
 
 
 class PrefectUnavailable(ExpectedFailure):

@@ -40,6 +40,7 @@ from prefect import flow, get_run_logger
 from prefect.context import FlowRunContext
 
 from flows import prefect_env, prefect_settings
+from flows.local_records import wait_recorded
 from flows.pipeline import STAGE_TASKS, _override
 from flows.sweep_worker import SweepContext, run_batch, warm_up
 from tasks.core import layout
@@ -271,9 +272,12 @@ def _run(args: argparse.Namespace) -> int:
         _check_tracking_reaches(address, params)
     check_store(params.tracking)
     check_storage(os.environ.get(STORAGE_ENV) or params.sweep.storage)
-    with prefect_env.local_api():  # the flow writes `overrides` into params.yaml once it holds the lock
+    with prefect_env.local_api() as own_server:  # the flow writes `overrides` into params.yaml once it holds the lock
         runner = _task_runner(params, address, tls)
-        summary = sweep.with_options(task_runner=runner)(args.params, args.apply, overrides or None)
+        state = sweep.with_options(task_runner=runner)(args.params, args.apply, overrides or None, return_state=True)
+        if own_server:  # what its tasks began is recorded before the server stops with this process
+            wait_recorded(state.state_details.flow_run_id, task_runs=0)
+        summary = state.result()  # raises what the flow raised
     print(summary["line"])
     return 0
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from flows.prefect_env import HEARTBEAT_ENV
 from tasks.core.atomic import atomic_file, write_text
 from tasks.core.errors import ExpectedFailure
 from tasks.core.layout import ROOT
@@ -139,7 +140,7 @@ class Stack:
             "LOCKSTEP_SWEEP_STORAGE": self.sweep_url(),
             LOCK_URL_ENV: self.lock_url(),
             STACK_DIR_ENV: str(self.root),
-            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(FLOW_HEARTBEAT_S),  # for the zombie automation (up)
+            HEARTBEAT_ENV: str(FLOW_HEARTBEAT_S),  # for the zombie automation (up)
         }
 
     def env_file_text(self) -> str:

@@ -12,6 +12,7 @@ that a mark made before a reboot never matches a process after it.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import psutil
@@ -34,10 +35,15 @@ def start_mark(proc: psutil.Process) -> str:
         stat = (_PROC / str(proc.pid) / "stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         raise psutil.NoSuchProcess(proc.pid) from None
-    boot = (_PROC / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
     # proc(5): the command's name (field 2) may hold spaces and ")", so fields are counted after its
     # last ")"; the start since boot is field 22, the 20th after the name
-    return f"{boot}/{stat[stat.rindex(')') + 2 :].split()[19]}"
+    return f"{_boot_id()}/{stat[stat.rindex(')') + 2 :].split()[19]}"
+
+
+@functools.cache
+def _boot_id() -> str:
+    # the same for the life of the process (a new one at each boot): read once
+    return (_PROC / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
 
 
 def started_as(proc: psutil.Process, mark: str | None, started: float | None = None) -> bool:
