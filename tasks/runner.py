@@ -132,24 +132,24 @@ def _train(params: Params, run: StageRun) -> dict[str, float]:
 
 def _record_training(params: Params, run: StageRun, result: TrainResult, out_dir: Path) -> None:
     """The train run's tags, checkpoints and what `python -m tasks.tools.reproduce` rebuilds it from."""
-    run.set_tags(
-        {
-            "device": result.device,
-            "train.world_size": result.world_size,
-            "train.backend": result.backend,
-            "train.amp": result.amp,
-            "train.resumed_from_epoch": result.resumed_from_epoch,
-            **(result.pretrained or {}),  # pretrained.sha256 / .source (redacted) / .reinitialised
-        }
-    )
     # What `auto` chose from the data, beside the `train.*` params that say auto (a logged param is never
     # changed): the value and why, as train.json has them.
+    chosen: dict[str, Any] = {}
     for key, choice in result.recipe.items():
-        run.log_params({f"auto.train.{key}": choice["value"], f"auto.train.{key}.reason": choice["reason"]})
+        chosen |= {f"auto.train.{key}": choice["value"], f"auto.train.{key}.reason": choice["reason"]}
+    tags = {
+        "device": result.device,
+        "train.world_size": result.world_size,
+        "train.backend": result.backend,
+        "train.amp": result.amp,
+        "train.resumed_from_epoch": result.resumed_from_epoch,
+        **(result.pretrained or {}),  # pretrained.sha256 / .source (redacted) / .reinitialised
+        # how the registered version that ships these weights finds this run (`_describe_version`)
+        "weights.best_sha256": file_digest(out_dir / "best.safetensors"),
+    }
+    run.record(chosen, tags)
     for name in ("best.safetensors", "last.safetensors", "history.json", "train.json"):
         run.log_artifact(out_dir / name, "checkpoints" if name.endswith(".safetensors") else None)
-    # how the registered version that ships these weights finds this run (`_describe_version`)
-    run.set_tags({"weights.best_sha256": file_digest(out_dir / "best.safetensors")})
     # What `python -m tasks.tools.reproduce <run id>` rebuilds this run from: the resolved params, the data
     # version and the upstream stages' output hashes. This run must carry them itself: DVC may have
     # skipped preprocess, whose run (with the split params) then belongs to an earlier execution.
@@ -178,8 +178,8 @@ def train_trial(
     from tasks.train.stage import train
 
     pinned = _pin("train", params)
-    with stage_run("train", params.tracking, {"seed": params.seed, **params.sections("train")}) as run:
-        run.set_tags({**pinned, **tags})
+    logged = {"seed": params.seed, **params.sections("train")}
+    with stage_run("train", params.tracking, logged, tags={**pinned, **tags}) as run:
 
         def epoch_done(row: dict[str, float]) -> None:
             run.log_history([row])
@@ -279,8 +279,13 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
     )
     for name in (CARD, GATES, *(name for name in result.sha256 if name.startswith(f"{TORCH_DIR}/"))):
         run.log_artifact(layout.EXPORT_DIR / name)
-    run.set_tags({f"sha256.{name}": digest for name, digest in result.sha256.items()})
-    run.set_tags({"export.shipped_variant": result.variant, "export.fallback_reason": result.fallback_reason or "none"})
+    run.set_tags(
+        {
+            **{f"sha256.{name}": digest for name, digest in result.sha256.items()},
+            "export.shipped_variant": result.variant,
+            "export.fallback_reason": result.fallback_reason or "none",
+        }
+    )
     if result.fallback_reason:
         log.warning("export: %s", result.fallback_reason)
     metrics: dict[str, Any] = {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}
@@ -319,8 +324,7 @@ def run_stage(name: str, params: Params) -> dict[str, Any]:
     export, the promotion verdict under "promotion")."""
     pinned = _pin(name, params)
     logged = {"seed": params.seed, **params.sections(name)}
-    with stage_run(name, params.tracking, logged, pipeline=params) as run:
-        run.set_tags(pinned)
+    with stage_run(name, params.tracking, logged, pipeline=params, tags=pinned) as run:
         results = _WRAPPERS[name](params, run)
         run.log_metrics({key: value for key, value in results.items() if isinstance(value, int | float)})
     return results
