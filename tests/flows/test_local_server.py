@@ -23,14 +23,15 @@ from tests.conftest import ROOT, run
 pytestmark = pytest.mark.slow
 
 # What a flow run sees of Prefect's settings, and how `wait_recorded` waits on a task run the server has
-# not finished: it is set Completed 0.6 s after the wait begins (through the API, as the recorder would).
+# not finished: it is set Completed 0.6 s after the wait begins (through the API, as the recorder would);
+# then one that never comes, and a server that does not answer.
 PROBE = """
 import threading, time
 from flows import prefect_settings
 prefect_settings.configure()
 from prefect import flow, task
 from prefect.client.orchestration import get_client
-from prefect.settings import get_current_settings
+from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 from prefect.states import Completed, Running
 from flows import prefect_env
 from flows.local_records import wait_recorded
@@ -58,6 +59,8 @@ with prefect_env.local_api() as own_server:
         finish.join()
         began = time.monotonic()
         print("MISSING", wait_recorded(flow_run.id, task_runs=2, timeout_s=0.5), round(time.monotonic() - began, 2))
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{prefect_env.free_port()}/api"}):
+        print("GONE", wait_recorded(flow_run.id, task_runs=1))
 """
 
 
@@ -80,6 +83,8 @@ def test_a_local_run_sends_no_heartbeats_unless_the_user_asks_and_waits_for_its_
     recorded, waited = seen["MISSING"]
     assert recorded == "False" and 0.5 <= float(waited) < 3, seen["log"]
     assert "holds 1 of 2 task runs" in seen["log"][0], seen["log"]
+    # a server that no longer answers leaves the run as it is, with a warning
+    assert seen["GONE"] == ["False"] and "could not be checked" in seen["log"][0], seen["log"]
 
 
 def test_heartbeats_the_user_sets_are_kept(tmp_path: Path) -> None:
