@@ -37,6 +37,7 @@ from filelock import FileLock
 from flows import prefect_settings
 from tasks.core.config.base import OverrideRefused
 from tasks.core.errors import ExpectedFailure
+from tasks.core.processes import stop_group
 from tasks.core.redact import redact
 
 # a cold `prefect server start` (database migrations) takes ~20 s on 2 cores; a warm one ~3 s
@@ -377,13 +378,7 @@ class LocalServer:
     def stop(self) -> None:
         """SIGTERM its process group (uvicorn and the services), SIGKILL after 30 s."""
         self._started()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc)
         if self._log is not None:
             self._log.close()
 

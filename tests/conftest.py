@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -28,6 +27,7 @@ import yaml
 
 from flows import prefect_settings
 from flows.prefect_env import wait_until_healthy
+from tasks.core.processes import stop_group
 
 if TYPE_CHECKING:  # (imported where used: tests/support/first_run.py imports this module)
     from tests.support.first_run import TwoRuns
@@ -186,17 +186,6 @@ def until_healthy(proc: subprocess.Popen[Any], health_url: str, log: Path, timeo
         wait_until_healthy(health_url, proc, timeout_s)
     except RuntimeError as exc:
         raise AssertionError(f"{exc}\n--- {log}:\n{log.read_text()[-5000:]}") from None
-
-
-def stop_group(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def listening(proc: subprocess.Popen | psutil.Process) -> set[str]:

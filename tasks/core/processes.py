@@ -7,13 +7,18 @@ the clock, every running process's create_time moves with it. It moved by exactl
 (2026-12-05), and the stack took its own MLflow server for a stranger and left it running when asked
 to stop it. psutil identifies a process by its start since boot for this reason
 (`Process._get_ident`), but does not make that public; `start_mark` reads it, with the boot's id, so
-that a mark made before a reboot never matches a process after it.
+that a mark made before a reboot never matches a process after it. And how a process group we started
+is stopped (`stop_group`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -54,3 +59,15 @@ def started_as(proc: psutil.Process, mark: str | None, started: float | None = N
     if mark is not None:
         return start_mark(proc) == mark
     return started is not None and abs(proc.create_time() - started) <= SAME_START_S
+
+
+def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 30) -> None:
+    """SIGTERM the process group `proc` leads (started with `start_new_session`), SIGKILL after `timeout_s`."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -7,6 +7,8 @@ step a CI machine took on 2026-12-05) and a fresh psutil.Process then reports a 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from tasks.core.processes import start_mark, started_as
+from tasks.core.processes import start_mark, started_as, stop_group
 
 STEP_S = 5.0
 
@@ -60,3 +62,30 @@ def test_another_process_or_a_reused_pid_does_not_match(child: subprocess.Popen[
     with pytest.raises(psutil.NoSuchProcess):
         start_mark(other)
     assert mark.count("/") == 1  # "<boot id>/<ticks>" on Linux, "wall/<start>" elsewhere
+
+
+# A leader that ignores SIGTERM, with a child of its own in its group: the grandchild prints its pid.
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm() -> None:
+    leader = subprocess.Popen([sys.executable, "-c", STUBBORN], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        member = psutil.Process(int(leader.stdout.readline()))
+        stop_group(leader, timeout_s=1)
+        assert leader.returncode == -9  # SIGTERM ignored: SIGKILL after the timeout
+        member.wait(timeout=5)  # the group's other process got SIGTERM (and would have got SIGKILL)
+    finally:  # whatever failed, nothing of the group outlives the test
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        leader.wait()
+        leader.stdout.close()
+    stop_group(leader)  # a group already gone: nothing to do, no error
