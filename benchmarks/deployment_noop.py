@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from benchmarks.pipeline_overhead import project_copy
 from flows.prefect_env import AUTH_FILE, free_port, wait_until_healthy
 from tasks.core.atomic import write_text
 from tasks.core.config.yaml_io import load_params
+from tasks.core.processes import stop_group
 
 OUT = RESULTS / "deployment-noop.json"
 SERVE_TIMEOUT_S = 180  # a cold server migrates its database first (flows/prefect_env.py)
@@ -52,16 +52,6 @@ def _serve(project: Path, env: dict[str, str], port: int, log: Path) -> subproce
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its server and flow-run processes go with its group at the end
         )
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _seconds(states: list[Any]) -> dict[str, float]:
@@ -120,7 +110,7 @@ def measure(work: Path, runs: int) -> dict[str, Any]:
                         found[key].append(seconds)
                     print(key, seconds, flush=True)
     finally:
-        _stop(serve)
+        stop_group(serve)  # serve stops its server as it exits
     return {
         key: {
             "runs": rows,

@@ -4,14 +4,14 @@ benchmarks/results/deployment-noop.json."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from prefect.states import Completed, Failed, Pending, Running, Scheduled
 
 from benchmarks.deployment_noop import _seconds
 
-T0 = datetime(2026, 12, 5, 8, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 5, 8, 0, tzinfo=UTC)
 
 
 def _at(state, seconds: float):
