@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import RESULTS, machine, median
+from benchmarks.harness import RESULTS, ROOT, machine, median
 from benchmarks.pipeline_overhead import project_copy
 from flows.prefect_env import AUTH_FILE, free_port, wait_until_healthy
 from tasks.core.atomic import write_text
@@ -90,7 +90,8 @@ def measure(work: Path, runs: int) -> dict[str, Any]:
     try:
         api = f"http://127.0.0.1:{port}/api"
         wait_until_healthy(f"{api}/health", serve, SERVE_TIMEOUT_S)
-        # this process is the `prefect deployment run` client: Prefect reads its settings when it loads
+        # this process is the `prefect deployment run` client (a command's own, so its environment may be
+        # changed): Prefect reads its settings when it loads
         auth = (home / AUTH_FILE).read_text().strip()
         os.environ.update({"PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth})
         from prefect.client.orchestration import get_client
@@ -123,7 +124,7 @@ def measure(work: Path, runs: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.deployment_noop", description=__doc__.split("\n")[0])
-    parser.add_argument("--work", type=Path, default=Path("artifacts") / "bench-deployment-noop")
+    parser.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench-deployment-noop")
     parser.add_argument("--runs", type=int, default=5, help="timed runs of each kind (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)

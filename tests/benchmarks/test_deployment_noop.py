@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from prefect.client.schemas.objects import State
 from prefect.states import Completed, Failed, Pending, Running, Scheduled
 
 from benchmarks.deployment_noop import _seconds
@@ -14,7 +15,7 @@ from benchmarks.deployment_noop import _seconds
 T0 = datetime(2026, 12, 5, 8, 0, tzinfo=UTC)
 
 
-def _at(state, seconds: float):
+def _at(state: State, seconds: float) -> State:
     state.timestamp = T0 + timedelta(seconds=seconds)
     return state
 
