@@ -67,6 +67,7 @@ def _seconds(states: list[Any]) -> dict[str, float]:
 
 def _wait_for_deployment(client: Any, name: str, serve: subprocess.Popen[bytes]) -> None:
     """Serve registers the deployment once its server answers."""
+    # Prefect loads once `measure` has pointed this process at the served API (it reads settings on import)
     from prefect.exceptions import ObjectNotFound
 
     deadline = time.monotonic() + SERVE_TIMEOUT_S
@@ -94,6 +95,7 @@ def measure(work: Path, runs: int) -> dict[str, Any]:
         # changed): Prefect reads its settings when it loads
         auth = (home / AUTH_FILE).read_text().strip()
         os.environ.update({"PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_API_AUTH_STRING": auth})
+        # Prefect loads only now, after the environment above: it reads its settings on import
         from prefect.client.orchestration import get_client
         from prefect.deployments import run_deployment
 
