@@ -3,6 +3,7 @@
 A clock step is made the way the kernel makes it: Linux derives every process's wall-clock start from
 the boot time, which it derives from the current clock, so psutil's boot time is moved here by 5 s (the
 step a CI machine took on 2026-12-05) and a fresh psutil.Process then reports a start 5 s later.
+Also: a process group stopped whole, and a process's teardown spared the collector's walk.
 """
 
 from __future__ import annotations
@@ -89,3 +90,28 @@ def test_stop_group_ends_the_whole_group_and_kills_what_ignores_sigterm() -> Non
         leader.wait()
         leader.stdout.close()
     stop_group(leader)  # a group already gone: nothing to do, no error
+
+
+# A process as every entry point starts one (`prepare`), with a handler registered before it (which runs
+# after the ones registered by `prepare`) that reports the collector's state once the others ran, and a file
+# left open for the teardown to flush.
+AT_EXIT = """
+import atexit, gc, sys
+atexit.register(lambda: print("frozen objects at the end:", gc.get_freeze_count(), flush=True))
+from tasks.determinism.bootstrap import prepare
+prepare()
+atexit.register(lambda: print("a handler registered later ran", flush=True))
+left_open = open(sys.argv[1], "w")
+left_open.write("flushed by the teardown")
+"""
+
+
+def test_a_started_process_exits_with_its_objects_frozen_and_its_handlers_and_files_done(tmp_path) -> None:
+    out = tmp_path / "left-open.txt"
+    done = subprocess.run([sys.executable, "-c", AT_EXIT, str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "a handler registered later ran", done.stdout
+    frozen = int(lines[1].rpartition(" ")[2])
+    assert frozen > 10_000, done.stdout  # every object the process holds: its modules at least
+    assert out.read_text() == "flushed by the teardown"
