@@ -70,12 +70,13 @@ def _warm_imports_with_torch() -> None:
 
 
 def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    # Prefect loads with the flow, on first use: a no-op run never needs it (flows/noop.py)
-    from flows.pipeline_flow import pipeline
-
     # A scheduled re-read (--reingest) mostly finds the data unchanged and trains nothing: no torch then.
     warm = _warm_imports if args.reingest and not args.force else _warm_imports_with_torch
     with prefect_env.local_api(while_starting=warm) as own_server:
+        # Prefect loads with the flow, on first use (a no-op run never needs it: flows/noop.py), and once
+        # the server is starting: what local_api has not loaded yet of it is ~0.2 s
+        from flows.pipeline_flow import pipeline
+
         state = pipeline(
             params_file=args.params,
             force=args.force,

@@ -169,14 +169,6 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[bool
     then finds nothing stale never needs what it loads (MLflow's client: ~3 of the ~8 CPU-seconds such
     a run took on 2 cores; measured 2026-12-02).
     """
-    # Prefect loads where a server is talked to: stack/ and the tests import this module without it (~2 s)
-    from prefect.settings import (
-        PREFECT_API_AUTH_STRING,
-        PREFECT_API_URL,
-        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
-        temporary_settings,
-    )
-
     server = None
     if os.environ.get("PREFECT_API_URL"):
         check_api()
@@ -187,6 +179,15 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[bool
         atexit.register(server.stop)
     if server is not None and while_starting is not None:
         threading.Thread(target=while_starting, daemon=True).start()
+    # Prefect loads where a server is talked to (stack/ and the tests import this module without it), and
+    # after the server was started: its ~1 s of imports overlaps the server's ~3 s start
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_URL,
+        PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+        temporary_settings,
+    )
+
     settings = {PREFECT_API_URL: server.wait(), PREFECT_API_AUTH_STRING: server.auth_string} if server else None
     if settings and HEARTBEAT_ENV not in os.environ:
         # Heartbeats feed a zombie automation on a server (the stack's: ZOMBIE_AUTOMATION); this server is
