@@ -9,7 +9,8 @@ cores (`shared_env`), and `resolve` divides: 2 workers on 2 cores train with 1 t
 In portable mode the weights do not depend on the thread count (tasks/determinism/blas.py cuts
 products by shape), so `auto` also leaves out the cores that other processes keep busy when the
 process starts (`idle_cores`): two threads beside one busy process wait on each other at every
-parallel region, several times slower than one thread. In native mode the count changes the
+parallel region, several times slower than one thread. What this process and the processes it
+started do is its own job, not another's load. In native mode the count changes the
 weights, so it follows only the cores given: a run records the count it used (the fingerprint's
 `hw.threads`), and a sweep fixes one count for all its trials (flows/sweep.py).
 """
@@ -23,6 +24,8 @@ import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Literal
+
+import psutil
 
 from tasks.core.config.base import ConfigError
 
@@ -86,21 +89,51 @@ def _proc_stat() -> str:
     return Path("/proc/stat").read_text()
 
 
-def idle_cores(window_s: float = 0.1, read: Callable[[], str] = _proc_stat) -> int | None:
-    """How many of this process's cores were idle over the next `window_s` seconds (while this
-    process sleeps), rounded; None where the kernel does not say (no /proc/stat)."""
+def idle_cores(
+    window_s: float = 0.1,
+    read: Callable[[], str] = _proc_stat,
+    job: Callable[[], dict[int, float]] | None = None,
+    ticks_per_s: int | None = None,
+) -> int | None:
+    """How many of this process's cores were idle over the next `window_s` seconds (while this process
+    sleeps), or busy only with its own job (`job_seconds`), rounded; None where the kernel does not say
+    (no /proc/stat).
+
+    Why its job counts as idle: a flow run's stages start right after the one before ended, when the
+    flow's own Prefect server records that task. Counted as another's load, that tenth of a second made
+    the next stage compute with 1 thread of 2 at 6 of the 12 starts of a torch stage (three forced `make run`s on a
+    quiet 2-core Intel Xeon, 2026-12-05), for the whole stage."""
+    job = job or job_seconds
     try:
-        before = _cpu_times(read())
+        before, job_before = _cpu_times(read()), job()
         time.sleep(window_s)
-        after = _cpu_times(read())
+        after, job_after = _cpu_times(read()), job()
     except OSError:
         return None
+    cores = [cpu for cpu in _cores() if cpu in before and cpu in after]
     idle = 0.0
-    for cpu in _cores():
-        if cpu in before and cpu in after:
-            total = sum(after[cpu]) - sum(before[cpu])
-            idle += _idle_ticks(before[cpu], after[cpu]) / total if total > 0 else 1.0
+    for cpu in cores:
+        total = sum(after[cpu]) - sum(before[cpu])
+        idle += _idle_ticks(before[cpu], after[cpu]) / total if total > 0 else 1.0
+    window = sum(sum(after[cpu]) - sum(before[cpu]) for cpu in cores) / len(cores) if cores else 0
+    if window > 0:  # the job's seconds over the window, in cores' worth
+        ours = sum(job_after[pid] - job_before[pid] for pid in job_after.keys() & job_before.keys())
+        idle = min(len(cores), idle + ours * (ticks_per_s or os.sysconf("SC_CLK_TCK")) / window)
     return int(idle + 0.5)
+
+
+def job_seconds() -> dict[int, float]:
+    """The CPU seconds (user + system) of this process's threads and of each process it started that still
+    runs, by pid: its job (a flow run's own Prefect server, a loader's workers, a launcher's ranks)."""
+    me = psutil.Process()
+    seconds = {me.pid: _own_seconds()}
+    for child in me.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # ended since it was listed
+            continue
+        seconds[child.pid] = times.user + times.system
+    return seconds
 
 
 def _cores() -> set[int]:

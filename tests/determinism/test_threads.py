@@ -4,9 +4,14 @@ than there are cores."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -81,7 +86,16 @@ def test_idle_cores_counts_the_idle_share_of_the_cores_given(monkeypatch: pytest
             _stat({0: (10, 0), 1: (0, 10), 2: (3, 7), 3: (10, 0)}),
         ]
     )
-    assert threads.idle_cores(0, read=lambda: next(samples)) == 2  # 1.7, rounded
+    assert threads.idle_cores(0, read=lambda: next(samples), job=dict) == 2  # 1.7, rounded
+
+
+def test_idle_cores_counts_what_its_own_job_kept_busy_as_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    samples = iter([_stat({0: (0, 0), 1: (0, 0)}), _stat({0: (10, 0), 1: (10, 0)})])  # both busy, 10 ticks
+    # this process used 0.04 s and its child 0.02 (of the 0.2 s both cores had); one that ended or began
+    # between the looks is left out
+    job = iter([{1: 1.0, 2: 5.0, 3: 7.0}, {1: 1.04, 2: 5.02, 4: 9.0}])
+    assert threads.idle_cores(0, read=lambda: next(samples), job=lambda: next(job), ticks_per_s=100) == 1  # 0.6
 
 
 def test_portable_threads_leave_out_the_busy_cores(eight_cores: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,21 +109,40 @@ def test_portable_threads_leave_out_the_busy_cores(eight_cores: None, monkeypatc
     assert threads.resolve("auto", follow_load=True) == 8
 
 
-@pytest.mark.slow
-def test_cores_kept_busy_by_other_processes_are_seen_busy() -> None:
-    """On the real /proc/stat: a process spinning on each of our cores leaves none idle."""
-    cores = sorted(threads._cores())
-    hogs = [
-        subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
-        for core in cores
-    ]
+HOG = "import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
+
+
+@contextmanager
+def _hogs(ours: bool) -> Iterator[None]:
+    """A process spinning on each of our cores: started by this process (`ours`: its job), or detached,
+    as another's (its shell exits at once, leaving it to init)."""
+    pids = []
+    for core in sorted(threads._cores()):
+        code = HOG.format(core=core)
+        if ours:
+            pids.append(subprocess.Popen([sys.executable, "-c", code]).pid)
+        else:
+            started = f"{shlex.quote(sys.executable)} -c {shlex.quote(code)} >/dev/null 2>&1 & echo $!"
+            pids.append(int(subprocess.run(["sh", "-c", started], capture_output=True, text=True, check=True).stdout))
     try:
         time.sleep(0.5)  # started and spinning
-        assert threads.idle_cores(0.3) == 0
+        yield
     finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            if ours:
+                os.waitpid(pid, 0)
+
+
+@pytest.mark.slow
+def test_cores_kept_busy_by_other_processes_are_seen_busy_and_by_our_own_job_idle() -> None:
+    """On the real /proc/stat: a process spinning on each of our cores leaves none idle, unless this
+    process started them (a flow run's own server recording the last task as the next stage starts)."""
+    with _hogs(ours=False):
+        assert threads.idle_cores(0.3) == 0
+        assert not set(threads.job_seconds()) - {os.getpid()}  # nothing of its job
+    with _hogs(ours=True):
+        assert threads.idle_cores(0.3) == len(threads._cores())
 
 
 def test_a_follower_leaves_out_what_others_kept_busy_and_takes_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
