@@ -10,7 +10,6 @@ killed process left behind are swept by the next write of the same target.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 import os
@@ -83,8 +82,9 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 
 @functools.cache
 def _renameat2():  # glibc >= 2.28; None elsewhere
-    name = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(name, use_errno=True), "renameat2", None) if name else None
+    # The C library this process already loaded (dlopen(NULL)), not `ctypes.util.find_library("c")`, which
+    # runs /sbin/ldconfig in a subprocess to find its name: a process per first replaced folder.
+    return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
 
 
 def _exchange(a: Path, b: Path) -> bool:
