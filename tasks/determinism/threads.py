@@ -111,11 +111,12 @@ def idle_cores(
     except OSError:
         return None
     cores = [cpu for cpu in _cores() if cpu in before and cpu in after]
-    idle = 0.0
+    idle, ticks = 0.0, 0
     for cpu in cores:
         total = sum(after[cpu]) - sum(before[cpu])
         idle += _idle_ticks(before[cpu], after[cpu]) / total if total > 0 else 1.0
-    window = sum(sum(after[cpu]) - sum(before[cpu]) for cpu in cores) / len(cores) if cores else 0
+        ticks += total
+    window = ticks / len(cores) if cores else 0
     if window > 0:  # the job's seconds over the window, in cores' worth
         ours = sum(job_after[pid] - job_before[pid] for pid in job_after.keys() & job_before.keys())
         idle = min(len(cores), idle + ours * (ticks_per_s or os.sysconf("SC_CLK_TCK")) / window)
