@@ -7,8 +7,8 @@ trained once), `make schedule`'s process (`python -m flows.deployments serve`: a
 project's own and the served deployment) takes runs of the deployment one after another, as
 `prefect deployment run 'lockstep-pipeline/nightly'` starts them: first with `reingest: false` (nothing
 is stale and nothing is re-read: the flow asks DVC once and records the run), then with the deployment's
-own default `reingest: true` (the scheduled night: the download stage re-reads the source, which has not
-changed, and the six stages after it are up to date). The runs alternate between the two.
+own default `reingest: true` (the scheduled night: the source is read again, gives data/ byte for byte,
+and no stage runs: flows/pipeline_flow.py `_source_unchanged`). The runs alternate between the two.
 
 A run's seconds come from its Prefect states, as the server recorded them: Pending (serve has taken
 it and starts its process) to Completed is the worker's time for it, the figure the issue's 5 s is

@@ -86,14 +86,14 @@ def record_if_nothing_stale(params: Params) -> dict[str, dict[str, object]] | No
     return {name: {"ran": False} for name in STAGES}
 
 
-def record(params: Params, flow_run: str) -> None:
+def record(params: Params, flow_run: str, summary: str = NOTHING_RAN) -> None:
     """The MLflow pipeline run of a run in which no stage ran, `flow_run` naming its Prefect flow run (or
-    saying there was none): written into the project's sqlite store directly where that is safe
-    (tasks/tracking/sqlite_record.py says why and when), else by MLflow's client, with the code the
-    flow uses when stages run (tasks/tracking/runs.py `pipeline_run`)."""
+    saying there was none), `summary` saying what it did (flows/summary.py). Written into the project's
+    sqlite store directly where that is safe (tasks/tracking/sqlite_record.py says why and when), else
+    by MLflow's client, with the code the flow uses when stages run (tasks/tracking/runs.py `pipeline_run`)."""
     if not params.tracking.enabled:
         return
-    tags = {"lockstep.summary": NOTHING_RAN, "lockstep.retrained": "false", "lockstep.flow_run": flow_run}
+    tags = {"lockstep.summary": summary, "lockstep.retrained": "false", "lockstep.flow_run": flow_run}
     if record_pipeline_run(tracking_uri(), params, "prefect", tags) is not None:
         return
 

@@ -29,6 +29,7 @@ from flows import noop, prefect_env, prefect_settings
 from flows.local_records import wait_recorded
 from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
 from flows.run_params import params_file_changes
+from flows.summary import REREAD_UNCHANGED, reread_unchanged
 from tasks.core.cli import exit_code
 from tasks.core.config.params import STAGES, Params
 from tasks.core.config.yaml_io import PARAMS_FILE, load_yaml
@@ -138,7 +139,8 @@ def _run(args: argparse.Namespace) -> int:
 def closing_summary(results: dict[str, dict[str, Any]], seconds: float, params: Params) -> list[str]:
     """What a person reads at the end of a run: what ran, how good the model is, what shipped, where."""
     ran = [name for name, result in results.items() if result["ran"]]
-    lines = [f"done in {seconds:.0f} s; stages run: {', '.join(ran) or 'none (everything up to date)'}"]
+    none = f"none; {REREAD_UNCHANGED}" if reread_unchanged(results) else "none (everything up to date)"
+    lines = [f"done in {seconds:.0f} s; stages run: {', '.join(ran) or none}"]
     numbers = headline()
     if "test_accuracy" in numbers.metrics:
         lines.append(f"  test accuracy {numbers.metrics['test_accuracy']:.4f} (fp32 model, the test split)")

@@ -17,6 +17,9 @@ def brief(metrics: dict[str, Any], limit: int = 6) -> str:
     return ", ".join(shown[:limit]) + more
 
 
+REREAD_UNCHANGED = "source re-read, data unchanged"
+
+
 def summarize(results: dict[str, dict[str, Any]], data_md5_before: str, data_md5_after: str) -> str:
     """One line that says what this run did: a scheduled run must say when it retrained nothing."""
     ran = [name for name, result in results.items() if result["ran"]]
@@ -24,6 +27,12 @@ def summarize(results: dict[str, dict[str, Any]], data_md5_before: str, data_md5
     if retrained:
         data = "new data" if data_md5_after != data_md5_before else "same data"
         return f"stages run: {', '.join(ran)} ({data}, md5 {data_md5_after})"
-    if ran:
-        return f"stages run: download; source re-read, data unchanged (md5 {data_md5_after}): nothing retrained"
+    if ran or reread_unchanged(results):
+        stages = "download" if ran else "none"
+        return f"stages run: {stages}; {REREAD_UNCHANGED} (md5 {data_md5_after}): nothing retrained"
     return noop.NOTHING_RAN
+
+
+def reread_unchanged(results: dict[str, dict[str, Any]]) -> bool:
+    """The source was read again and gave data/ byte for byte, so no stage ran (flows/pipeline_flow.py)."""
+    return results.get("download", {}).get("reread") == "unchanged"

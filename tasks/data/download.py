@@ -20,6 +20,7 @@ recorded in meta.json (`published_splits`), so that the split stage can keep the
 
 from __future__ import annotations
 
+import filecmp
 import gzip
 import importlib.util
 import logging
@@ -277,11 +278,7 @@ def download(
     failures, DataRefused for a refused snapshot) with a message naming the file, URL or check;
     `out_dir` is then exactly as it was.
     """
-    retry = retry or Retry(attempts=cfg.retries + 1, timeout_s=cfg.timeout_s, deadline_s=cfg.deadline_s)
-    _warn_about_credentials_in_params(cfg)
-    cache = Path(cache_dir) / cfg.source
-    cache.mkdir(parents=True, exist_ok=True)
-    ctx = Context(cfg, cache, retry, Auth.from_environment([cfg.mirror, cfg.url]))
+    ctx = _context(cfg, cache_dir, retry)
     with atomic_dir(Path(out_dir)) as staging:
         LOADERS[cfg.source](ctx, staging)
         if check is not None:
@@ -295,3 +292,45 @@ def download(
         files=dict(ctx.files),
         skipped_files=ctx.skipped_files,
     )
+
+
+def source_unchanged(cfg: DataConfig, out_dir: Path, cache_dir: Path, retry: Retry | None = None) -> bool:
+    """Whether `cfg.source`, read again now, gives the snapshot in `out_dir` byte for byte.
+
+    The scheduled re-read's question, asked before anything is recorded: most nights the answer is
+    yes, and then nothing is replaced, checked or tracked (the checks are for a snapshot that would
+    replace the one there, tasks/data/checks.py). The new snapshot is staged in the download cache,
+    never beside `out_dir`, and removed whatever the answer; `out_dir` is only read. Raises as
+    `download` does when the source cannot be read.
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return False
+    ctx = _context(cfg, cache_dir, retry)
+    with tempfile.TemporaryDirectory(prefix="reread-", dir=ctx.cache) as staging:
+        LOADERS[cfg.source](ctx, Path(staging))
+        return _same_files(Path(staging), out_dir)
+
+
+def _context(cfg: DataConfig, cache_dir: Path, retry: Retry | None) -> Context:
+    retry = retry or Retry(attempts=cfg.retries + 1, timeout_s=cfg.timeout_s, deadline_s=cfg.deadline_s)
+    _warn_about_credentials_in_params(cfg)
+    cache = Path(cache_dir) / cfg.source
+    cache.mkdir(parents=True, exist_ok=True)
+    return Context(cfg, cache, retry, Auth.from_environment([cfg.mirror, cfg.url]))
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    """The same relative paths under `a` and `b`, each a regular file with the same bytes."""
+    listed = [sorted(p.relative_to(root) for p in root.rglob("*")) for root in (a, b)]
+    if listed[0] != listed[1]:
+        return False
+    for rel in listed[0]:
+        one, other = a / rel, b / rel
+        if one.is_symlink() or other.is_symlink():  # a loader writes none, and data/ should hold none
+            return False
+        if one.is_dir() and other.is_dir():
+            continue
+        if not (one.is_file() and other.is_file()) or not filecmp.cmp(one, other, shallow=False):
+            return False
+    return True

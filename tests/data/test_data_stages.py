@@ -14,7 +14,7 @@ from tasks.core.config.data import DataConfig, SplitConfig
 from tasks.core.config.params import NUMPY_STAGES
 from tasks.core.config.yaml_io import load_params
 from tasks.core.errors import ExpectedFailure
-from tasks.data.download import download
+from tasks.data.download import download, source_unchanged
 from tasks.data.formats import FORMAT, RawDataset, open_raw, read_raw, write_raw
 from tasks.data.preprocess import load_split, preprocess
 from tasks.data.splits import split_indices
@@ -69,6 +69,50 @@ def test_reingesting_gives_identical_bytes(raw_dir: Path, tmp_path: Path) -> Non
     download(DataConfig(source="digits"), again, tmp_path / "cache")  # over an existing snapshot: replaced whole
     assert _digest(again) == _digest(raw_dir)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "data"]  # no staging directories left behind
+
+
+def _stat(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+
+
+def test_a_source_read_again_is_unchanged_only_if_it_gives_the_snapshot_byte_for_byte(
+    raw_dir: Path, tmp_path: Path
+) -> None:
+    """The scheduled re-read's question (flows/pipeline_flow.py): asked of a copy of the snapshot, which it
+    only reads; any file added, missing or with other bytes is a change; nothing is left in the cache."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    download(DataConfig(source="digits"), data, cache)
+    before, listed = _stat(data), sorted(p.name for p in cache.rglob("*"))
+    assert source_unchanged(DataConfig(source="digits"), data, cache)
+    assert _stat(data) == before  # not replaced, not rewritten
+    assert sorted(p.name for p in cache.rglob("*")) == listed  # its staging folder is gone
+
+    labels = data / "labels.npy"
+    original = labels.read_bytes()
+    labels.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit of one label
+    assert not source_unchanged(DataConfig(source="digits"), data, cache)
+    labels.write_bytes(original)
+    (data / "extra.txt").write_text("a file the source does not give\n")
+    assert not source_unchanged(DataConfig(source="digits"), data, cache)
+    (data / "extra.txt").unlink()
+    (data / "meta.json").unlink()
+    assert not source_unchanged(DataConfig(source="digits"), data, cache)
+    assert not source_unchanged(DataConfig(source="digits"), tmp_path / "never-downloaded", cache)
+
+
+def test_a_folder_source_with_one_more_image_is_changed(tmp_path: Path) -> None:
+    from benchmarks.fakedata.imagefolder import imagefolder_tree  # PIL: only for this test's images
+
+    photos = tmp_path / "photos"
+    imagefolder_tree(photos, classes=("a", "b"), per_class=6, size=(8, 8), mode="L")
+    cfg = DataConfig(source="imagefolder", path=str(photos), channels=1)
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    download(cfg, data, cache)
+    assert source_unchanged(cfg, data, cache)
+    first = next((photos / "a").iterdir())
+    first.with_name("copy-" + first.name).write_bytes(first.read_bytes())
+    assert not source_unchanged(cfg, data, cache)
+    assert read_raw(data).labels.shape == (12,)  # data/ is still the snapshot before
 
 
 def test_bad_dataset_is_refused_and_previous_snapshot_kept(raw_dir: Path, tmp_path: Path) -> None:

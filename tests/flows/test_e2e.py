@@ -214,7 +214,7 @@ started = []
 sys.addaudithook(lambda event, args: started.append(str(args[1][0])) if event == "subprocess.Popen" else None)
 atexit.register(lambda: print("AUDIT " + json.dumps({"modules": sorted(sys.modules), "started": started}),
                               file=sys.stderr))
-sys.argv = ["flows.pipeline"]
+sys.argv = ["flows.pipeline", *sys.argv[1:]]
 runpy.run_module("flows.pipeline", run_name="__main__", alter_sys=True)
 """
 # What a run with nothing stale must not pay for (it did, 16-23 s on 2 cores; B3-flow in benchmarks/):
@@ -229,10 +229,10 @@ NOT_IMPORTED_BY_A_FLOW_RUN_WITH_NOTHING_STALE = {"torch", "torchvision", "onnx",
 
 
 def audited_noop_run(
-    repo: Path, not_imported: set[str] = NOT_IMPORTED_WHEN_NOTHING_IS_STALE, **env: str
+    repo: Path, not_imported: set[str] = NOT_IMPORTED_WHEN_NOTHING_IS_STALE, *args: str, **env: str
 ) -> dict[str, Any]:
-    """A `make run` that finds nothing stale: what it printed, imported and started, checked here."""
-    done = run(["python", "-c", AUDITED], repo, **env)
+    """A `make run ARGS="<args>"` that finds nothing stale: what it printed, imported and started, checked here."""
+    done = run(["python", "-c", AUDITED, *args], repo, **env)
     audit = json.loads(done.stderr.split("AUDIT ")[-1])
     imported = {name.split(".")[0] for name in audit["modules"]}
     assert not not_imported & imported, sorted(not_imported & imported)
@@ -283,6 +283,18 @@ def test_a_flow_run_with_nothing_stale_on_a_team_server_loads_no_stage_code(
     with closing(sqlite3.connect(database)) as db:
         runs = db.execute("select state_type from flow_run order by created").fetchall()
     assert len(runs) == before + 1 and runs[-1] == ("COMPLETED",), runs
+
+    # The scheduled re-read (a deployment's reingest: true) of a source that has not changed: the same, with
+    # the source read again and data/ left as it was, recorded as a run in which no stage ran.
+    data = {path: path.stat().st_mtime_ns for path in (repo / "data").rglob("*")}
+    audit = audited_noop_run(repo, NOT_IMPORTED_BY_A_FLOW_RUN_WITH_NOTHING_STALE, "--reingest", **prefect_server.env)
+    assert "stages run: none; source re-read, data unchanged" in audit["stdout"], audit["stdout"]
+    assert {path: path.stat().st_mtime_ns for path in (repo / "data").rglob("*")} == data
+    assert not list((repo / ".cache" / "downloads").rglob("reread-*"))  # its staging folder is gone
+    parent, children = pipeline_runs(repo)[-1]
+    assert children == [] and parent.data.tags["lockstep.retrained"] == "false", children
+    assert parent.data.tags["lockstep.summary"].startswith("stages run: none; source re-read, data unchanged")
+    assert "Data and pipelines are up to date" in run(["dvc", "status"], repo).stdout
 
 
 def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(

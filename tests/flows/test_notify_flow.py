@@ -107,7 +107,7 @@ def test_a_refused_snapshot_sends_one_refused_message(
     repo = _clone(dvc_repo, tmp_path, {"format": "generic"})
     with WebhookReceiver() as hook:
         done, took = _flow(
-            repo, prefect_server, hook.url(HOOK_PATH), "--reingest", "--set", "checks.max_class_imbalance=1"
+            repo, prefect_server, hook.url(HOOK_PATH), "--force", "--set", "checks.max_class_imbalance=1"
         )
         messages = hook.wait_for(2, timeout_s=1)
     assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]

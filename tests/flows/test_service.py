@@ -353,9 +353,10 @@ def test_unchanged_source_retrains_nothing_and_says_so(stack: Stack, first_run: 
     lock_before = (stack.repo / "dvc.lock").read_text()
     flow_run_id, _ = deployment_run(stack.prefect, stack.repo)  # the deployment's reingest=true: read again
     parent, children = executions(stack)[-1]
-    assert set(children) == {"download"}  # the source is read again, and nothing after it runs
-    assert parent.data.tags["lockstep.retrained"] == "false"
-    assert "nothing retrained" in parent.data.tags["lockstep.summary"]
+    # the source is read again and gives data/ byte for byte: no stage runs, not even download
+    assert children == {} and parent.data.tags["lockstep.retrained"] == "false"
+    assert parent.data.tags[FLOW_RUN_TAG] == flow_run_id
+    assert "stages run: none; source re-read, data unchanged" in parent.data.tags["lockstep.summary"]
     assert _says_unchanged(stack, flow_run_id), log_lines(stack, flow_run_id)
     time.sleep(2)  # nothing to tell: no failure, no promotion decision
     assert not [m for m in stack.hook.messages if m.get("flow_run_id") == flow_run_id]
@@ -370,9 +371,8 @@ def test_overlapping_runs_of_an_unchanged_source_on_a_worker_retrain_nothing(
     """The worker's two runs (the scheduled re-read of a source that has not changed): each retrained
     nothing, told on-call nothing, and left dvc.lock as it was."""
     for parent, children in _executions_of(stack, worker_runs.ids):
-        assert set(children) == {"download"}
-        assert parent.data.tags["lockstep.retrained"] == "false"
-        assert "nothing retrained" in parent.data.tags["lockstep.summary"]
+        assert children == {} and parent.data.tags["lockstep.retrained"] == "false"
+        assert "source re-read, data unchanged" in parent.data.tags["lockstep.summary"]
     time.sleep(2)  # nothing to tell: no failure, no promotion decision
     assert not [m for m in stack.hook.messages if m.get("flow_run_id") in worker_runs.ids]
     assert yaml.safe_load(worker_runs.lock_after) == yaml.safe_load(worker_runs.lock_before)
