@@ -29,10 +29,11 @@ from flows import noop, prefect_env, prefect_settings
 from flows.local_records import wait_recorded
 from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
 from flows.run_params import params_file_changes
-from flows.summary import REREAD_UNCHANGED, reread_unchanged
+from flows.summary import REREAD_UNCHANGED, reread_unchanged, summarize
 from tasks.core.cli import exit_code
 from tasks.core.config.params import STAGES, Params
 from tasks.core.config.yaml_io import PARAMS_FILE, load_yaml
+from tasks.core.hashing import data_md5
 from tasks.core.layout import ROOT
 from tasks.core.redact import redact
 from tasks.determinism.bootstrap import bootstrap
@@ -56,24 +57,20 @@ def __getattr__(name: str) -> Any:
 
 
 def _warm_imports() -> None:
-    # what the flow's first stage needs, loaded in a thread while the server starts (prefect_env.local_api)
+    # What the flow's stages need, loaded in a thread while the server starts (prefect_env.local_api): DVC
+    # and MLflow for the first, torch for every stage from train on (~2 s), in a run that will train (B2's
+    # flow side, 2026-12-05: 29.8 -> 28.6 s, median of 6; same bytes). `_run` prepared the process for it
+    # (`bootstrap`: before torch loads); what a run records does not depend on what is loaded when
+    # (tasks/tracking/lineage.py).
     import dvc.repo  # noqa: F401
     import mlflow  # noqa: F401
 
-
-def _warm_imports_with_torch() -> None:
-    # and torch, which every stage from train on loads (~2 s), in a run that will train: while the server
-    # starts rather than after it (B2's flow side, 2026-12-05: 29.8 -> 28.6 s, median of 6; same bytes).
-    # `_run` prepared the process for it (`bootstrap`: before torch loads); what a run records does not
-    # depend on what is loaded when (tasks/tracking/lineage.py).
-    _warm_imports()
     import tasks.determinism.pinning  # noqa: F401
 
 
 def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    # A scheduled re-read (--reingest) mostly finds the data unchanged and trains nothing: no torch then.
-    warm = _warm_imports if args.reingest and not args.force else _warm_imports_with_torch
-    with prefect_env.local_api(while_starting=warm) as own_server:
+    # The flow runs here when a stage is stale or a re-read source changed (flows/noop.py): to train, mostly.
+    with prefect_env.local_api(while_starting=_warm_imports) as own_server:
         # Prefect loads with the flow, on first use (a no-op run never needs it: flows/noop.py), and once
         # the server is starting: what local_api has not loaded yet of it is ~0.2 s
         from flows.pipeline_flow import pipeline
@@ -126,10 +123,11 @@ def _run(args: argparse.Namespace) -> int:
     check_store(params.tracking)  # a tracking server that is down fails the run now, not after training
     started = time.monotonic()
     results = None
-    if noop.eligible(args.force, args.reingest, args.overrides):
-        results = noop.record_if_nothing_stale(params)
+    if noop.eligible(args.force, args.overrides):
+        results = noop.record_if_nothing_stale(params, args.reingest)
         if results is not None:
-            print(f"up to date (dvc.lock), skipped: {', '.join(results)}\n{noop.NOTHING_RAN}")
+            md5 = data_md5()
+            print(f"up to date (dvc.lock), skipped: {', '.join(results)}\n{summarize(results, md5, md5)}")
     if results is None:
         results = _run_with_local_api(args)
     print("\n".join(closing_summary(results, time.monotonic() - started, params)))

@@ -36,10 +36,9 @@ from flows.summary import brief, summarize
 from tasks.core.atomic import write_text
 from tasks.core.config.params import STAGES, Params
 from tasks.core.config.yaml_io import PARAMS_FILE
-from tasks.core.errors import ExpectedFailure
 from tasks.core.fetch import DownloadError
 from tasks.core.hashing import data_md5
-from tasks.core.layout import DATA_DIR, ROOT, download_cache
+from tasks.core.layout import ROOT
 from tasks.core.lock import pipeline_lock
 from tasks.core.remote import push_outputs
 from tasks.determinism.bootstrap import prepare
@@ -207,25 +206,9 @@ def _stages(
 
 
 def _source_unchanged(params: Params, logger: Any) -> bool:
-    """The scheduled re-read of a project in which nothing is stale: whether the source gives data/ again,
-    byte for byte. Asked before any run is opened in MLflow: then such a night, the most common one, is
-    recorded as a run in which no stage ran (noop.record: without MLflow's client where it may), not as
-    a download stage that wrote the same files again (3-4 CPU-seconds of MLflow's client, a `dvc add`
-    and DVC hashing data/ anew, benchmarks/results/deployment-noop.json). A changed source is read a
-    second time by the download stage, which checks, records and swaps it in: the rare night, which
-    retrains anyway. A source that cannot be read is the download stage's to report, as on any night:
-    its task retries an unreachable one and fails, in MLflow too, naming the file or URL."""
-    # heavy: numpy and the source loaders (~0.3 s), only for a re-read
-    from tasks.data.download import source_unchanged
-
-    try:
-        with notify.stage("download"):  # anything else fails the run naming the stage
-            unchanged = source_unchanged(params.data, ROOT / DATA_DIR, download_cache())
-    except ExpectedFailure as exc:
-        logger.warning("download: the source could not be re-read (%s): the download stage will try", exc)
-        return False
-    logger.info("download: source re-read, %s", "data unchanged" if unchanged else "data changed: ingesting it")
-    return unchanged
+    """Whether the re-read source gives data/ byte for byte (flows/noop.py `source_unchanged`)."""
+    with notify.stage("download"):  # anything but a source that cannot be read fails the run naming the stage
+        return noop.source_unchanged(params, logger)
 
 
 def _summary_table(results: dict[str, dict[str, Any]], summary: str) -> str:

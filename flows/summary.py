@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows import noop
+NOTHING_RAN = "stages run: none (everything up to date): nothing retrained"
+REREAD_UNCHANGED = "source re-read, data unchanged"
 
 
 def brief(metrics: dict[str, Any], limit: int = 6) -> str:
@@ -15,9 +16,6 @@ def brief(metrics: dict[str, Any], limit: int = 6) -> str:
     shown = [f"{k} {metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k} {metrics[k]}" for k in first]
     more = f", … {len(shown) - limit} more in its MLflow run" if len(shown) > limit else ""
     return ", ".join(shown[:limit]) + more
-
-
-REREAD_UNCHANGED = "source re-read, data unchanged"
 
 
 def summarize(results: dict[str, dict[str, Any]], data_md5_before: str, data_md5_after: str) -> str:
@@ -30,7 +28,7 @@ def summarize(results: dict[str, dict[str, Any]], data_md5_before: str, data_md5
     if ran or reread_unchanged(results):
         stages = "download" if ran else "none"
         return f"stages run: {stages}; {REREAD_UNCHANGED} (md5 {data_md5_after}): nothing retrained"
-    return noop.NOTHING_RAN
+    return NOTHING_RAN
 
 
 def reread_unchanged(results: dict[str, dict[str, Any]]) -> bool:

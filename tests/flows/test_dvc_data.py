@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from benchmarks.fakedata.imagefolder import imagefolder_tree
+from tasks.data.formats import read_raw
 from tests.conftest import clone_project, run, write_params
 
 pytestmark = pytest.mark.slow
@@ -70,3 +72,18 @@ def test_push_pull_round_trip_reproduces_weights_and_reingest_updates_data_dvc(
     assert yaml.safe_load((repo / "data" / "meta.json").read_text())["classes"] == ["a", "b", "c"]
     run(["dvc", "push"], repo)  # the new version goes to the remote like the first
     assert "are in sync" in run(["dvc", "status", "--cloud", "--with-deps", "evaluate"], repo).stdout
+
+    # 4. `make run ARGS=--reingest` (no Prefect server of the user's) on the folder: unchanged, it is read
+    #    again and nothing runs, before Prefect starts; with one more image, the flow ingests and retrains,
+    #    and does not read the folder a second time to decide so (flows/noop.py `source_unchanged`)
+    run([sys.executable, "-m", "flows.pipeline"], repo)  # compress and export: nothing is stale after it
+    same = run([sys.executable, "-m", "flows.pipeline", "--reingest"], repo).stdout
+    assert "stages run: none; source re-read, data unchanged" in same and "Prefect" not in same, same
+    before = _data_md5(repo)
+    imagefolder_tree(tmp_path / "more", classes=("a",), per_class=1, size=(8, 8), mode="L", seed=1)
+    (tmp_path / "more/a/a_0.png").rename(tmp_path / "photos/a/new.png")
+    grown = run([sys.executable, "-m", "flows.pipeline", "--reingest"], repo)
+    output = grown.stdout + grown.stderr
+    assert "stages run: download, stats, preprocess, train, evaluate, compress, export" in grown.stdout, output
+    assert "download: source re-read before the flow started, data changed: ingesting it" in output, output
+    assert _data_md5(repo) != before and read_raw(repo / "data").labels.shape == (61,)

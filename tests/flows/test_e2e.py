@@ -355,3 +355,12 @@ def test_prefect_flow_shares_dvc_cache_and_gives_the_same_weights(
     assert sorted(c.data.tags["lockstep.stage"] for c in children) == sorted(STAGES)
     for child in children:
         check_stage_run(repo, child)
+
+    # `make run ARGS=--reingest` on a source that has not changed: read again, compared with data/, and
+    # recorded as a run in which no stage ran, still before Prefect (its no-op path, flows/noop.py)
+    reread = audited_noop_run(repo, NOT_IMPORTED_WHEN_NOTHING_IS_STALE, "--reingest")
+    assert "s; stages run: none; source re-read, data unchanged" in reread["stdout"], reread["stdout"]
+    assert _flow_runs(repo) == flow_runs_before
+    parent, reread_children = pipeline_runs(repo)[-1]
+    assert reread_children == [] and parent.data.tags["lockstep.flow_run"].startswith("none: nothing was stale")
+    assert parent.data.tags["lockstep.summary"].startswith("stages run: none; source re-read, data unchanged (md5 ")
