@@ -106,6 +106,21 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextmanager
+def scratch_dir(parent: Path, name: str) -> Iterator[Path]:
+    """An empty folder in `parent` for the block, removed after it, however the block ends. A killed
+    process's (a name with its pid, as a staging folder's) is removed by the next process to ask for
+    one of the same `name`: a scratch copy of a dataset is not left behind for good."""
+    target = Path(parent) / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_leftovers(target)
+    path = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), dir=target.parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
 def atomic_dir(target: Path) -> Iterator[Path]:
     """Yield an empty staging directory that replaces `target` when the block succeeds."""
     target = Path(target)

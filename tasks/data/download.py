@@ -35,7 +35,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import numpy as np
 
-from tasks.core.atomic import atomic_dir
+from tasks.core.atomic import atomic_dir, scratch_dir
 from tasks.core.config.data import SOURCES, DataConfig
 from tasks.core.credentials import AUTH_ENV, TOKEN_ENV, Auth
 from tasks.core.errors import ExpectedFailure, Refused
@@ -300,16 +300,16 @@ def source_unchanged(cfg: DataConfig, out_dir: Path, cache_dir: Path, retry: Ret
     The scheduled re-read's question, asked before anything is recorded: most nights the answer is
     yes, and then nothing is replaced, checked or tracked (the checks are for a snapshot that would
     replace the one there, tasks/data/checks.py). The new snapshot is staged in the download cache,
-    never beside `out_dir`, and removed whatever the answer; `out_dir` is only read. Raises as
-    `download` does when the source cannot be read.
+    never beside `out_dir`, and removed whatever the answer (a killed re-read's, by the next one);
+    `out_dir` is only read. Raises as `download` does when the source cannot be read.
     """
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return False
     ctx = _context(cfg, cache_dir, retry)
-    with tempfile.TemporaryDirectory(prefix="reread-", dir=ctx.cache) as staging:
-        LOADERS[cfg.source](ctx, Path(staging))
-        return _same_files(Path(staging), out_dir)
+    with scratch_dir(ctx.cache, "reread") as staging:
+        LOADERS[cfg.source](ctx, staging)
+        return _same_files(staging, out_dir)
 
 
 def _context(cfg: DataConfig, cache_dir: Path, retry: Retry | None) -> Context:

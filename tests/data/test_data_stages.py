@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,9 +96,19 @@ def test_a_source_read_again_is_unchanged_only_if_it_gives_the_snapshot_byte_for
     (data / "extra.txt").write_text("a file the source does not give\n")
     assert not source_unchanged(DataConfig(source="digits"), data, cache)
     (data / "extra.txt").unlink()
+    meta = (data / "meta.json").read_bytes()
     (data / "meta.json").unlink()
     assert not source_unchanged(DataConfig(source="digits"), data, cache)
+    (data / "meta.json").write_bytes(meta)
     assert not source_unchanged(DataConfig(source="digits"), tmp_path / "never-downloaded", cache)
+
+    # a re-read killed mid-way left its staging folder (its pid in the name): the next one removes it
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = cache / "digits" / f".reread.tmp{int(dead.stdout)}.x"
+    (left / "images.npy").parent.mkdir()
+    (left / "images.npy").write_bytes(b"a partial copy")
+    assert source_unchanged(DataConfig(source="digits"), data, cache)
+    assert not left.exists() and sorted(p.name for p in cache.rglob("*")) == listed
 
 
 def test_a_folder_source_with_one_more_image_is_changed(tmp_path: Path) -> None:

@@ -290,7 +290,7 @@ def test_a_flow_run_with_nothing_stale_on_a_team_server_loads_no_stage_code(
     audit = audited_noop_run(repo, NOT_IMPORTED_BY_A_FLOW_RUN_WITH_NOTHING_STALE, "--reingest", **prefect_server.env)
     assert "stages run: none; source re-read, data unchanged" in audit["stdout"], audit["stdout"]
     assert {path: path.stat().st_mtime_ns for path in (repo / "data").rglob("*")} == data
-    assert not list((repo / ".cache" / "downloads").rglob("reread-*"))  # its staging folder is gone
+    assert not list((repo / ".cache" / "downloads").rglob(".reread*"))  # its staging folder is gone
     parent, children = pipeline_runs(repo)[-1]
     assert children == [] and parent.data.tags["lockstep.retrained"] == "false", children
     assert parent.data.tags["lockstep.summary"].startswith("stages run: none; source re-read, data unchanged")
