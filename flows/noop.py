@@ -111,10 +111,10 @@ def eligible(force: bool, overrides: object) -> bool:
     return not (force or overrides or os.environ.get("PREFECT_API_URL"))
 
 
-def record_if_nothing_stale(params: Params, reingest: bool = False) -> dict[str, dict[str, object]] | None:
-    """The run's results (every stage `ran: False`) once recorded in MLflow, if DVC finds nothing
-    stale, the source re-read (`reingest`) gives data/ again, and no other run holds the pipeline
-    lock; None when the flow has to run."""
+def record_if_nothing_stale(params: Params, reingest: bool = False) -> tuple[dict[str, dict[str, object]], str] | None:
+    """The run's results (every stage `ran: False`) and its summary once recorded in MLflow, if DVC finds
+    nothing stale, the source re-read (`reingest`) gives data/ again, and no other run holds the
+    pipeline lock; None when the flow has to run."""
     results: dict[str, dict[str, object]] = {name: {"ran": False} for name in STAGES}
     try:
         with pipeline_lock("make run (checking what is stale)", 0, logger=_lock_log):
@@ -123,10 +123,11 @@ def record_if_nothing_stale(params: Params, reingest: bool = False) -> dict[str,
             if reingest:
                 results["download"]["reread"] = "unchanged"
             md5 = data_md5()
-            record(params, NO_FLOW_RUN, summarize(results, md5, md5))
+            summary = summarize(results, md5, md5)
+            record(params, NO_FLOW_RUN, summary)
     except PipelineBusy:
         return None
-    return results
+    return results, summary
 
 
 def record(params: Params, flow_run: str, summary: str = NOTHING_RAN) -> None:

@@ -29,11 +29,10 @@ from flows import noop, prefect_env, prefect_settings
 from flows.local_records import wait_recorded
 from flows.prefect_env import ALLOW_OVERRIDES_ENV, allowed_overrides
 from flows.run_params import params_file_changes
-from flows.summary import REREAD_UNCHANGED, reread_unchanged, summarize
+from flows.summary import REREAD_UNCHANGED, reread_unchanged
 from tasks.core.cli import exit_code
 from tasks.core.config.params import STAGES, Params
 from tasks.core.config.yaml_io import PARAMS_FILE, load_yaml
-from tasks.core.hashing import data_md5
 from tasks.core.layout import ROOT
 from tasks.core.redact import redact
 from tasks.determinism.bootstrap import bootstrap
@@ -124,10 +123,10 @@ def _run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     results = None
     if noop.eligible(args.force, args.overrides):
-        results = noop.record_if_nothing_stale(params, args.reingest)
-        if results is not None:
-            md5 = data_md5()
-            print(f"up to date (dvc.lock), skipped: {', '.join(results)}\n{summarize(results, md5, md5)}")
+        settled = noop.record_if_nothing_stale(params, args.reingest)
+        if settled is not None:
+            results, summary = settled
+            print(f"up to date (dvc.lock), skipped: {', '.join(results)}\n{summary}")
     if results is None:
         results = _run_with_local_api(args)
     print("\n".join(closing_summary(results, time.monotonic() - started, params)))

@@ -26,7 +26,6 @@ import importlib.util
 import logging
 import posixpath
 import shutil
-import tempfile
 from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,8 +125,8 @@ def _mnist_like(dataset_class: str) -> Callable[[Context], RawDataset]:
         import torchvision.datasets
 
         cls = getattr(torchvision.datasets, dataset_class)
-        with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
-            raw_folder = Path(scratch) / cls.__name__ / "raw"  # where torchvision's class looks
+        with scratch_dir(ctx.cache, "unpacked") as scratch:  # a killed read's copy: removed by the next
+            raw_folder = scratch / cls.__name__ / "raw"  # where torchvision's class looks
             raw_folder.mkdir(parents=True)
             for name, md5 in cls.resources:
                 archive = ctx.fetch(name, cls.mirrors, Checksum("md5", md5))
@@ -149,9 +148,9 @@ def _cifar(dataset_class: str) -> Callable[[Context], RawDataset]:
         cls = getattr(torchvision.datasets, dataset_class)  # its URL, md5s and file names; it reads nothing
         base_url = cls.url.rsplit("/", 1)[0]
         archive = ctx.fetch(cls.filename, [base_url], Checksum("md5", cls.tgz_md5))
-        with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
-            ctx.extract(archive, Path(scratch) / "x")
-            folder = Path(scratch) / "x" / cls.base_folder
+        with scratch_dir(ctx.cache, "unpacked") as scratch:  # a killed read's copy: removed by the next
+            ctx.extract(archive, scratch / "x")
+            folder = scratch / "x" / cls.base_folder
             # The batches are pickles: decoded by tasks/core/plain_pickle.py, which rebuilds arrays and
             # calls nothing else (torchvision's own reader would `pickle.load` them).
             parts = [_cifar_part(folder, files) for files in (cls.train_list, cls.test_list)]
@@ -203,8 +202,8 @@ def _imagefolder(ctx: Context, out_dir: Path) -> None:
     """Streamed block by block (user folders can be any size)."""
     cfg = ctx.cfg
     archive = _imagefolder_archive(ctx)
-    with tempfile.TemporaryDirectory(dir=ctx.cache) as scratch:
-        folder = Path(cfg.path or "") if archive is None else ctx.extract(archive, Path(scratch) / "x")
+    with scratch_dir(ctx.cache, "unpacked") as scratch:  # a killed read's extracted archive: removed by the next
+        folder = Path(cfg.path or "") if archive is None else ctx.extract(archive, scratch / "x")
         limits = ImageLimits(cfg.max_image_pixels, cfg.max_dataset_bytes)
         found = ingest_folder(folder, out_dir, cfg.channels or 3, cfg.image_size, "imagefolder", limits)
     ctx.skipped_files = len(found.skipped)
