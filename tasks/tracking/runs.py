@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ from tasks.tracking.lineage import lineage_tags, redacted_context_tags
 from tasks.tracking.orphans import mark_orphans_or_warn
 from tasks.tracking.owners import owner_tags, session_key, session_owner
 from tasks.tracking.store import TrackingUnavailable, check_store, default_uri, mlflow_module, tracking_uri
+from tasks.tracking.system import SystemMetrics
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,13 @@ class StageRun:
         self.run_id = run_id
         self._pending: list[Any] = []  # mlflow Metric entities not yet written
         self._written_at = float("-inf")  # time.monotonic() of the last write
+        self._system: SystemMetrics | None = None  # the machine's load, sampled while the run trains
+        self._writing = threading.Lock()  # the system metrics' thread writes too, when the run is silent
+
+    def sample_system(self) -> None:
+        """Record the machine's load (MLflow's system metrics) until the run ends (tasks/tracking/system.py)."""
+        if self._mlflow and self._system is None:
+            self._system = SystemMetrics(self.run_id, self.flush, lambda: self._written_at)
 
     @property
     def enabled(self) -> bool:
@@ -98,7 +107,8 @@ class StageRun:
         from mlflow.entities import Metric
 
         stamp = int(time.time() * 1000)
-        self._pending += [Metric(key, float(value), stamp, step or 0) for key, value in metrics.items()]
+        with self._writing:
+            self._pending += [Metric(key, float(value), stamp, step or 0) for key, value in metrics.items()]
         if time.monotonic() - self._written_at >= METRICS_WRITE_EVERY_S:
             self.flush()
 
@@ -109,13 +119,26 @@ class StageRun:
             self.log_metrics({f"{prefix}{k}": v for k, v in row.items() if k != "epoch"}, step=int(row["epoch"]))
 
     def flush(self) -> None:
-        """Write the metrics logged so far; raises if MLflow cannot."""
-        if self._mlflow and self._pending:
-            client = self._mlflow.MlflowClient()
-            for start in range(0, len(self._pending), 1000):  # MLflow's limit per batch
-                client.log_batch(self.run_id, metrics=self._pending[start : start + 1000])
-            self._pending = []
-        self._written_at = time.monotonic()
+        """Write the metrics logged (and the system metrics sampled) so far; raises if MLflow cannot,
+        keeping them for the next write."""
+        with self._writing:
+            if self._mlflow and self._system is not None:
+                # heavy: mlflow (~4 s), loaded by now (the run is open); at the top every stage would load it
+                from mlflow.entities import Metric
+
+                self._pending += [Metric(*point) for point in self._system.take()]
+            if self._mlflow and self._pending:
+                client = self._mlflow.MlflowClient()
+                while self._pending:  # MLflow's limit per batch: 1000 metrics
+                    client.log_batch(self.run_id, metrics=self._pending[:1000])
+                    del self._pending[:1000]
+            self._written_at = time.monotonic()
+
+    def close(self) -> None:
+        """Stop sampling the machine and write what is left; raises if MLflow cannot."""
+        if self._system is not None:
+            self._system.stop()
+        self.flush()
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.record(tags=tags)
@@ -325,16 +348,18 @@ def stage_run(
             experiment_id=experiment_id,
             parent_run_id=parent_id,
             tags={**redacted_context_tags(), **redact_mapping(owner_tags())},
-            log_system_metrics=stage == "train",
+            log_system_metrics=False,  # the train run samples them itself (tasks/tracking/system.py)
         )
         try:
             run = StageRun(mlflow, active.info.run_id)
+            if stage == "train":
+                run.sample_system()
             torch = stage not in NUMPY_STAGES
             run.record(params, {"lockstep.stage": stage, "device": "cpu", **lineage_tags(torch=torch), **(tags or {})})
             try:
                 yield run
             finally:  # a failed stage's curve up to the failure is what its user needs to see
-                run.flush()
+                run.close()
             status = "FINISHED"
         finally:
             _end_runs(mlflow, status, parent_id if owns_parent else None, entry_point, pipeline)

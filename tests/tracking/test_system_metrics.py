@@ -1,0 +1,88 @@
+"""The train run's system metrics: sampled on a thread that leaves the store alone while the run writes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.core.config.service import TrackingConfig
+from tasks.tracking import system
+from tasks.tracking.runs import PARENT_ENV, stage_run
+
+CPU = "system/cpu_utilization_percentage"
+NAMES = {  # what MLflow's UI charts on a run's system-metrics tab (no GPU here)
+    CPU, "system/system_memory_usage_megabytes", "system/system_memory_usage_percentage",
+    "system/disk_usage_percentage", "system/disk_usage_megabytes", "system/disk_available_megabytes",
+    "system/network_receive_megabytes", "system/network_transmit_megabytes",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One sqlite store for the module's runs (creating one runs MLflow's migrations: seconds)."""
+    return tmp_path_factory.mktemp("system-metrics")
+
+
+@pytest.fixture
+def store(shared_store: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{shared_store / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
+    monkeypatch.delenv("MLFLOW_SYSTEM_METRICS_NODE_ID", raising=False)
+    monkeypatch.delenv(PARENT_ENV, raising=False)
+    monkeypatch.chdir(shared_store)  # lineage tags read dvc.lock / data.dvc relative to here: absent
+    return shared_store
+
+
+def _busy(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(10_000))
+
+
+def _threads() -> set[str]:
+    return {thread.name for thread in threading.enumerate()}
+
+
+def test_the_train_run_samples_the_machine_and_writes_only_with_its_own_metrics(store: Path) -> None:
+    with stage_run("train", TrackingConfig(), {"lr": 0.1}) as run:
+        client = run.mlflow.MlflowClient()
+        assert "lockstep-system-metrics" in _threads() and "SystemMetricsMonitor" not in _threads()
+        _busy(1.8)  # about three samples, none written: the run has been silent for less than LIVE_WRITE_S
+        assert client.get_metric_history(run.run_id, CPU) == []
+        run.log_metrics({"train_loss": 0.5}, step=1)  # the run's first write carries them
+        written = client.get_metric_history(run.run_id, CPU)
+        assert len(written) >= 2, written
+        _busy(0.8)
+    assert "lockstep-system-metrics" not in _threads()  # stopped with the run
+    history = client.get_metric_history(run.run_id, CPU)
+    assert [m.step for m in history] == list(range(len(history))) and len(history) > len(written)
+    # the thread's spans start at the run's start: a busy process's first span is not MLflow's 0.0
+    assert all(0 < m.value <= 100 for m in history), [m.value for m in history]
+    assert NAMES <= set(client.get_run(run.run_id).data.metrics)
+
+
+def test_a_run_shorter_than_the_interval_still_gets_a_point(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "60")
+    with stage_run("train", TrackingConfig(), {}) as run:
+        _busy(0.2)
+    history = run.mlflow.MlflowClient().get_metric_history(run.run_id, CPU)
+    assert [m.step for m in history] == [0] and 0 < history[0].value <= 100
+
+
+def test_a_silent_run_writes_its_points_while_it_trains(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long epoch logs nothing for minutes: the thread writes the points itself, every LIVE_WRITE_S."""
+    monkeypatch.setattr(system, "LIVE_WRITE_S", 1.0)
+    with stage_run("train", TrackingConfig(), {}) as run:
+        _busy(2.0)
+        assert len(run.mlflow.MlflowClient().get_metric_history(run.run_id, CPU)) >= 1
+
+
+def test_other_stages_sample_nothing(store: Path) -> None:
+    with stage_run("evaluate", TrackingConfig(), {}) as run:
+        assert "lockstep-system-metrics" not in _threads()
+        _busy(0.6)
+    assert not any(name.startswith("system/") for name in run.mlflow.MlflowClient().get_run(run.run_id).data.metrics)
