@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,12 +160,48 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PREFECT_WORKER_GRACE_S = 3.0  # how long `stop_prefect_worker` waits after each SIGTERM
+
+
+def stop_prefect_worker(proc: subprocess.Popen[Any]) -> None:
+    """Stop a `prefect worker start` process by PID, and the process group it leads, if it leads one.
+
+    Why not stop_group: Prefect 3.8.8's process worker answers its first SIGTERM (or Ctrl-C) by
+    sending itself SIGINT, and then goes on polling, idle, for minutes (seen here 2026-12-05: still up
+    after 11 min), so stop_group waited its 30 s for nothing at each teardown. Its second SIGTERM is
+    Prefect's own escalation: the worker SIGKILLs itself."""
+    own_group = proc.poll() is None and os.getpgid(proc.pid) == proc.pid
+    for _ in range(2):
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=PREFECT_WORKER_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if own_group:  # the flow-run processes it started, if any is left
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 @contextmanager
 def service(
-    cmd: list[str], cwd: Path, health_url: str, log: Path, timeout_s: float = 180, *, ready: bool = True, **env: str
+    cmd: list[str],
+    cwd: Path,
+    health_url: str,
+    log: Path,
+    timeout_s: float = 180,
+    *,
+    ready: bool = True,
+    stop: Callable[[subprocess.Popen[bytes]], None] = stop_group,
+    **env: str,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A server process for the block: started in its own process group, ready when `health_url`
-    answers 200, stopped by PID (SIGTERM to the group, SIGKILL after 30 s). Its output goes to `log`.
+    answers 200, stopped by PID with `stop` (SIGTERM to the group, SIGKILL after 30 s). Its output goes
+    to `log`.
 
     `ready=False` yields it as soon as it started, for servers that start side by side: the caller
     then waits with `until_healthy`."""
@@ -177,7 +214,7 @@ def service(
                 until_healthy(proc, health_url, log, timeout_s)
             yield proc
         finally:
-            stop_group(proc)
+            stop(proc)
 
 
 def until_healthy(proc: subprocess.Popen[Any], health_url: str, log: Path, timeout_s: float = 180) -> None:

@@ -27,7 +27,17 @@ from tasks.core.config.params import STAGES
 from tasks.core.lock import pipeline_lock
 from tasks.tracking.dashboard import CURVES, run_page, runs_page
 from tasks.tracking.orphans import FLOW_RUN_TAG
-from tests.conftest import ROOT, TINY, copy_project, free_port, run, seed_prefect_home, service, until_healthy
+from tests.conftest import (
+    ROOT,
+    TINY,
+    copy_project,
+    free_port,
+    run,
+    seed_prefect_home,
+    service,
+    stop_prefect_worker,
+    until_healthy,
+)
 from tests.support.chromium import devtools
 from tests.support.digits import write_digits
 from tests.support.prefect_client import PrefectAPI, cron_far_from_now
@@ -310,7 +320,7 @@ def worker_runs(stack: Stack, first_run: FirstRun) -> WorkerRuns:
     worker = ["prefect", "worker", "start", "--pool", "lockstep-test", "--type", "process"]
     # the on-call webhook too, so that a message a no-op run must not send would be seen
     env = {"MLFLOW_TRACKING_URI": stack.mlflow, "LOCKSTEP_NOTIFY_URL": stack.hook.url()}
-    with service(worker, stack.repo, "", log, ready=False, **env, **stack.prefect.client_env):  # stopped by PID
+    with service(worker, stack.repo, "", log, ready=False, stop=stop_prefect_worker, **env, **stack.prefect.client_env):
         with pipeline_lock("the test", wait_s=0, root=stack.repo):
             lock_before = (stack.repo / "dvc.lock").read_text()
             pooled = {"name": "lockstep-pipeline/pooled", "watch": False}

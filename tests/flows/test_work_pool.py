@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import PrefectServer, clone_project, run, sha256, stop_group, subprocess_env
+from tests.conftest import PrefectServer, clone_project, run, sha256, stop_prefect_worker, subprocess_env
 from tests.support.prefect_client import PrefectAPI
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def pool(
     try:
         yield Pool(repo, api, deployment["id"], deployment["flow_id"], log)
     finally:
-        stop_group(worker)
+        stop_prefect_worker(worker)
 
 
 def _final_state(pool: Pool, flow_run_id: str, timeout_s: float = 300, marker: Path | None = None) -> dict[str, Any]:

@@ -57,6 +57,7 @@ def team(bed: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         made.timings["bed_teardown_s"] = LAST_REMOVAL.get("seconds", 0.0)
         made.timings["processes_ended"] = LAST_REMOVAL.get("processes", 0)
         made.timings["processes_killed"] = LAST_REMOVAL.get("killed", [])
+        made.timings["slowest_to_end_s"] = LAST_REMOVAL.get("slowest_to_end_s", {})
         write_timings(made, TIMINGS)
 
 

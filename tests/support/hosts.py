@@ -256,18 +256,27 @@ def remove_netns(names: list[str]) -> None:
     present = set(existing_netns())
     names = [name for name in names if name in present]
     procs = _processes([pid for name in names for pid in _netns_pids(name)])
+    called = {proc.pid: _name(proc) for proc in procs}
+    ended: dict[str, float] = {}  # the slowest to end on SIGTERM, for the tests' timings
+    signalled = time.monotonic()
     for proc in procs:  # all at once: servers stop side by side, and their clients' connections close
         _signal(proc, signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=GRACE_S)
+
+    def gone(proc: psutil.Process) -> None:
+        ended[called[proc.pid]] = round(time.monotonic() - signalled, 2)
+
+    _, alive = psutil.wait_procs(procs, timeout=GRACE_S, callback=gone)
     killed = [_name(proc) for proc in alive]
     for proc in alive:
         _signal(proc, signal.SIGKILL)
     psutil.wait_procs(alive, timeout=GRACE_S)
     for name in names:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+    slowest = dict(sorted(ended.items(), key=lambda item: -item[1])[:5])
     LAST_REMOVAL.update(
-        {"processes": len(procs), "killed": killed, "seconds": round(time.monotonic() - started, 3), "netns": names}
-    )
+        {"processes": len(procs), "killed": killed, "seconds": round(time.monotonic() - started, 3), "netns": names,
+         "slowest_to_end_s": slowest}
+    )  # fmt: skip
 
 
 LAST_REMOVAL: dict[str, Any] = {}  # what the last `remove_netns` ended, for the tests' timings and reports

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from tests.conftest import ROOT, VENV_BIN, copy_project
+from tests.conftest import ROOT, VENV_BIN, copy_project, stop_prefect_worker
 from tests.support.hosts import Bed, Host, as_json_lines, tail
 
 HOSTS = ["services", "trainer-a", "trainer-b", "laptop"]
@@ -187,13 +187,7 @@ class Pool:
         self.workers[name] = self.team.bed.host(name).start(["sh", "-c", worker], f"/tmp/worker-{name}.log")
 
     def stop_worker(self, name: str) -> None:
-        worker = self.workers.pop(name)
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait(timeout=30)
+        stop_prefect_worker(self.workers.pop(name))  # (the host's prefixes exec: its PID is the worker's)
 
     def stop(self) -> None:
         for name in list(self.workers):  # the bed ends whatever they started, if they do not
