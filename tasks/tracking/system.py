@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 from tasks.core.redact import redact
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class SystemMetrics:
         self._step, self._samples = 0, 0
         self._stop = threading.Event()
         self._started = time.monotonic()
+        self._tried_at = float("-inf")  # the thread's last write, or attempt at one
         self._thread = threading.Thread(target=self._sample_until_stopped, name="lockstep-system-metrics", daemon=True)
         self._thread.start()
 
@@ -58,15 +61,12 @@ class SystemMetrics:
         return points
 
     def stop(self) -> None:
-        """Stop sampling; what was sampled since the last point (or, if there was no point yet, one
-        sample now) becomes the last point. Safe to call twice."""
+        """Stop sampling: the thread makes what it sampled since its last point (or, if there was no
+        point yet, one sample then) the last point, and ends. Safe to call twice."""
         self._stop.set()
         self._thread.join()
 
     def _sample_until_stopped(self) -> None:
-        # heavy: psutil, loaded by MLflow's collectors already
-        import psutil
-
         # psutil's cpu_percent is the load since the calling thread's previous call: this one starts the
         # first span (MLflow's thread records a meaningless 0.0 as its first CPU sample instead)
         psutil.cpu_percent()
@@ -76,7 +76,8 @@ class SystemMetrics:
                 self._sample()
                 if self._samples >= per_point:
                     self._add_point()
-            if time.monotonic() - max(self._written_at(), self._started) >= LIVE_WRITE_S:
+            if time.monotonic() - max(self._written_at(), self._started, self._tried_at) >= LIVE_WRITE_S:
+                self._tried_at = time.monotonic()  # a store that is down is tried again LIVE_WRITE_S later
                 self._write_or_warn()
         with self._lock:  # the run ended: its last point (its only one, for a run shorter than the interval)
             if self._samples == 0 and self._step == 0:

@@ -86,3 +86,25 @@ def test_other_stages_sample_nothing(store: Path) -> None:
         assert "lockstep-system-metrics" not in _threads()
         _busy(0.6)
     assert not any(name.startswith("system/") for name in run.mlflow.MlflowClient().get_run(run.run_id).data.metrics)
+
+
+def test_a_store_that_fails_the_threads_write_is_warned_about_and_tried_again_later(
+    store: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thread's own write failing (the store down during a long epoch) keeps the points for the run's
+    next write, says so, and is not retried at every sample."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.1")
+    monkeypatch.setattr(system, "LIVE_WRITE_S", 0.5)
+    attempts: list[float] = []
+
+    def write() -> None:
+        attempts.append(time.monotonic())
+        raise ConnectionError("https://user:s3cret@mlflow.example/api: connection refused")
+
+    sampler = system.SystemMetrics("a-run", write, lambda: float("-inf"))
+    time.sleep(1.4)
+    sampler.stop()
+    assert 2 <= len(attempts) <= 3, attempts  # every 0.5 s, not at each of the ~14 samples
+    assert len({point[3] for point in sampler.take()}) >= 10  # every point kept for the run's next write
+    warned = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
+    assert len(warned) == len(attempts) and "s3cret" not in warned[0] and "connection refused" in warned[0], warned
