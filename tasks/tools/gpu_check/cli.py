@@ -92,7 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
-        "--threads", metavar="N", type=_at_least(1), help="torch CPU threads (default: 1 on cpu, 2 with cuda)"
+        "--threads",
+        metavar="N",
+        type=_at_least(1),
+        help="torch and ONNX Runtime CPU threads (default: 1 on cpu; with cuda, a run's own: the cores given)",
     )
     for flag, key, what in (
         ("--batch-size", "batch_size", "strict and determinism: batch"),
