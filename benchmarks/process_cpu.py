@@ -95,10 +95,13 @@ def _sample(samples: Samples) -> None:
             stat = Path(f"/proc/{name}/stat").read_text()
             rest = stat[stat.rfind(")") + 2 :].split()
             key, spent = (int(name), int(rest[19])), (int(rest[11]) + int(rest[12])) / TICKS
+            command = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            command = command.strip()[:300]
             if key not in samples.processes:
-                command = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 before = spent if key[1] < samples.started_tick else 0.0
-                samples.processes[key] = Process(command.strip()[:300], int(rest[1]), before_s=before)
+                samples.processes[key] = Process(command, int(rest[1]), before_s=before)
+            elif command:  # read again: a process first seen between fork and exec is named by what it became
+                samples.processes[key].command = command
             samples.processes[key].cpu_s = spent - samples.processes[key].before_s
         except (OSError, ValueError, IndexError):
             continue  # a process that ended between the listing and the read: its last sample stands

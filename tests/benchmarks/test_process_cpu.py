@@ -12,6 +12,11 @@ from benchmarks.process_cpu import main, role
 
 # a Python child that spins for a second of CPU, then its parent exits with code 3
 SPIN = "import subprocess, sys\nsubprocess.run([sys.executable, '-m', 'tasks', 'spin'], check=False)\nsys.exit(3)\n"
+# the command's own process becomes the spinning child after a second of being something else (as a process
+# sampled between fork and exec does): it is named by what it became
+EXEC_LATER = (
+    "import os, sys, time\ntime.sleep(1.2)\nos.execv(sys.executable, [sys.executable, '-m', 'tasks', 'spin'])\n"
+)
 
 
 def test_each_kind_of_process_gets_its_role() -> None:
@@ -46,3 +51,7 @@ def test_the_commands_tree_is_counted_apart_and_its_exit_code_kept(
     assert report["command_tree_cpu_s"] <= report["busy_cpu_s"] + 0.5
     assert "stage process: spin" not in {row["role"] for row in report["outside"]}
     assert report["exit_code"] == 3 and not list(tmp_path.glob("*.tmp"))
+
+    assert main(["--out", str(out), "--", sys.executable, "-c", EXEC_LATER]) == 0
+    roles = {row["role"]: row for row in json.loads(out.read_text())["command_tree"]}
+    assert set(roles) == {"stage process: spin"} and roles["stage process: spin"]["cpu_s"] >= 0.5, roles
