@@ -56,6 +56,7 @@ _HEADERS = tuple(
         "products.h",
         "convolution.h",
         "depthwise.h",
+        "sampling.h",
     )
 )
 _MIN_CHUNK = 64  # narrower chunks spend more on packing the shared operand than they gain
@@ -201,6 +202,7 @@ OPS = frozenset(
         "layer_norm_backward",
         "softmax_backward",
         "halving_sums",
+        "box_muller",
     }
 )
 

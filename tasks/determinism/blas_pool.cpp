@@ -69,6 +69,7 @@ LANES(double, __m256d, _mm256, pd, 6)
 #include "depthwise_taps.h"
 #include "activations.h"
 #include "normalization.h"
+#include "sampling.h"
 }  // namespace narrow
 #pragma GCC pop_options
 
@@ -83,6 +84,7 @@ LANES(double, __m512d, _mm512, pd, 12)
 #include "depthwise_taps.h"
 #include "activations.h"
 #include "normalization.h"
+#include "sampling.h"
 }  // namespace wide
 #pragma GCC pop_options
 
@@ -119,6 +121,7 @@ LANES(double, float64x2_t, f64, 12)
 #include "depthwise_taps.h"
 #include "activations.h"
 #include "normalization.h"
+#include "sampling.h"
 }  // namespace narrow
 namespace wide = narrow;
 
@@ -308,6 +311,22 @@ void activation(const at::Tensor& x, const std::optional<at::Tensor>& g, const a
     const Index n = last - first;
     use_wide ? wide::activate(kind, px + first, pg ? pg + first : nullptr, po + first, n)
          : narrow::activate(kind, px + first, pg ? pg + first : nullptr, po + first, n);
+  });
+}
+
+// Box-Muller (sampling.h) of float32 uniform draws in [0, 1), 16 per chunk, into `out`, on torch's threads; the
+// vector width changes no byte.
+void box_muller(const at::Tensor& u, const at::Tensor& out, int64_t width) {
+  for (const at::Tensor* t : {&u, &out}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == u.sizes() && u.numel() % 16 == 0,
+                "lockstep_blas: box_muller: float32 tensors, contiguous, of one shape, in chunks of 16 values");
+  }
+  const float* pu = u.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const bool use_wide = vector_width(width) == kWideBits;
+  at::parallel_for(0, u.numel() / 16, 1024, [&](int64_t first, int64_t last) {
+    use_wide ? wide::box_muller_chunks(pu + 16 * first, po + 16 * first, last - first)
+             : narrow::box_muller_chunks(pu + 16 * first, po + 16 * first, last - first);
   });
 }
 
@@ -514,4 +533,5 @@ TORCH_LIBRARY(lockstep_blas, m) {
       layer_norm_backward);
   m.def("halving_sums(Tensor x, Tensor? g, Tensor? m, Tensor? s, Tensor(a!) out, int kind) -> ()", halving_sums);
   m.def("softmax_backward(Tensor dy, Tensor y, Tensor(a!) out, int width=0) -> ()", softmax_backward);
+  m.def("box_muller(Tensor u, Tensor(a!) out, int width=0) -> ()", box_muller);
 }

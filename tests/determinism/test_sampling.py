@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tasks.determinism import dispatch, sampling
+from tasks.determinism import blas, dispatch, sampling
 from tests.support.portable import portable_kernels
 
 
@@ -32,6 +32,25 @@ def test_blocks_of_chunks_give_the_bytes_of_one_pass_over_the_whole() -> None:
     at_once = sampling._box_muller(draws[:whole].view(-1, 2, sampling.CHUNK // 2)).view(-1)
     kept = n - sampling.CHUNK  # (the last 16 are the tail's, recomputed from fresh draws)
     assert torch.equal(made[:kept], at_once[:kept])
+
+
+def test_the_c_plus_plus_transform_gives_the_torch_formulas_bytes_for_every_possible_draw() -> None:
+    """blas_pool.cpp's box_muller (sampling.h) against `_box_muller`, exhaustively: a float32 uniform draw is
+    one of the 2^24 multiples of 2^-24 in [0, 1), the radius follows the first draw of a pair and the angle
+    the second, so every possible first draw meets one second draw and every possible second draw one
+    first: each factor of every value normal_ can produce is compared."""
+    op = blas.op("box_muller")
+    assert op is not None, "blas_pool.cpp is built in the test environment"
+    grid = torch.arange(1 << 24, dtype=torch.float32).mul_(2.0**-24)
+    draws = torch.stack([grid.view(-1, 8), grid.flip(0).view(-1, 8)], dim=1).contiguous().view(-1)
+    made = torch.empty_like(draws)
+    op(draws, made)
+    chunks = draws.view(-1, 2, sampling.CHUNK // 2)
+    for first in range(0, chunks.shape[0], sampling.BLOCK):
+        expected = sampling._box_muller(chunks[first : first + sampling.BLOCK]).view(-1)
+        got = made.view(-1, 2, sampling.CHUNK // 2)[first : first + sampling.BLOCK].reshape(-1)
+        differ = (got.view(torch.int32) != expected.view(torch.int32)).nonzero()
+        assert differ.numel() == 0, f"{differ.numel()} values differ, the first at {first * sampling.CHUNK + differ[0]}"
 
 
 def test_few_draws_and_other_dtypes_and_layouts_are_normal_too() -> None:

@@ -71,6 +71,7 @@ NATIVE_SOURCES = {
             "fma_chain.h",
             "normalization.h",
             "products.h",
+            "sampling.h",
         )
     )
 }
