@@ -38,19 +38,23 @@ def test_the_c_plus_plus_transform_gives_the_torch_formulas_bytes_for_every_poss
     """blas_pool.cpp's box_muller (sampling.h) against `_box_muller`, exhaustively: a float32 uniform draw is
     one of the 2^24 multiples of 2^-24 in [0, 1), the radius follows the first draw of a pair and the angle
     the second, so every possible first draw meets one second draw and every possible second draw one
-    first: each factor of every value normal_ can produce is compared."""
+    first: each factor of every value normal_ can produce is compared, in each vector width the CPU has."""
     op = blas.op("box_muller")
     assert op is not None, "blas_pool.cpp is built in the test environment"
     grid = torch.arange(1 << 24, dtype=torch.float32).mul_(2.0**-24)
     draws = torch.stack([grid.view(-1, 8), grid.flip(0).view(-1, 8)], dim=1).contiguous().view(-1)
-    made = torch.empty_like(draws)
-    op(draws, made)
+    widths = (256, 512) if blas.op("widest")() == 512 else (256,)
+    made = {width: torch.empty_like(draws) for width in widths}
+    for width, out in made.items():
+        op(draws, out, width)
     chunks = draws.view(-1, 2, sampling.CHUNK // 2)
     for first in range(0, chunks.shape[0], sampling.BLOCK):
-        expected = sampling._box_muller(chunks[first : first + sampling.BLOCK]).view(-1)
-        got = made.view(-1, 2, sampling.CHUNK // 2)[first : first + sampling.BLOCK].reshape(-1)
-        differ = (got.view(torch.int32) != expected.view(torch.int32)).nonzero()
-        assert differ.numel() == 0, f"{differ.numel()} values differ, the first at {first * sampling.CHUNK + differ[0]}"
+        expected = sampling._box_muller(chunks[first : first + sampling.BLOCK]).view(-1).view(torch.int32)
+        for width, out in made.items():
+            got = out.view(-1, 2, sampling.CHUNK // 2)[first : first + sampling.BLOCK].reshape(-1)
+            differ = (got.view(torch.int32) != expected).nonzero()
+            at = first * sampling.CHUNK + differ[:1].tolist()[0][0] if differ.numel() else None
+            assert differ.numel() == 0, f"width {width}: {differ.numel()} values differ, the first at {at}"
 
 
 def test_few_draws_and_other_dtypes_and_layouts_are_normal_too() -> None:
