@@ -53,5 +53,7 @@ def test_the_commands_tree_is_counted_apart_and_its_exit_code_kept(
     assert report["exit_code"] == 3 and not list(tmp_path.glob("*.tmp"))
 
     assert main(["--out", str(out), "--", sys.executable, "-c", EXEC_LATER]) == 0
+    # (the tree is this test process's: other tests' helpers it started, a resource tracker, may be in it)
     roles = {row["role"]: row for row in json.loads(out.read_text())["command_tree"]}
-    assert set(roles) == {"stage process: spin"} and roles["stage process: spin"]["cpu_s"] >= 0.5, roles
+    spin = roles.get("stage process: spin", {"processes": 0, "cpu_s": 0.0})
+    assert spin["processes"] == 1 and spin["cpu_s"] >= 0.5, roles
