@@ -28,7 +28,7 @@ import yaml
 
 from flows import prefect_settings
 from flows.prefect_env import wait_until_healthy
-from tasks.core.processes import stop_group
+from tasks.core.processes import stop_group, tune_collector
 
 if TYPE_CHECKING:  # (imported where used: tests/support/first_run.py imports this module)
     from tests.support.first_run import TwoRuns
@@ -43,6 +43,10 @@ os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="lockstep-tests-prefect-")
 # the flows tests run in this process see Prefect as `make run` does. (How OpenMP's threads wait, set
 # before torch loads, is tests/support/cpu_pin.py's.)
 prefect_settings.configure()
+
+# The test process loads torch, MLflow, Prefect and DVC as the entry points do, and has its collector set as
+# theirs is (full collections rare while it imports, none at its exit: tasks/core/processes.py).
+tune_collector()
 
 # The MLflow servers tests start (`make ui`, `make mlflow-server`, the team stack's) run one uvicorn
 # worker, not MLflow's default four: each worker is a process that imports MLflow and opens the store,

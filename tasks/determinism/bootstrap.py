@@ -23,7 +23,7 @@ from typing import Any
 
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import PARAMS_FILE, load_params, with_overrides
-from tasks.core.processes import freeze_at_exit
+from tasks.core.processes import tune_collector
 from tasks.determinism import cpu_mode
 from tasks.determinism.threads import NumThreads, pin_waiting
 
@@ -47,8 +47,9 @@ def prepare(cpu: str | None = None) -> None:
     """The environment torch and numpy read when they load: `determinism.cpu`'s variables (None: the
     mode this process was started in, left as it is) and how OpenMP's threads wait. Before either is
     imported; again later, it changes nothing (a mode torch was not loaded in is refused: CpuModeError).
-    And the process's exit made cheap (processes.py `freeze_at_exit`): every entry point comes here first."""
-    freeze_at_exit()
+    And the collector set for a process that imports large libraries, its full collections rare and none at
+    exit (processes.py `tune_collector`): every entry point comes here first, before those imports."""
+    tune_collector()
     if cpu is not None:
         cpu_mode.pin_env(cpu)
     pin_waiting()
