@@ -80,12 +80,13 @@ def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 30) -> None:
 # object the collector tracks, and CPython runs one whenever 10 middle ones have run and the objects that
 # survived into the oldest generation since the last have grown it by a quarter: while a process imports
 # MLflow, Prefect or torch they do, again and again, and each walk is longer. A stage process ran 5-9 of them
-# (0.3-1.1 s) and a flow run 11 (1.8 s), during their imports, freeing nearly nothing (measured with
-# gc.callbacks on the digits pipeline, 2-core Intel Xeon, 2026-12-05). At 100 they ran 0-1 and 0: `python
-# -m tasks stats` 2.27 -> 1.87 s, evaluate 4.33 -> 3.60 s, export 6.67 -> 5.66 s, a forced flow run 24.2 ->
-# 22.6 s, peak RSS the same (train, compress, preprocess: within 0.5%). Young and middle collections are
-# unchanged, so garbage in reference cycles is still found early; a long-lived process (a sweep's worker,
-# a flow serving for days) still runs full collections, after ten times as many middle ones.
+# (0.3-1.1 s) and a forced flow run 11 (1.8 s), during their imports, freeing nearly nothing (counted with
+# gc.callbacks on the digits pipeline, 2-core Intel Xeon, 2026-12-05). With `prepare` setting 100, `python -m
+# tasks stats` took 1.82 s instead of 2.11, evaluate 3.58 s instead of 4.17 (medians of 6, taking turns), a
+# forced flow run 22.25 s instead of 22.99 (medians of 4), peak RSS the same (train, compress, preprocess:
+# within 0.5%). Young and middle collections are unchanged, so garbage in reference cycles is still found
+# early; a long-lived process (a sweep's worker, a flow serving for days) still runs full collections, after
+# ten times as many middle ones.
 FULL_COLLECTION_EVERY = 100
 
 _freezing_at_exit = False
@@ -97,9 +98,6 @@ def tune_collector() -> None:
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
     freeze_at_exit()
-
-
-_freezing_at_exit = False
 
 
 def freeze_at_exit() -> None:
