@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tasks.core.atomic import write_text
+
 FOLDER = Path(__file__).resolve().parents[2] / "test-artifacts"
 _rows: list[tuple[str, float, float, float]] = []  # (test, wall s, own CPU s, reaped children's CPU s)
 
@@ -42,12 +44,22 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     _rows.append((item.nodeid, round(wall, 2), round(own_after - own, 2), round(children_after - children, 2)))
 
 
+def _folder(config: pytest.Config) -> Path:
+    return config.rootpath / FOLDER.name  # the run's test-artifacts/ (the project's: FOLDER)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, before any worker writes: no earlier run's files
+        for stale in _folder(config).glob("test-cpu-*.json"):  # (a run on more workers left one more)
+            stale.unlink()
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if _rows:  # in the run's test-artifacts/ (the project's: FOLDER)
-        folder = session.config.rootpath / FOLDER.name
+    if _rows:
+        folder = _folder(session.config)
         folder.mkdir(exist_ok=True)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        (folder / f"test-cpu-{worker}.json").write_text(json.dumps(_rows) + "\n")
+        write_text(folder / f"test-cpu-{worker}.json", json.dumps(_rows) + "\n")
 
 
 def table(folder: Path, top: int) -> str:
