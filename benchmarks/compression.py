@@ -24,6 +24,7 @@ from tasks.core.config.ship import COMPRESSION_VARIANTS, CompressConfig
 from tasks.determinism.bootstrap import start
 from tasks.determinism.threads import resolve
 
+INT8_SPEEDUP = 1.5  # static int8 over fp32 at batch 64 (issue 69; 1.3 before)
 SMOKE_VARIANTS = ("static_int8", "pruned_l1")  # B6-size, B6-speed and B6-acc; B6-pruned
 # What else ORT's static int8 could be, timed against fp32 beside what static_int8 ships
 # (tasks/ship/quantize.py STATIC_INT8): the issue asks which options and threads decide its speed.
@@ -92,8 +93,8 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
             "static int8 latency vs fp32 (ONNX Runtime, batch 64)",
             b64["static_int8"] / 1000,
             b64["fp32"] / 1000,
-            ">= 1.3x faster (<= 0.769x)",
-            b64["static_int8"] * 1.3 <= b64["fp32"],
+            f">= {INT8_SPEEDUP:g}x faster (<= {1 / INT8_SPEEDUP:.3f}x)",
+            b64["static_int8"] * INT8_SPEEDUP <= b64["fp32"],
             details={
                 "runs": {name: [r[name] / 1000 for r in speed] for name in sessions},
                 "runs_per_round": runs,

@@ -31,7 +31,8 @@ from tasks.core.config.params import STAGES
 from tasks.core.config.yaml_io import set_params
 
 BUDGET_S = {"dvc": 2.0, "flow": 3.0}
-B2_TARGETS = {1: 1.5, 20: 1.1}  # dataset scale -> the most the flow may cost, as a multiple of plain
+# dataset scale -> the most the flow may cost, as a multiple of plain (issue 69: 1.5 and 1.1 before)
+B2_TARGETS = {1: 1.2, 20: 1.05}
 # The smoke run's params: the pipeline's cost after a tiny run is not what it checks, only that it runs.
 SMOKE = {
     "train.epochs": 1,

@@ -45,6 +45,8 @@ from tasks.train.devices import resolve_device
 from tasks.train.loop import build_training
 from tasks.train.models import build_model, to_float
 
+B4_TARGET = 1.03  # tracking on / off, in the flow's process (issue 69; 1.05 before)
+
 
 class TutorialDigits(Dataset):
     """What torchvision's MNIST/FashionMNIST datasets do per sample: array -> PIL -> transform."""
@@ -303,11 +305,11 @@ def b4(
         "train stage: MLflow tracking on vs off (in the flow's process)",
         median(flow["on"]),
         median(flow["off"]),
-        "<= 1.05x",
+        f"<= {B4_TARGET:g}x",
         None,
         details={"runs": flow},
     )
-    in_flow.met = in_flow.ratio <= 1.05
+    in_flow.met = in_flow.ratio <= B4_TARGET
     per_process = Figure(
         "B4-dvc",
         "train stage: tracking on vs off (`python -m tasks train`, fresh process)",
