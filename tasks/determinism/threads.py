@@ -10,7 +10,8 @@ In portable mode the weights do not depend on the thread count (tasks/determinis
 products by shape), so `auto` also leaves out the cores that other processes keep busy when the
 process starts (`idle_cores`): two threads beside one busy process wait on each other at every
 parallel region, several times slower than one thread. What this process and the processes it
-started do is its own job, not another's load. In native mode the count changes the
+started do is its own job, not another's load; what processes run well below this one's priority
+(`background_seconds`) is no load either. In native mode the count changes the
 weights, so it follows only the cores given: a run records the count it used (the fingerprint's
 `hw.threads`), and a sweep fixes one count for all its trials (flows/sweep.py).
 """
@@ -96,14 +97,14 @@ def idle_cores(
     ticks_per_s: int | None = None,
 ) -> int | None:
     """How many of this process's cores were idle over the next `window_s` seconds (while this process
-    sleeps), or busy only with its own job (`job_seconds`), rounded; None where the kernel does not say
-    (no /proc/stat).
+    sleeps), or busy only with its own job (`job_seconds`) or with background work (`background_seconds`),
+    rounded; None where the kernel does not say (no /proc/stat).
 
     Why its job counts as idle: a flow run's stages start right after the one before ended, when the
     flow's own Prefect server records that task. Counted as another's load, that tenth of a second made
     the next stage compute with 1 thread of 2 at 6 of the 12 starts of a torch stage (three forced `make run`s on a
     quiet 2-core Intel Xeon, 2026-12-05), for the whole stage."""
-    job = job or job_seconds
+    job = job or _yielding_seconds
     try:
         before, job_before = _cpu_times(read()), job()
         time.sleep(window_s)
@@ -118,7 +119,7 @@ def idle_cores(
         ticks += total
     window = ticks / len(cores) if cores else 0
     if window > 0:  # the job's seconds over the window, in cores' worth
-        ours = sum(job_after[pid] - job_before[pid] for pid in job_after.keys() & job_before.keys())
+        ours = _seconds_between(job_before, job_after)
         idle = min(len(cores), idle + ours * (ticks_per_s or os.sysconf("SC_CLK_TCK")) / window)
     return int(idle + 0.5)
 
@@ -135,6 +136,39 @@ def job_seconds() -> dict[int, float]:
             continue
         seconds[child.pid] = times.user + times.system
     return seconds
+
+
+# A process at least this much nicer than this one gives its core up whenever this one's threads want it
+# (the kernel weighs nice 10 at a tenth of nice 0), so its work is no reason to take fewer threads. Measured
+# on the 2-core Intel Xeon, a resnet9 step of 64 RGB images of 32x32 in portable mode beside one process
+# spinning on a core (2026-12-06): at nice 10, 0.18 s on 2 threads against 0.22 on 1; at nice 5 even (0.24,
+# 0.23); at nice 2, as at ours, 2 threads lose (0.28 against 0.22): benchmarks/results/threads-niced.json.
+# /proc/stat's nice column lumps every positive niceness together, so the nicer processes are looked at one
+# by one.
+BACKGROUND_NICE = 10
+
+
+def background_seconds() -> dict[int, float]:
+    """The CPU seconds (user + system) of each process running at least BACKGROUND_NICE nicer than this
+    one, by pid: background work, whose cores this process's threads get whenever they want them."""
+    floor = os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE
+    seconds = {}
+    for proc in psutil.process_iter(["nice", "cpu_times"]):  # (None where a process may not be read)
+        nice, times = proc.info["nice"], proc.info["cpu_times"]
+        if nice is not None and times is not None and nice >= floor:
+            seconds[proc.pid] = times.user + times.system
+    return seconds
+
+
+def _yielding_seconds() -> dict[int, float]:
+    """What idle_cores counts as idle beside the idle ticks: its own job's and background work's seconds."""
+    return {**background_seconds(), **job_seconds()}
+
+
+def _seconds_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two readings by the processes in both (one that began or ended between
+    them is left out: counted as load, the careful side)."""
+    return sum(after[pid] - before[pid] for pid in after.keys() & before.keys())
 
 
 def _cores() -> set[int]:
@@ -170,10 +204,11 @@ class LoadFollower:
     cores it may take (`ceiling`) less those that other processes kept busy since the last decision.
 
     The kernel counts this process's own work as busy too, so its CPU time is subtracted: its own
-    threads never count against it. Two processes started together each see idle cores and take them
-    all; after their first epoch each sees the other's work, and both settle on a share. When the
-    other finishes, the cores come back. (The count is decided at start by `resolve`, with a short
-    look at /proc/stat; this looks at the whole stretch since.)
+    threads never count against it, nor does background work (`background_seconds`). Two processes
+    started together each see idle cores and take them all; after their first epoch each sees the
+    other's work, and both settle on a share. When the other finishes, the cores come back. (The count
+    is decided at start by `resolve`, with a short look at /proc/stat; this looks at the whole stretch
+    since.)
     """
 
     MIN_WINDOW_S = 0.2  # a shorter stretch is a few clock ticks of /proc/stat: noise
@@ -185,11 +220,15 @@ class LoadFollower:
         read: Callable[[], str] = _proc_stat,
         own: Callable[[], float] = _own_seconds,
         ticks_per_s: int | None = None,
+        background: Callable[[], dict[int, float]] = background_seconds,
     ) -> None:
         self.ceiling = ceiling
-        self._read, self._own = read, own
+        self._read, self._own, self._background = read, own, background
         self._ticks_per_s = ticks_per_s or os.sysconf("SC_CLK_TCK")
         self._last = self._sample()
+        # background_seconds at the last look while niced work ran; the first look is taken now (a few
+        # milliseconds, once): a training beside niced work takes its cores from the first epoch
+        self._niced: dict[int, float] | None = background()
 
     def _sample(self) -> tuple[dict[int, list[int]], float] | None:
         try:
@@ -214,10 +253,22 @@ class LoadFollower:
         if window < self.MIN_WINDOW_S * self._ticks_per_s:
             self._last = before  # judge a longer stretch next time
             return None
-        others = max(0.0, (total - idle) - (own_now - own_before) * self._ticks_per_s) / window  # cores' worth
+        yielded = (own_now - own_before + self._background_since(times_before, times_now, cores)) * self._ticks_per_s
+        others = max(0.0, total - idle - yielded) / window  # cores' worth
         # A core counts as free only if others used under a quarter of it: a thread too many costs far
         # more (its peers wait on it at every parallel region) than a thread too few.
         return max(1, min(self.ceiling, len(cores) - math.ceil(others - self.FREE_BELOW)))
+
+    def _background_since(self, before: dict[int, list[int]], now: dict[int, list[int]], cores: list[int]) -> float:
+        """Seconds background work ran since the last look. Looked for process by process only while
+        /proc/stat's nice column moves (most machines run nothing niced, and a look at every process
+        each epoch would cost them milliseconds for nothing); the first look after niced work began has
+        nothing to compare with, and counts it as load."""
+        if sum(now[cpu][1] - before[cpu][1] for cpu in cores) <= 0:  # (user, nice, system, idle, ...)
+            self._niced = None
+            return 0.0
+        previous, self._niced = self._niced, self._background()
+        return _seconds_between(previous, self._niced) if previous is not None else 0.0
 
 
 # The thread pools' own variables, read when each library loads: OpenMP's (torch's pool), MKL's, OpenBLAS's (numpy's)

@@ -70,10 +70,10 @@ def test_num_threads_is_a_count_or_auto(value: object) -> None:
         Params.model_validate({"determinism": {"num_threads": value}})
 
 
-def _stat(cores: dict[int, tuple[int, int]]) -> str:
-    """/proc/stat with each core's (busy, idle) jiffies."""
+def _stat(cores: dict[int, tuple[int, ...]]) -> str:
+    """/proc/stat with each core's (busy, idle) jiffies, or (busy, idle, niced): busy at a positive nice."""
     lines = ["cpu  1 2 3 4 5 0 0 0 0 0"]
-    lines += [f"cpu{n} {busy} 0 0 {idle} 0 0 0 0 0 0" for n, (busy, idle) in cores.items()]
+    lines += [f"cpu{n} {c[0]} {c[2] if len(c) > 2 else 0} 0 {c[1]} 0 0 0 0 0 0" for n, c in cores.items()]
     return "\n".join([*lines, "intr 1 2 3", "ctxt 5"]) + "\n"
 
 
@@ -183,6 +183,67 @@ def test_a_follower_leaves_out_what_others_kept_busy_and_takes_it_back(monkeypat
     )
     spend(ours=[100, 0], others=[0, 0], idle=[0, 100])
     assert one.count() == 1  # never above the cores given (and this process's share of them)
+
+
+def test_a_follower_takes_the_cores_of_background_work_but_not_of_niced_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work at a positive nice (/proc/stat's nice column) yields only if its processes run BACKGROUND_NICE
+    nicer than this one (`background_seconds`, by pid); the first look at it has nothing to compare
+    with and counts it as load. While nothing runs niced, no process is looked at."""
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    jiffies = {0: [0, 0, 0], 1: [0, 0, 0]}  # (busy, idle, niced) per core
+    background = {7: 0.0}  # a nice-19 process's seconds
+    looked = []
+
+    def seconds() -> dict[int, float]:
+        looked.append(True)
+        return dict(background)
+
+    def spend(ours: int, niced: int, of_background: float) -> None:  # ticks on core 0 and on core 1
+        jiffies[0][0] += ours
+        jiffies[1][2] += niced
+        background[7] += of_background
+
+    follower = threads.LoadFollower(
+        2,
+        read=lambda: _stat({k: tuple(v) for k, v in jiffies.items()}),
+        own=lambda: jiffies[0][0] / 100,  # this process's threads: core 0's busy ticks
+        ticks_per_s=100,
+        background=seconds,
+    )
+    assert len(looked) == 1  # made: a first look, so that work niced from the start is seen as such
+    spend(ours=100, niced=100, of_background=1.0)
+    assert follower.count() == 2  # the background process's second: its core is ours when we want it
+    spend(ours=100, niced=0, of_background=0)
+    assert follower.count() == 2 and len(looked) == 2  # nothing ran niced: no look at every process
+    spend(ours=100, niced=100, of_background=1.0)
+    assert follower.count() == 1 and len(looked) == 3  # niced again: nothing to compare with, so load
+    spend(ours=100, niced=100, of_background=1.0)
+    assert follower.count() == 2
+    spend(ours=100, niced=100, of_background=0.0)  # niced work of a process not nice enough (a peer)
+    assert follower.count() == 1
+
+
+NICE_HOG = "import os; os.nice({nice})\nwhile True: pass"
+
+
+def test_background_work_is_the_processes_at_least_background_nice_nicer_than_this_one() -> None:
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    if ours + threads.BACKGROUND_NICE > 19:
+        pytest.skip(f"this process runs at nice {ours}: no process can be {threads.BACKGROUND_NICE} nicer")
+    hogs = {
+        nice: subprocess.Popen([sys.executable, "-c", NICE_HOG.format(nice=nice)])
+        for nice in (2, threads.BACKGROUND_NICE)
+    }
+    try:
+        time.sleep(0.5)  # started, reniced and spinning
+        seen = threads.background_seconds()
+        assert hogs[threads.BACKGROUND_NICE].pid in seen and seen[hogs[threads.BACKGROUND_NICE].pid] > 0
+        assert hogs[2].pid not in seen  # 2 nicer: its work slows ours (a peer's load)
+        assert os.getpid() not in seen
+    finally:
+        for hog in hogs.values():
+            hog.kill()
+            hog.wait()
 
 
 @pytest.mark.slow
