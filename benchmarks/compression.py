@@ -77,7 +77,20 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
         size: [median_latency_ms(sessions, latency_batch(test, size), runs, warmup=10) for _ in range(rounds)]
         for size in (64, 1)
     }
-    b64, b1 = ({name: statistics.median(r[name] for r in speed[size]) for name in sessions} for size in (64, 1))
+
+    def _speed_figure(name: str, size: int, extra: dict | None = None) -> Figure:
+        """static int8's latency against fp32's at batch `size` (medians of the rounds), held to INT8_SPEEDUP."""
+        median_ms = {session_name: statistics.median(r[session_name] for r in speed[size]) for session_name in sessions}
+        runs_s = {session_name: [r[session_name] / 1000 for r in speed[size]] for session_name in sessions}
+        return Figure(
+            name,
+            f"static int8 latency vs fp32 (ONNX Runtime, batch {size})",
+            median_ms["static_int8"] / 1000,
+            median_ms["fp32"] / 1000,
+            f">= {INT8_SPEEDUP:g}x faster (<= {1 / INT8_SPEEDUP:.3f}x)",
+            median_ms["static_int8"] * INT8_SPEEDUP <= median_ms["fp32"],
+            details={"runs": runs_s, "runs_per_round": runs, **(extra or {})},
+        )
 
     options = int8_options(work, threads, pre, cfg, p.seed, SMOKE_INT8_OPTIONS if smoke else tuple(INT8_OPTIONS), runs)
     table = markdown_table(result.rows)
@@ -92,28 +105,8 @@ def b6(work: Path, rounds: int, runs: int, smoke: bool = False) -> list[Figure]:
             unit="B",
             details={"table_md": table, "rows": [vars(r) for r in result.rows]},
         ),
-        Figure(
-            "B6-speed",
-            "static int8 latency vs fp32 (ONNX Runtime, batch 64)",
-            b64["static_int8"] / 1000,
-            b64["fp32"] / 1000,
-            f">= {INT8_SPEEDUP:g}x faster (<= {1 / INT8_SPEEDUP:.3f}x)",
-            b64["static_int8"] * INT8_SPEEDUP <= b64["fp32"],
-            details={
-                "runs": {name: [r[name] / 1000 for r in speed[64]] for name in sessions},
-                "runs_per_round": runs,
-                "int8_options": options,
-            },
-        ),
-        Figure(
-            "B6-speed-b1",
-            "static int8 latency vs fp32 (ONNX Runtime, batch 1)",
-            b1["static_int8"] / 1000,
-            b1["fp32"] / 1000,
-            f">= {INT8_SPEEDUP:g}x faster (<= {1 / INT8_SPEEDUP:.3f}x)",
-            b1["static_int8"] * INT8_SPEEDUP <= b1["fp32"],
-            details={"runs": {name: [r[name] / 1000 for r in speed[1]] for name in sessions}, "runs_per_round": runs},
-        ),
+        _speed_figure("B6-speed", 64, {"int8_options": options}),
+        _speed_figure("B6-speed-b1", 1),
         Figure(
             "B6-acc",
             "static int8 test accuracy vs fp32",
