@@ -3,6 +3,7 @@
     python -m benchmarks.defaults_vs_sweep oxygen_icons [--work DIR] [--set sweep.trials=4 ...]
     python -m benchmarks.defaults_vs_sweep mnist5k --defaults-only
     python -m benchmarks.defaults_vs_sweep fashion_mnist --collect     # the row again from DIR/<set>/
+    python -m benchmarks.defaults_vs_sweep twemoji --seeds 1,2         # both recipes under other seeds
 
 As a user would, in a copy of the repository's tracked files (benchmarks/pipeline_overhead.py
 `project_copy`): params.yaml pointed at the set's folder (`make real-sets`; the imagefolder source, the
@@ -16,6 +17,8 @@ accuracy, macro recall, epochs and train seconds (the sum of its epoch lines' cl
 its winner's test accuracy, and the points between them. Everything a row reads is kept in DIR/<set>/
 (`defaults.log`, `defaults-metrics.json`, `winner-metrics.json`, the project; DIR is
 artifacts/bench-defaults-vs-sweep unless given), so `--collect` writes it again without training.
+`--seeds` trains the defaults and the winner again under other training seeds in DIR/<set>/seeds/
+(benchmarks/train_seeds.py), and the row then gives each recipe's mean beside its single run.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import train_seeds
 from benchmarks.harness import RESULTS, ROOT, machine
 from benchmarks.pipeline_overhead import project_copy
 from benchmarks.real_sets.sets import SETS
@@ -122,6 +126,15 @@ def row(name: str, folder: Path) -> dict[str, Any]:
     if not (folder / "winner-metrics.json").exists():
         return result | {"sweeps": []}
     study, winner = _study(project), json.loads((folder / "winner-metrics.json").read_text())  # (a winner)
+    if (folder / "seeds").exists():
+        # the row's own two trainings: the defaults' under the top-level seed (train.seed null), the winner's
+        # under the seed its trial was given
+        seed = load_params(project / "params.yaml").train_seed
+        own = {
+            "defaults": {seed: train_seeds.scores(metrics)},
+            "winner": {study["best"]["seed"]: train_seeds.scores(winner)},
+        }
+        result["train_seeds"] = train_seeds.summary(folder / "seeds", own)
     finished = sorted(t["seconds"] for t in study["trials"] if t["state"] == "complete")
     sweep = {
         "study": study["study"],
@@ -138,6 +151,13 @@ def row(name: str, folder: Path) -> dict[str, Any]:
     return result | {"sweeps": [sweep], "sweep_best_minus_defaults_points": gap}
 
 
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(seed) for seed in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds {text!r}: expected integers separated by commas, e.g. 1,2") from None
+
+
 def merged(report: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """`report` with `new` in place of the row of its set (or after the others)."""
     rows = [r for r in report.get("rows", []) if r["set"] != new["set"]]
@@ -151,10 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--defaults-only", action="store_true", help="no sweep (a set the defaults nearly ace)")
     parser.add_argument("--collect", action="store_true", help="the row from what an earlier run left in --work")
+    parser.add_argument(
+        "--seeds", type=_seeds, metavar="N,N", help="after a run: the defaults and the winner under these train seeds"
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     work = args.work.resolve()
-    folder = work / args.set if args.collect else run_set(args.set, work, args.overrides, not args.defaults_only)
+    if args.seeds:
+        project, env = project_copy(work / args.set, smoke=False, first_run=False)  # (the run's: it exists)
+        train_seeds.run(project, work / args.set / "seeds", args.seeds, _study(project)["best"], env)
+    collect = args.collect or args.seeds
+    folder = work / args.set if collect else run_set(args.set, work, args.overrides, not args.defaults_only)
     new = row(args.set, folder)
     report = json.loads(args.out.read_text()) if args.out.exists() else {}
     write_text(args.out, json.dumps(merged(report, new), indent=1) + "\n")

@@ -1,0 +1,97 @@
+"""benchmarks/train_seeds.py's bookkeeping (issue 70.2 under other training seeds): what a training copy
+holds, which copies train again, and the means the row reports. The trainings themselves are an hour
+of a real set each (benchmarks/results/real-sets-sweeps.json), not a test."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import train_seeds
+from benchmarks.defaults_vs_sweep import _seeds
+from tasks.core.config.yaml_io import load_params
+from tests.conftest import ROOT
+
+WINNER = {"params": {"train.lr": 0.0123, "train.weight_decay": 0.0056, "train.label_smoothing": 0.0}, "seed": 7}
+
+
+def _project(root: Path) -> Path:
+    project = root / "project-x1"
+    for rel in ("artifacts/sweep/lockstep/trial-0000", "artifacts/preprocessed", "mlartifacts/1", "data/cat"):
+        (project / rel).mkdir(parents=True)
+    (project / "artifacts/preprocessed/train_images.npy").write_bytes(b"x")
+    (project / "mlflow.db").write_bytes(b"x")
+    shutil.copy2(ROOT / "params.yaml", project / "params.yaml")
+    return project
+
+
+def _evaluated(copy: Path, accuracy: float, macro_recall: float) -> None:
+    metrics = copy / train_seeds.METRICS
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text(json.dumps({"accuracy": accuracy, "macro_recall": macro_recall, "num_samples": 252}))
+
+
+def test_a_copy_keeps_the_data_drops_the_sweep_and_store_and_trains_alone_untracked(tmp_path: Path) -> None:
+    project = _project(tmp_path)
+    copy = tmp_path / "seeds" / "winner-3"
+    train_seeds.copy_project(project, copy, {**WINNER["params"], "train.seed": 3})
+    assert (copy / "artifacts/preprocessed/train_images.npy").read_bytes() == b"x"
+    assert (copy / "data/cat").is_dir()
+    for gone in ("artifacts/sweep", "mlartifacts", "mlflow.db"):
+        assert not (copy / gone).exists(), gone
+    params = load_params(copy / "params.yaml")
+    assert (params.tracking.enabled, params.determinism.num_threads, params.train.seed) == (False, 1, 3)
+    assert (params.train.lr, params.train.weight_decay, params.train.label_smoothing) == (0.0123, 0.0056, 0.0)
+    assert load_params(project / "params.yaml").train.seed is None  # the set's own project untouched
+
+
+def test_only_copies_not_yet_evaluated_train_and_a_half_done_one_starts_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project, folder = _project(tmp_path), tmp_path / "seeds"
+    _evaluated(folder / "defaults-1", 0.68, 0.62)  # finished earlier
+    (folder / "winner-1" / "artifacts/train").mkdir(parents=True)  # stopped mid-training
+    (folder / "winner-1" / "artifacts/train/last.safetensors").write_bytes(b"half")
+    trained: list[str] = []
+    monkeypatch.setattr(train_seeds, "train_and_evaluate", lambda copy, env: trained.append(copy.name))
+    train_seeds.run(project, folder, [1, 2], WINNER, env={})
+    assert sorted(trained) == ["defaults-2", "winner-1", "winner-2"]
+    assert not (folder / "winner-1" / "artifacts/train/last.safetensors").exists()
+    assert load_params(folder / "winner-2" / "params.yaml").train.lr == 0.0123
+    assert load_params(folder / "defaults-2" / "params.yaml").train.lr == load_params(project / "params.yaml").train.lr
+
+
+def test_a_failed_training_stops_the_run_naming_its_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(copy: Path, env: dict[str, str]) -> None:
+        raise RuntimeError(f"`python -m tasks train` exited 1 in {copy}")
+
+    monkeypatch.setattr(train_seeds, "train_and_evaluate", fails)
+    with pytest.raises(RuntimeError, match="defaults-5"):
+        train_seeds.run(_project(tmp_path), tmp_path / "seeds", [5], None, env={})
+
+
+def test_the_summary_gives_each_recipes_seeds_and_means_and_the_gap_in_points(tmp_path: Path) -> None:
+    folder = tmp_path / "seeds"
+    _evaluated(folder / "defaults-1", 0.70, 0.64)
+    _evaluated(folder / "defaults-2", 0.66, 0.60)
+    _evaluated(folder / "winner-1", 0.69, 0.63)
+    _evaluated(folder / "winner-2", 0.71, 0.65)
+    own = {
+        "defaults": {42: {"test_accuracy": 0.67, "macro_recall": 0.61}},
+        "winner": {7: {"test_accuracy": 0.70, "macro_recall": 0.64}},
+    }
+    out = train_seeds.summary(folder, own)
+    assert list(out["defaults"]["seeds"]) == ["1", "2", "42"]
+    assert out["defaults"]["mean_test_accuracy"] == pytest.approx((0.70 + 0.66 + 0.67) / 3)
+    assert out["winner"]["mean_macro_recall"] == pytest.approx((0.63 + 0.65 + 0.64) / 3)
+    assert out["winner_minus_defaults_points"] == pytest.approx(100 * (0.70 - 0.67666667), abs=0.01)
+
+
+def test_seeds_are_integers_separated_by_commas() -> None:
+    assert _seeds("1,2") == [1, 2]
+    with pytest.raises(argparse.ArgumentTypeError, match="--seeds '1,x': expected integers"):
+        _seeds("1,x")
