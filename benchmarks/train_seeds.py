@@ -30,9 +30,18 @@ from typing import Any
 
 from tasks.core.config.yaml_io import set_params
 
-# What a training copy leaves out of the set's project: the sweep's trials, MLflow's store, the stages
-# after evaluate. Their data and preprocessed splits are what it trains on.
-LEFT_OUT = ("artifacts/sweep", "artifacts/compress", "artifacts/export", "artifacts/train-resume", "mlartifacts")
+# What a training copy leaves out of the set's project: the sweep's trials, MLflow's store, and every output
+# of train and the stages after it (an evaluation already there would pass for the copy's own). Its data
+# and preprocessed splits are what it trains on.
+LEFT_OUT = (
+    "artifacts/train",
+    "artifacts/train-resume",
+    "artifacts/evaluate",
+    "artifacts/compress",
+    "artifacts/export",
+    "artifacts/sweep",
+    "mlartifacts",
+)
 METRICS = "artifacts/evaluate/metrics.json"
 
 

@@ -23,6 +23,8 @@ def _project(root: Path) -> Path:
     project = root / "project-x1"
     for rel in ("artifacts/sweep/lockstep/trial-0000", "artifacts/preprocessed", "mlartifacts/1", "data/cat"):
         (project / rel).mkdir(parents=True)
+    _evaluated(project, 0.67, 0.61)  # the set's own defaults, evaluated
+    (project / "artifacts/train").mkdir()
     (project / "artifacts/preprocessed/train_images.npy").write_bytes(b"x")
     (project / "mlflow.db").write_bytes(b"x")
     shutil.copy2(ROOT / "params.yaml", project / "params.yaml")
@@ -41,7 +43,7 @@ def test_a_copy_keeps_the_data_drops_the_sweep_and_store_and_trains_alone_untrac
     train_seeds.copy_project(project, copy, {**WINNER["params"], "train.seed": 3})
     assert (copy / "artifacts/preprocessed/train_images.npy").read_bytes() == b"x"
     assert (copy / "data/cat").is_dir()
-    for gone in ("artifacts/sweep", "mlartifacts", "mlflow.db"):
+    for gone in ("artifacts/sweep", "mlartifacts", "mlflow.db", "artifacts/train", "artifacts/evaluate"):
         assert not (copy / gone).exists(), gone
     params = load_params(copy / "params.yaml")
     assert (params.tracking.enabled, params.determinism.num_threads, params.train.seed) == (False, 1, 3)
