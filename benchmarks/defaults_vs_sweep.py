@@ -153,9 +153,12 @@ def row(name: str, folder: Path) -> dict[str, Any]:
 
 def _seeds(text: str) -> list[int]:
     try:
-        return [int(seed) for seed in text.split(",")]
+        seeds = [int(seed) for seed in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--seeds {text!r}: expected integers separated by commas, e.g. 1,2") from None
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"--seeds {text!r}: expected integers >= 0 separated by commas, e.g. 1,2")
+    return seeds
 
 
 def merged(report: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = args.work.resolve()
     if args.seeds:
-        project, env = project_copy(work / args.set, smoke=False, first_run=False)  # (the run's: it exists)
+        if not (work / args.set / "project-x1" / "dvc.lock").exists():  # else project_copy would start a new one
+            raise SystemExit(f"--seeds: {work / args.set}/project-x1 has no run of the set: run its row first")
+        project, env = project_copy(work / args.set, smoke=False, first_run=False)  # (the run's)
         train_seeds.run(project, work / args.set / "seeds", args.seeds, _study(project)["best"], env)
     collect = args.collect or args.seeds
     folder = work / args.set if collect else run_set(args.set, work, args.overrides, not args.defaults_only)

@@ -41,6 +41,7 @@ LEFT_OUT = (
     "artifacts/export",
     "artifacts/sweep",
     "mlartifacts",
+    "mlflow.db",
 )
 METRICS = "artifacts/evaluate/metrics.json"
 
@@ -57,7 +58,7 @@ def scores(metrics: dict[str, Any]) -> dict[str, float]:
 
 def copy_project(project: Path, dest: Path, overrides: dict[str, Any]) -> None:
     """`project` without what LEFT_OUT names, in `dest`, with `overrides`, tracking off and one thread."""
-    skipped = {project / rel for rel in LEFT_OUT} | {project / "mlflow.db"}
+    skipped = {project / rel for rel in LEFT_OUT}
     shutil.copytree(project, dest, ignore=lambda folder, names: [n for n in names if Path(folder, n) in skipped])
     set_params(dest / "params.yaml", {"tracking.enabled": False, "determinism.num_threads": 1, **overrides})
 

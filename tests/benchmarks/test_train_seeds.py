@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import train_seeds
-from benchmarks.defaults_vs_sweep import _seeds
+from benchmarks.defaults_vs_sweep import _seeds, main
 from tasks.core.config.yaml_io import load_params
 from tests.conftest import ROOT
 
@@ -95,5 +95,12 @@ def test_the_summary_gives_each_recipes_seeds_and_means_and_the_gap_in_points(tm
 
 def test_seeds_are_integers_separated_by_commas() -> None:
     assert _seeds("1,2") == [1, 2]
-    with pytest.raises(argparse.ArgumentTypeError, match="--seeds '1,x': expected integers"):
-        _seeds("1,x")
+    for bad in ("1,x", "1,-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"--seeds '{bad}': expected integers >= 0"):
+            _seeds(bad)
+
+
+def test_seeds_of_a_set_never_run_are_refused_and_nothing_is_created(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="has no run of the set: run its row first"):
+        main(["twemoji", "--seeds", "1", "--work", str(tmp_path), "--out", str(tmp_path / "out.json")])
+    assert list(tmp_path.iterdir()) == []
