@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows import prefect_env, prefect_settings
+from flows import prefect_env, prefect_settings, project_server
 from tasks.core.cli import exit_code
 from tasks.core.config.params import is_params_key
 from tasks.core.config.policy import API_OVERRIDABLE, REMOTE_KEYS
@@ -79,12 +79,16 @@ def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:
 
 @contextmanager
 def local_server(host: str, port: int) -> Iterator[prefect_env.LocalServer]:
-    """`prefect server start` on host:port for the block, answering; stopped on exit."""
+    """`prefect server start` on host:port for the block, answering; stopped on exit. While it runs, the
+    project's other commands (`make run`, `make sweep`) run against it (flows/project_server.py)."""
     server = prefect_env.LocalServer(host, port, die_with_parent=True)  # also if serve is SIGKILLed
+    home = prefect_env.prefect_home()
     try:
         server.wait()
+        project_server.record(home, host, server.port, server.proc.pid)
         yield server
     finally:
+        project_server.forget(home, server.proc.pid)
         server.stop()
 
 

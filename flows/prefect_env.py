@@ -34,7 +34,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from flows import prefect_settings
+from flows import prefect_settings, project_server
 from tasks.core.config.base import OverrideRefused
 from tasks.core.errors import ExpectedFailure
 from tasks.core.processes import stop_group
@@ -158,7 +158,8 @@ AUTH_USER = "lockstep"
 
 @contextmanager
 def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[bool]:
-    """Flows called inside run against PREFECT_API_URL if set, else against a server of our own;
+    """Flows called inside run against PREFECT_API_URL if set, else against the project's server if
+    one is running (`make schedule`'s: flows/project_server.py), else against a server of our own;
     yields whether the server is ours (it stops with the process: flows/local_records.py).
 
     Prefect's ephemeral mode would start that server too, but only once a flow is called, after
@@ -169,10 +170,10 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[bool
     then finds nothing stale never needs what it loads (MLflow's client: ~3 of the ~8 CPU-seconds such
     a run took on 2 cores; measured 2026-12-02).
     """
-    server = None
+    server, running = None, None
     if os.environ.get("PREFECT_API_URL"):
         check_api()
-    else:
+    elif (running := project_server.find(prefect_home(), prefect_home() / AUTH_FILE)) is None:
         server = LocalServer(ephemeral=True, quiet=True, die_with_parent=True)
         # Stopped at exit, as Prefect stops its ephemeral server: exit handlers run last-in first-out,
         # so Prefect's log and event workers (registered later) have sent what they hold by then.
@@ -188,12 +189,17 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[bool
         temporary_settings,
     )
 
-    settings = {PREFECT_API_URL: server.wait(), PREFECT_API_AUTH_STRING: server.auth_string} if server else None
+    settings = None
+    if server is not None:
+        settings = {PREFECT_API_URL: server.wait(), PREFECT_API_AUTH_STRING: server.auth_string}
+    elif running is not None:  # the project's server (`make schedule`), found running (project_server.py)
+        settings = {PREFECT_API_URL: running[0], PREFECT_API_AUTH_STRING: running[1]}
     if settings and HEARTBEAT_ENV not in os.environ:
-        # Heartbeats feed a zombie automation on a server (the stack's: ZOMBIE_AUTOMATION); this server is
-        # ours and ends with the process, so none watches them. Prefect's heartbeat thread sleeps in whole
-        # seconds and each flow run waits for it to wake at its end (flow_engine._send_heartbeats, 3.8.8):
-        # up to a second a run (0.99 s in a profiled no-op --reingest run, 2026-12-05).
+        # Heartbeats feed a zombie automation on a server (the stack's: ZOMBIE_AUTOMATION); neither this
+        # process's own server nor the project's has one, so none watches them. Prefect's heartbeat thread
+        # sleeps in whole seconds and each flow run waits for it to wake at its end
+        # (flow_engine._send_heartbeats, 3.8.8): up to a second a run (0.99 s in a profiled no-op
+        # --reingest run, 2026-12-05).
         settings[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
     with temporary_settings(settings) if settings else nullcontext():
         yield server is not None

@@ -6,6 +6,7 @@ server `make run` starts for itself: every listening socket of each command's pr
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
@@ -76,6 +77,9 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path, prefect_data
         api = f"http://127.0.0.1:{ports['prefect']}/api"
         wait_for_deployment(api, repo / ".prefect" / "api-auth", "lockstep-pipeline/nightly", procs["prefect"], 180)
         bound = {name: listening(proc) for name, proc in procs.items()}
+        # where the project's other commands find it (flows/project_server.py), by its loopback URL
+        record = json.loads((repo / ".prefect" / "server.json").read_text())
+        assert record["api_url"] == f"http://127.0.0.1:{ports['prefect']}/api", record
         serve_tree = psutil.Process(procs["prefect"].pid).children(recursive=True)
         # browsing runs needs no MLflow job runner (GenAI jobs): neither MLflow command starts one
         for name in ("mlflow", "ui"):
@@ -97,6 +101,7 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path, prefect_data
     # every process of serve's tree goes, its Prefect server too (it is not in the group that got the signal)
     _, alive = psutil.wait_procs(serve_tree, timeout=30)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in alive]
+    assert not (repo / ".prefect" / "server.json").exists()  # and its record with it
 
 
 def _command_lines(proc: subprocess.Popen[bytes]) -> list[str]:
