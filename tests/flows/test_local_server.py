@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run
+from tests.conftest import ROOT, run, seed_prefect_home
 
 pytestmark = pytest.mark.slow
 
@@ -64,15 +64,18 @@ with prefect_env.local_api() as own_server:
 """
 
 
-def _probe(tmp_path: Path, **env: str) -> dict[str, list[str]]:
-    done = run([sys.executable, "-c", PROBE], ROOT, PREFECT_HOME=str(tmp_path / "prefect"), **env)
+def _probe(tmp_path: Path, database: Path, **env: str) -> dict[str, list[str]]:
+    home = seed_prefect_home(tmp_path / "prefect", database)  # migrated: the migrations are not the subject
+    done = run([sys.executable, "-c", PROBE], ROOT, PREFECT_HOME=str(home), **env)
     seen = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line.split()}
     seen["log"] = [done.stdout + done.stderr]
     return seen
 
 
-def test_a_local_run_sends_no_heartbeats_unless_the_user_asks_and_waits_for_its_records(tmp_path: Path) -> None:
-    seen = _probe(tmp_path)
+def test_a_local_run_sends_no_heartbeats_unless_the_user_asks_and_waits_for_its_records(
+    tmp_path: Path, prefect_database: Path
+) -> None:
+    seen = _probe(tmp_path, prefect_database)
     assert seen["HEARTBEAT"] == ["None", "OWN", "True"], seen["log"]
     # the flow's one task run was recorded Completed before its server stopped
     assert seen["RECORDED"] == ["True"], seen["log"]
@@ -87,5 +90,5 @@ def test_a_local_run_sends_no_heartbeats_unless_the_user_asks_and_waits_for_its_
     assert seen["GONE"] == ["False"] and "could not be checked" in seen["log"][0], seen["log"]
 
 
-def test_heartbeats_the_user_sets_are_kept(tmp_path: Path) -> None:
-    assert _probe(tmp_path, PREFECT_FLOWS_HEARTBEAT_FREQUENCY="45")["HEARTBEAT"][0] == "45"
+def test_heartbeats_the_user_sets_are_kept(tmp_path: Path, prefect_database: Path) -> None:
+    assert _probe(tmp_path, prefect_database, PREFECT_FLOWS_HEARTBEAT_FREQUENCY="45")["HEARTBEAT"][0] == "45"

@@ -210,7 +210,7 @@ with prefect_env.local_api() as own_server:
 
 
 @pytest.mark.slow
-def test_make_run_reports_to_the_running_make_schedule_server_and_not_after_it_stopped(
+def test_make_run_reports_to_the_running_make_schedule_server_which_takes_its_record_when_stopped(
     tmp_path: Path, prefect_database: Path
 ) -> None:
     home = seed_prefect_home(tmp_path / "prefect", prefect_database)
@@ -240,6 +240,5 @@ def test_make_run_reports_to_the_running_make_schedule_server_and_not_after_it_s
         print(f"a flow run against the running server: {probe_s:.1f} s")
     finally:
         stop_group(serving)  # as Ctrl-C reaches `make schedule`
-    assert not (home / project_server.STATE_FILE).exists()  # the stopped server took its record with it
-    ran = run([sys.executable, "-c", PROBE], ROOT, PREFECT_HOME=str(home)).stdout.split()
-    assert ran[-2:] == ["OWN", "True"] and f":{port}/" not in ran[2], ran
+    # the stopped server took its record with it (a run without one starts its own: the tests above)
+    assert not (home / project_server.STATE_FILE).exists()
