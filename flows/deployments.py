@@ -85,7 +85,7 @@ def local_server(host: str, port: int) -> Iterator[prefect_env.LocalServer]:
     home = prefect_env.prefect_home()
     try:
         server.wait()
-        project_server.record(home, host, server.port, server.proc.pid)
+        project_server.record(home, host, server.port, server.proc.pid, server.auth_string)
         yield server
     finally:
         project_server.forget(home, server.proc.pid)

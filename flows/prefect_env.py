@@ -152,15 +152,16 @@ def ensure_zombie_automation(api_url: str, auth_string: str, heartbeat_s: int) -
     return True
 
 
-AUTH_FILE = "api-auth"  # in PREFECT_HOME: the project server's `user:password`
+AUTH_FILE = project_server.AUTH_FILE
 AUTH_USER = "lockstep"
 
 
 @contextmanager
-def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[bool]:
+def local_api(while_starting: Callable[[], None] | None = None, find_project_server: bool = True) -> Iterator[bool]:
     """Flows called inside run against PREFECT_API_URL if set, else against the project's server if
-    one is running (`make schedule`'s: flows/project_server.py), else against a server of our own;
-    yields whether the server is ours (it stops with the process: flows/local_records.py).
+    one is running (`make schedule`'s: flows/project_server.py) and `find_project_server`, else against
+    a server of our own; yields whether the server is ours (it stops with the process:
+    flows/local_records.py).
 
     Prefect's ephemeral mode would start that server too, but only once a flow is called, after
     importing Prefect's server code into this process (~2.5 s) and then waiting ~3 s for it. Started
@@ -173,7 +174,7 @@ def local_api(while_starting: Callable[[], None] | None = None) -> Iterator[bool
     server, running = None, None
     if os.environ.get("PREFECT_API_URL"):
         check_api()
-    elif (running := project_server.find(prefect_home(), prefect_home() / AUTH_FILE)) is None:
+    elif not find_project_server or (running := project_server.find(prefect_home())) is None:
         server = LocalServer(ephemeral=True, quiet=True, die_with_parent=True)
         # Stopped at exit, as Prefect stops its ephemeral server: exit handlers run last-in first-out,
         # so Prefect's log and event workers (registered later) have sent what they hold by then.

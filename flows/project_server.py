@@ -2,31 +2,35 @@
 
 `make schedule` runs a Prefect server for the project until it is stopped (flows/deployments.py
 `local_server`). A `make run` or `make sweep` in another shell used to start a second server of its own
-on the same database: ~5 CPU-seconds of Prefect's imports before it answers, 5 s of a 26 s digits run on
-2 cores (benchmarks/results/b2-amd-zen3.json: the flow 1.47x the plain stage calls with its own server,
-1.27x against one already running). So the serving process writes where its server is, and the
+on the same database: ~5 CPU-seconds of Prefect's imports before it answers on 2 cores. Against the
+schedule's server a forced digits run took 39.8 s instead of 43.3 s on a Zen 3 EPYC
+(benchmarks/results/b2-amd-zen3.json). So the serving process writes where its server is, and the
 commands run against it while it answers, as they run against PREFECT_API_URL when the user sets it.
 
-What is written, PREFECT_HOME/server.json: the API's loopback URL, the server's PID and the Prefect
-version it runs; not its auth string, which stays in PREFECT_HOME/api-auth (mode 0600). A command sends
-that string only to a server that this file names and that is, by the process table, that PID's
-`prefect server start` listening on that loopback port with the Prefect version installed here;
-anything else (a stale file, another program on the port, an upgrade, a string of the user's own) and
-the command starts its own server, as before, saying why where the file was there but not usable.
+The record, PREFECT_HOME/server.json: the API's loopback port, the server's PID and that process's start
+time, and the Prefect version it runs; not its auth string, which stays in PREFECT_HOME/api-auth (mode
+0600). A command sends that string to the recorded port only if, by the process table, the recorded
+process (same PID, same start time: not a reused PID) is this user's `prefect server start --port PORT`
+listening on that loopback address, no HTTP proxy is configured (the request would go through it), and
+the server then reports the Prefect version installed here. The request is made with http.client: no
+proxy, no redirect. Anything else, and the command starts its own server as before, saying why (at
+INFO where the recorded server has simply stopped). What no check closes: the port freed by a server
+that stops between the checks and the run's later calls, which Prefect's client then sends the string to
+(docs/operations-and-retraining.md).
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
 import os
-import urllib.error
+import stat
 import urllib.request
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import psutil
 
@@ -34,59 +38,15 @@ from tasks.core.atomic import write_text
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "server.json"
-MAX_STATE_BYTES = 4096  # the file is three short fields; anything larger is not ours
-LOOPBACK = ("127.0.0.1", "::1")
+RECORD_FILE = "server.json"
+AUTH_FILE = "api-auth"  # the project server's `user:password`, mode 0600 (prefect_env.project_auth_string)
+MAX_RECORD_BYTES = 4096  # a few short fields; anything larger is not ours
 CHECK_TIMEOUT_S = 2.0  # a server on this machine that does not answer in 2 s is not one to run against
+# The addresses a record may name, and the wildcard a server bound to every address of that family uses
+LOOPBACK = {"127.0.0.1": "0.0.0.0", "::1": "::"}
 
 
-def loopback_url(host: str, port: int) -> str:
-    """The API's URL as a client on this machine reaches it (a server bound to every address included)."""
-    host = "127.0.0.1" if host in ("0.0.0.0", "localhost") else "::1" if host == "::" else host
-    return f"http://{'[' + host + ']' if ':' in host else host}:{port}/api"
-
-
-def record(home: Path, host: str, port: int, pid: int) -> None:
-    """Say that the server `pid` on host:port serves the project whose Prefect state is in `home`
-    (a server bound to another machine's address only is not recorded: the commands reach it by
-    PREFECT_API_URL)."""
-    url = loopback_url(host, port)
-    if urlsplit(url).hostname not in LOOPBACK:
-        return
-    state = {"api_url": url, "pid": pid, "prefect": version("prefect")}
-    write_text(home / STATE_FILE, json.dumps(state) + "\n")
-
-
-def forget(home: Path, pid: int) -> None:
-    """Remove the record of server `pid`, if the file still names it (not a newer server's)."""
-    path = home / STATE_FILE
-    try:
-        if json.loads(path.read_text()).get("pid") == pid:
-            path.unlink()
-    except (OSError, ValueError, AttributeError):
-        pass  # gone, or not a record of ours: nothing of `pid`'s to remove
-
-
-def find(home: Path, auth_file: Path) -> tuple[str, str] | None:
-    """(API URL, auth string) of the project's running server, checked as the module says; None if
-    there is none to run against."""
-    path = home / STATE_FILE
-    if not path.exists():
-        return None
-    try:
-        url, pid = _read(path)
-        auth = _auth_string(auth_file)
-        _check_process(pid, url)
-        _check_answers(url, auth)
-    except _NotUsable as exc:
-        # a server that stopped is the usual reason, and says nothing the user must act on; the others do
-        level = logging.INFO if exc.stopped else logging.WARNING
-        log.log(level, "%s: %s; starting a Prefect server for this run", path, exc)
-        return None
-    return url, auth
-
-
-class _NotUsable(Exception):
+class NotUsable(Exception):
     """Why the recorded server is not one to run against; `stopped`: because it is gone."""
 
     def __init__(self, reason: str, stopped: bool = False) -> None:
@@ -94,67 +54,156 @@ class _NotUsable(Exception):
         self.stopped = stopped
 
 
-def _read(path: Path) -> tuple[str, int]:
+def record(home: Path, host: str, port: int, pid: int, auth_string: str) -> None:
+    """Say that the server `pid` on host:port serves the project whose Prefect state is in `home`.
+
+    Not recorded: a server bound to a non-loopback address of this machine only (the commands reach it
+    by PREFECT_API_URL), or one asking for an auth string other than api-auth's (the user's own, which
+    the commands do not know)."""
+    address = {"0.0.0.0": "127.0.0.1", "localhost": "127.0.0.1", "::": "::1"}.get(host, host)
     try:
-        if path.stat().st_size > MAX_STATE_BYTES:
-            raise _NotUsable(f"larger than {MAX_STATE_BYTES} bytes")
-        state: Any = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise _NotUsable(f"not readable as JSON ({exc})") from None
-    if not isinstance(state, dict):
-        raise _NotUsable("expected a JSON object")
-    url, pid, prefect = state.get("api_url"), state.get("pid"), state.get("prefect")
-    if not isinstance(url, str) or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        raise _NotUsable("expected api_url (a string) and pid (a positive integer)")
-    parts = urlsplit(url)
-    if parts.scheme != "http" or parts.hostname not in LOOPBACK or parts.port is None or parts.path != "/api":
-        raise _NotUsable(f"api_url {url!r} is not http://127.0.0.1:PORT/api (a server elsewhere: set PREFECT_API_URL)")
-    if prefect != version("prefect"):
-        raise _NotUsable(f"the server runs Prefect {prefect}, this environment {version('prefect')}")
-    return url, pid
+        project_string = read_small(home / AUTH_FILE).strip()
+    except NotUsable:
+        return
+    if address not in LOOPBACK or project_string != auth_string:
+        return
+    started = psutil.Process(pid).create_time()
+    entry = {"address": address, "port": port, "pid": pid, "started": started, "prefect": version("prefect")}
+    write_text(home / RECORD_FILE, json.dumps(entry) + "\n")
 
 
-def _auth_string(auth_file: Path) -> str:
+def forget(home: Path, pid: int) -> None:
+    """Remove the record of server `pid`, if the file still names it (not a newer server's)."""
+    path = home / RECORD_FILE
     try:
-        auth = auth_file.read_text().strip()
+        if json.loads(read_small(path)).get("pid") == pid:
+            path.unlink()
+    except (NotUsable, OSError, ValueError, AttributeError):
+        pass  # gone, or not a record of ours: nothing of `pid`'s to remove
+
+
+def find(home: Path) -> tuple[str, str] | None:
+    """(API URL, auth string) of the project's running server, checked as the module says; None if
+    there is none to run against."""
+    path = home / RECORD_FILE
+    if not path.exists():
+        return None
+    try:
+        address, port, pid, started = _read(path)
+        auth = read_small(home / AUTH_FILE).strip()
+        if ":" not in auth:
+            raise NotUsable(f"{home / AUTH_FILE} does not hold 'user:password'")
+        _refuse_proxies()
+        _check_process(pid, started, address, port)
+        _check_answers(address, port, auth)
+    except NotUsable as exc:
+        # a server that stopped is the usual reason, and says nothing the user must act on; the others do
+        level = logging.INFO if exc.stopped else logging.WARNING
+        log.log(level, "%s: %s; starting a Prefect server for this run", path, exc)
+        return None
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{port}/api", auth
+
+
+def read_small(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
+    """A small regular file's text; not a link, a FIFO or a device, whose reads could block or not end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as exc:
-        raise _NotUsable(f"no auth string to send it ({auth_file}: {exc.strerror})") from None
-    if ":" not in auth:
-        raise _NotUsable(f"{auth_file} does not hold 'user:password'")
-    return auth
+        raise NotUsable(f"{path}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotUsable(f"{path} is not a regular file")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise NotUsable(f"{path} is larger than {limit} bytes")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise NotUsable(f"{path} is not text") from None
 
 
-def _check_process(pid: int, url: str) -> None:
-    """That `pid` is a `prefect server start` of this user's, listening on the URL's port."""
-    port = urlsplit(url).port
+def _read(path: Path) -> tuple[str, int, int, float]:
+    try:
+        entry: Any = json.loads(read_small(path))
+    except ValueError as exc:
+        raise NotUsable(f"not readable as JSON ({exc})") from None
+    if not isinstance(entry, dict):
+        raise NotUsable("expected a JSON object")
+    address, port, pid, started = (entry.get(key) for key in ("address", "port", "pid", "started"))
+    if address not in LOOPBACK:
+        raise NotUsable(f"address {address!r} is not 127.0.0.1 or ::1 (a server elsewhere: set PREFECT_API_URL)")
+    if not all(_positive_int(value) for value in (port, pid)) or port > 65535 or not isinstance(started, float):
+        raise NotUsable("expected port and pid (positive integers) and started (a time)")
+    installed = version("prefect")
+    if entry.get("prefect") != installed:
+        raise NotUsable(f"the server runs Prefect {entry.get('prefect')}, this environment {installed}")
+    return address, port, pid, started
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _refuse_proxies() -> None:
+    # Prefect's client (httpx) would send the run's calls, auth string included, through a proxy set in the
+    # environment unless NO_PROXY names the address; rather than second-guess two libraries' bypass rules,
+    # a run with a proxy set starts its own server (a string made for that run alone)
+    proxies = sorted(name for name in urllib.request.getproxies() if name in ("http", "all"))
+    if proxies:
+        raise NotUsable(f"a proxy is set ({', '.join(proxies)}_proxy), through which the auth string would go")
+
+
+def _check_process(pid: int, started: float, address: str, port: int) -> None:
+    """That `pid` is the recorded process, this user's `prefect server start --port PORT`, listening on
+    the recorded address (or its family's wildcard) and port."""
     try:
         process = psutil.Process(pid)
+        if process.create_time() != started:
+            raise NotUsable(f"its server (process {pid}) is gone: the PID is another process's now", stopped=True)
         command = process.cmdline()
         if process.uids().real != os.getuid():
-            raise _NotUsable(f"process {pid} is another user's")
-        # the machine's sockets, this PID's: psutil.net_connections, not Process.net_connections (psutil >= 6)
-        listening = {
-            c.laddr.port for c in psutil.net_connections("inet") if c.pid == pid and c.status == psutil.CONN_LISTEN
-        }
+            raise NotUsable(f"process {pid} is another user's")
+        # the machine's sockets, this PID's: Process.net_connections needs psutil >= 6, pyproject allows 5.9
+        sockets = psutil.net_connections("inet")
+        bound = {(c.laddr.ip, c.laddr.port) for c in sockets if c.pid == pid and c.status == psutil.CONN_LISTEN}
     except psutil.NoSuchProcess:
-        raise _NotUsable(f"its server (process {pid}) is gone", stopped=True) from None
+        raise NotUsable(f"its server (process {pid}) is gone", stopped=True) from None
     except psutil.Error as exc:
-        raise _NotUsable(f"process {pid} cannot be inspected ({type(exc).__name__})") from None
-    words = " ".join(command)
-    if "prefect" not in words or "server start" not in words:
-        raise _NotUsable(f"process {pid} is not a Prefect server")
-    if port not in listening:
-        raise _NotUsable(f"process {pid} does not listen on port {port}")
+        raise NotUsable(f"process {pid} cannot be inspected ({type(exc).__name__})") from None
+    if not (_has(command, "prefect", "server", "start") and _has(command, "--port", str(port))):
+        raise NotUsable(f"process {pid} is not `prefect server start --port {port}`")
+    if not {(address, port), (LOOPBACK[address], port)} & bound:
+        raise NotUsable(f"process {pid} does not listen on {address} port {port}")
 
 
-def _check_answers(url: str, auth: str) -> None:
+def _has(command: list[str], *words: str) -> bool:
+    """Whether `words` appear in `command`, one after another."""
+    return any(command[i : i + len(words)] == list(words) for i in range(len(command)))
+
+
+def _check_answers(address: str, port: int, auth: str) -> None:
+    """That the server answers, with this user's string, the Prefect version installed here."""
+    connection = http.client.HTTPConnection(address, port, timeout=CHECK_TIMEOUT_S)
     headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()}
-    request = urllib.request.Request(f"{url}/admin/version", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=CHECK_TIMEOUT_S) as response:
-            response.read(256)
-    except urllib.error.HTTPError as exc:
-        hint = " (a string of the user's own: set PREFECT_API_URL and PREFECT_API_AUTH_STRING)"
-        raise _NotUsable(f"its server answered HTTP {exc.code}{hint if exc.code in (401, 403) else ''}") from None
-    except OSError as exc:
-        raise _NotUsable(f"its server does not answer ({getattr(exc, 'reason', exc)})") from None
+        connection.request("GET", "/api/admin/version", headers=headers)
+        response = connection.getresponse()
+        body = response.read(256)
+    except (OSError, http.client.HTTPException) as exc:
+        raise NotUsable(f"its server does not answer ({exc})") from None
+    finally:
+        connection.close()
+    if response.status in (401, 403):
+        raise NotUsable(
+            f"its server refused the string in api-auth (HTTP {response.status}): if you gave it one of your own, "
+            "set PREFECT_API_URL and PREFECT_API_AUTH_STRING"
+        )
+    try:
+        reported = json.loads(body)
+    except ValueError:
+        reported = None
+    if response.status != 200 or reported != version("prefect"):
+        raise NotUsable(f"its server answered HTTP {response.status}, {body[:60]!r}: not Prefect {version('prefect')}")

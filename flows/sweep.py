@@ -272,7 +272,10 @@ def _run(args: argparse.Namespace) -> int:
         _check_tracking_reaches(address, params)
     check_store(params.tracking)
     check_storage(os.environ.get(STORAGE_ENV) or params.sweep.storage)
-    with prefect_env.local_api() as own_server:  # the flow writes `overrides` into params.yaml once it holds the lock
+    # Not the project's long-lived server where the trials run on other machines: prefect-dask hands each
+    # trial the run's Prefect settings, auth string included (a string made for this run alone is sent there)
+    api = prefect_env.local_api(find_project_server=not address)
+    with api as own_server:  # the flow writes `overrides` into params.yaml once it holds the lock
         runner = _task_runner(params, address, tls)
         state = sweep.with_options(task_runner=runner)(args.params, args.apply, overrides or None, return_state=True)
         if own_server:  # what its tasks began is recorded before the server stops with this process

@@ -79,7 +79,7 @@ def test_make_targets_bind_to_loopback_unless_asked(tmp_path: Path, prefect_data
         bound = {name: listening(proc) for name, proc in procs.items()}
         # where the project's other commands find it (flows/project_server.py), by its loopback URL
         record = json.loads((repo / ".prefect" / "server.json").read_text())
-        assert record["api_url"] == f"http://127.0.0.1:{ports['prefect']}/api", record
+        assert (record["address"], record["port"]) == ("127.0.0.1", ports["prefect"]), record
         serve_tree = psutil.Process(procs["prefect"].pid).children(recursive=True)
         # browsing runs needs no MLflow job runner (GenAI jobs): neither MLflow command starts one
         for name in ("mlflow", "ui"):
