@@ -13,7 +13,6 @@ server's own origin. `make schedule`'s string is made once and kept in PREFECT_H
 from __future__ import annotations
 
 import atexit
-import base64
 import ctypes
 import os
 import secrets
@@ -217,7 +216,7 @@ def check_api(timeout_s: float = 10) -> None:
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY, PREFECT_API_URL
 
     url, auth, key = (_plain(s.value()) for s in (PREFECT_API_URL, PREFECT_API_AUTH_STRING, PREFECT_API_KEY))
-    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+    headers = {"Authorization": project_server.basic_auth(auth)} if auth else {}
     if key:  # Prefect Cloud's API key
         headers = {"Authorization": f"Bearer {key}"}
     request = urllib.request.Request(f"{url.rstrip('/')}/admin/version", headers=headers)

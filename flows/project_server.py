@@ -88,14 +88,15 @@ def find(home: Path) -> tuple[str, str] | None:
     path = home / RECORD_FILE
     if not path.exists():
         return None
+    installed = version("prefect")
     try:
-        address, port, pid, started = _read(path)
+        address, port, pid, started = _read(path, installed)
         auth = read_small(home / AUTH_FILE).strip()
         if ":" not in auth:
             raise NotUsable(f"{home / AUTH_FILE} does not hold 'user:password'")
         _refuse_proxies()
         _check_process(pid, started, address, port)
-        _check_answers(address, port, auth)
+        _check_answers(address, port, auth, installed)
     except NotUsable as exc:
         # a server that stopped is the usual reason, and says nothing the user must act on; the others do
         level = logging.INFO if exc.stopped else logging.WARNING
@@ -103,6 +104,11 @@ def find(home: Path) -> tuple[str, str] | None:
         return None
     host = f"[{address}]" if ":" in address else address
     return f"http://{host}:{port}/api", auth
+
+
+def basic_auth(auth_string: str) -> str:
+    """The Authorization header's value for a Prefect server's `user:password` auth string."""
+    return "Basic " + base64.b64encode(auth_string.encode()).decode()
 
 
 def read_small(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
@@ -125,7 +131,7 @@ def read_small(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
         raise NotUsable(f"{path} is not text") from None
 
 
-def _read(path: Path) -> tuple[str, int, int, float]:
+def _read(path: Path, installed: str) -> tuple[str, int, int, float]:
     try:
         entry: Any = json.loads(read_small(path))
     except ValueError as exc:
@@ -137,7 +143,6 @@ def _read(path: Path) -> tuple[str, int, int, float]:
         raise NotUsable(f"address {address!r} is not 127.0.0.1 or ::1 (a server elsewhere: set PREFECT_API_URL)")
     if not all(_positive_int(value) for value in (port, pid)) or port > 65535 or not isinstance(started, float):
         raise NotUsable("expected port and pid (positive integers) and started (a time)")
-    installed = version("prefect")
     if entry.get("prefect") != installed:
         raise NotUsable(f"the server runs Prefect {entry.get('prefect')}, this environment {installed}")
     return address, port, pid, started
@@ -184,10 +189,10 @@ def _has(command: list[str], *words: str) -> bool:
     return any(command[i : i + len(words)] == list(words) for i in range(len(command)))
 
 
-def _check_answers(address: str, port: int, auth: str) -> None:
+def _check_answers(address: str, port: int, auth: str, installed: str) -> None:
     """That the server answers, with this user's string, the Prefect version installed here."""
     connection = http.client.HTTPConnection(address, port, timeout=CHECK_TIMEOUT_S)
-    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()}
+    headers = {"Authorization": basic_auth(auth)}
     try:
         connection.request("GET", "/api/admin/version", headers=headers)
         response = connection.getresponse()
@@ -205,5 +210,5 @@ def _check_answers(address: str, port: int, auth: str) -> None:
         reported = json.loads(body)
     except ValueError:
         reported = None
-    if response.status != 200 or reported != version("prefect"):
-        raise NotUsable(f"its server answered HTTP {response.status}, {body[:60]!r}: not Prefect {version('prefect')}")
+    if response.status != 200 or reported != installed:
+        raise NotUsable(f"its server answered HTTP {response.status}, {body[:60]!r}: not Prefect {installed}")
