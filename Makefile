@@ -3,7 +3,14 @@
 # Arguments go to a target one way: make <target> ARGS="..." (e.g. make run ARGS="--set train.epochs=3");
 # a target whose command takes none refuses them (TAKES_NO_ARGS).
 
-PYTHON ?= python3.11
+# The interpreter .venv is made from: the distribution's python3.11 where there is one (Debian's and
+# Ubuntu's are built with profile-guided optimisation and LTO, and link libpython statically), else the
+# first python3.11 on PATH. pyenv's default build is neither, and every process of ours pays its imports
+# through the interpreter: torch's, MLflow's and Prefect's took 3.5 CPU-s against 4.4 (2-core AMD EPYC,
+# 2026-12-06; docs/design-history.md, "The interpreter"). `make env PYTHON=/path/to/python3.11` picks another.
+PYTHON ?= $(or $(wildcard /usr/bin/python3.11),python3.11)
+# uv itself is installed with whichever python3.11 comes first on PATH (that one needs its venv module).
+BOOTSTRAP_PYTHON ?= python3.11
 UV_VERSION := 0.13.8
 UV := .uv/bin/uv
 VENV := .venv
@@ -217,7 +224,7 @@ env: $(STAMP)  ## create or update .venv from uv.lock
 
 # uv itself is bootstrapped into its own small venv, pinned, so nothing global is needed.
 $(UV):
-	$(PYTHON) -m venv .uv
+	$(BOOTSTRAP_PYTHON) -m venv .uv
 	.uv/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
 
 $(STAMP):
