@@ -72,7 +72,7 @@ def _suites(smoke: bool) -> dict[str, Callable[[Path], list[Figure]]]:
         "B1": lambda work: train_epoch.b1_b8(work, rounds=5),  # B8 too: the same set-up
         "B2": lambda work: pipeline_overhead.b2(work, rounds=3, rounds_large=2),
         "B3": lambda work: pipeline_overhead.b3(work, rounds=5),
-        "B4": lambda work: train_epoch.b4(work, rounds=3),
+        "B4": lambda work: train_epoch.b4(work, rounds=6),
         "B5": lambda work: [stats_loop.b5(work, rounds=5)],
         "B6": lambda work: compression.b6(work, rounds=5, runs=50),
         "B7": lambda work: scaling.b7(work),

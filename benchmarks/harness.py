@@ -1,8 +1,10 @@
 """What every benchmark shares: timing by alternation, the figure it reports, the machine it ran on.
 
-Every figure is a ratio of two things measured in the same run: the cases take turns (A, B, A,
-B, ...) after untimed warm-up rounds, so a slow moment of the machine hits both, and the median of
-each is reported. Thread counts are fixed before anything is timed: each benchmark starts its process as
+Every figure is a ratio of two things measured in the same run: the cases take turns after untimed
+warm-up rounds, so a slow moment of the machine hits both, the order reversed each round (A B, B A,
+A B, ...) so that neither always runs first, after the other has warmed or loaded the machine. A
+figure of two paired cases is the median of its rounds' ratios (`paired`); others report each side's
+median. Thread counts are fixed before anything is timed: each benchmark starts its process as
 every entry point does (tasks/determinism/bootstrap.py `start`) with the count it measures at.
 """
 
@@ -64,13 +66,19 @@ def alternate(cases: dict[str, Callable[[], float | None]], rounds: int, warmup:
     """
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(warmup + rounds):
-        for name, case in cases.items():
+        turns = list(cases.items())
+        for name, case in turns if i % 2 == 0 else reversed(turns):
             start = time.perf_counter()
             measured = case()
             elapsed = time.perf_counter() - start if measured is None else measured
             if i >= warmup:
                 times[name].append(elapsed)
     return times
+
+
+def paired(times: dict[str, list[float]], side: str, baseline: str) -> list[float]:
+    """Each round's ratio `side` / `baseline` (`alternate`'s times): a Figure's `round_ratios`."""
+    return [a / b for a, b in zip(times[side], times[baseline], strict=True)]
 
 
 def median(values: list[float]) -> float:

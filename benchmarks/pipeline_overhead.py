@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.data import raw
-from benchmarks.harness import ROOT, Figure, alternate, median, run_timed
+from benchmarks.harness import ROOT, Figure, alternate, median, paired, run_timed
 from tasks.core import layout
 from tasks.core.config.params import STAGES
 from tasks.core.config.yaml_io import set_params
@@ -142,6 +142,7 @@ def _b2_at(work: Path, scale: int, rounds: int, smoke: bool) -> Figure:
         f"<= {target:g}x",
         None,
         details={"runs": times, "stages": list(after)},
+        round_ratios=paired(times, "flow", "plain"),
     )
     figure.met = figure.ratio <= target
     return figure

@@ -7,8 +7,11 @@ B1  the train stage's epoch (uint8 tensors in memory, whole-batch fetches, augme
     threads; the tutorial with the stage's worker count and with 2 (what tutorials write), the
     faster of the two as the baseline. Also timed: the model alone over pre-stacked batches (the
     floor no loop can go under) and each loop's data path without the model (B1-data).
-B4  the train stage (`python -m tasks train`, a fresh process each time) with MLflow tracking on
-    (sqlite store: params, per-epoch metrics, checkpoints as artifacts) vs `tracking.enabled: false`.
+B4  the train stage with MLflow tracking on (sqlite store: params, per-epoch metrics, checkpoints as
+    artifacts) vs `tracking.enabled: false`, as the flow runs it (one process: MLflow imported once)
+    and, B4-dvc, as `dvc repro` does (`python -m tasks train`, a fresh process each time). A stage
+    takes 9-15 s and one run of it differs from the next by up to a tenth on these 2-core VMs, so each
+    figure is the median of its rounds' on/off ratios (harness.paired) over 6 rounds.
 B8  the stage's epoch with the deterministic settings (`tasks.determinism.bootstrap.start`) vs fast
     ones (`pinning.allow_fast_kernels`: nondeterministic algorithms allowed, `cudnn.benchmark`), each set
     before its own epochs (they are the process's); a report on CPU, a target on GPU.
@@ -33,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
 from benchmarks.data import params, prepared
-from benchmarks.harness import ROOT, Figure, alternate, median, run_python
+from benchmarks.harness import ROOT, Figure, alternate, median, paired, run_python
 from tasks.core.config.params import Params
 from tasks.core.config.yaml_io import load_params, with_overrides
 from tasks.data.preprocess import load_split
@@ -251,6 +254,7 @@ def b1_b8(work: Path, rounds: int, warmup: int = 1, max_batches: int | None = No
         "<= 1.3x on a GPU",
         None,
         details={"runs": times, "device": "cuda" if on_gpu else "cpu"},
+        round_ratios=paired(times, "deterministic", "fast"),
     )
     if on_gpu:
         b8.met = b8.ratio <= 1.3
@@ -308,6 +312,7 @@ def b4(
         f"<= {B4_TARGET:g}x",
         None,
         details={"runs": flow},
+        round_ratios=paired(flow, "on", "off"),
     )
     in_flow.met = in_flow.ratio <= B4_TARGET
     per_process = Figure(
@@ -318,6 +323,7 @@ def b4(
         "report (MLflow import per process)",
         None,
         details={"runs": fresh},
+        round_ratios=paired(fresh, "on", "off"),
     )
     return [in_flow, per_process]
 

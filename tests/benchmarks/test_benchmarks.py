@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.__main__ import markdown, unargued_misses
 from benchmarks.compression import SMOKE_INT8_OPTIONS, SMOKE_VARIANTS
-from benchmarks.harness import Figure
+from benchmarks.harness import Figure, alternate, paired
 from benchmarks.portable_cost import SMOKE_STEP_MODELS
 from tests.conftest import ROOT, run
 from tests.support.file_module import load_file
@@ -40,6 +40,16 @@ def test_a_paired_row_is_the_median_of_its_rounds_ratios_not_the_ratio_of_its_me
     pooled.round_ratios = [1.25, 1.2, 1.25]
     assert pooled.ratio == 1.25 and pooled.row()["ratio"] == 1.25
     assert "| 1.250x |" in markdown([pooled], {"cpu": "x", "cores": 2, "python": "3.11", "torch": "2"})
+
+
+def test_the_cases_take_turns_in_reversed_order_each_round_and_pair_round_by_round() -> None:
+    order: list[str] = []
+    seconds = {"a": iter([9.0, 2.0, 3.0, 4.0]), "b": iter([9.0, 1.0, 2.0, 2.0])}
+    cases = {name: (lambda name=name: order.append(name) or next(seconds[name])) for name in seconds}
+    times = alternate(cases, rounds=3, warmup=1)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]  # neither side always runs first
+    assert times == {"a": [2.0, 3.0, 4.0], "b": [1.0, 2.0, 2.0]}  # the warm-up round is not timed
+    assert paired(times, "a", "b") == [2.0, 1.5, 2.0]
 
 
 def test_the_docs_render_the_committed_results_with_the_day_they_were_measured() -> None:
@@ -120,7 +130,7 @@ def test_benchmarks_smoke_run_writes_the_table_and_json(tmp_path: Path) -> None:
     assert all(figures[f"B13-{model}"]["details"]["gflop_per_step"] > 0 for model in SMOKE_STEP_MODELS)
     for name in (n for n in figures if n.startswith("B7")):
         assert figures[name]["details"]["rows"], name
-    for name in ["B9", *(f"B9-{model}" for model in SMOKE_STEP_MODELS)]:  # one round: its ratio, on record
+    for name in ["B4", "B4-dvc", "B8", "B9", *(f"B9-{model}" for model in SMOKE_STEP_MODELS)]:  # one round: its ratio
         assert (
             len(figures[name]["round_ratios"]) == 1 and figures[name]["ratio"] == figures[name]["round_ratios"][0] > 0
         )
