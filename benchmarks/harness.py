@@ -66,14 +66,19 @@ def alternate(cases: dict[str, Callable[[], float | None]], rounds: int, warmup:
     """
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(warmup + rounds):
-        turns = list(cases.items())
-        for name, case in turns if i % 2 == 0 else reversed(turns):
+        for name in in_turn(list(cases), i):
+            case = cases[name]
             start = time.perf_counter()
             measured = case()
             elapsed = time.perf_counter() - start if measured is None else measured
             if i >= warmup:
                 times[name].append(elapsed)
     return times
+
+
+def in_turn(names: list[str], turn: int) -> list[str]:
+    """The cases' order in round `turn`: as given in even rounds, reversed in odd ones."""
+    return names if turn % 2 == 0 else names[::-1]
 
 
 def paired(times: dict[str, list[float]], side: str, baseline: str) -> list[float]:

@@ -19,12 +19,14 @@ from typing import Any
 
 from benchmarks import fma_peak
 from benchmarks.data import params, prepared
-from benchmarks.harness import ROOT, Figure, median
+from benchmarks.harness import ROOT, Figure, in_turn, median
 from tasks.determinism import cpu_mode
 from tasks.determinism.threads import resolve
 
 # Each script starts its process in the mode it is given, as every entry point starts (tasks/determinism/
 # bootstrap.py): `prepare` before anything loads numpy or torch, then `start`.
+MODES = ["portable", "native"]  # the order of round 0; each round after reverses it (harness.in_turn)
+
 _EPOCHS = """
 import json, sys, time
 from pathlib import Path
@@ -131,7 +133,8 @@ def b9(
     runs: dict[str, list[float]] = {"portable": [], "native": []}
     round_ratios: list[float] = []
     for turn in range(epoch_rounds or rounds):
-        epoch_seconds = {mode: _timed(_EPOCHS, mode, pre, epochs, max_batches or "none") for mode in _modes(turn)}
+        batches = max_batches or "none"
+        epoch_seconds = {mode: _timed(_EPOCHS, mode, pre, epochs, batches) for mode in in_turn(MODES, turn)}
         for mode in runs:
             runs[mode] += epoch_seconds[mode]
         round_ratios.append(_ratio(epoch_seconds))
@@ -139,7 +142,7 @@ def b9(
     rgb_ratios: dict[str, list[float]] = {model: [] for model in models}
     for turn in range(rounds):
         for group in [list(models)] if one_process else [[model] for model in models]:
-            seconds = {mode: steps_seconds(mode, threads, steps, group, batch) for mode in _modes(turn)}
+            seconds = {mode: steps_seconds(mode, threads, steps, group, batch) for mode in in_turn(MODES, turn)}
             for model in group:
                 for mode in runs:
                     rgb[model][mode] += seconds[mode][model]
@@ -159,11 +162,6 @@ def b9(
     peak = fma_peak.peak_gflops(work, threads, iterations=peak_iterations, runs=max(rounds, 2))
     counted = _timed(fma_peak.WORK, "native", threads, ",".join(models), batch, max(rounds, 2))
     return figures + fma_peak.b13(peak, threads, batch, counted, rgb)
-
-
-def _modes(turn: int) -> tuple[str, str]:
-    """The two modes in the order they run in round `turn`: portable first in even rounds."""
-    return ("portable", "native") if turn % 2 == 0 else ("native", "portable")
 
 
 def _ratio(seconds: dict[str, list[float]]) -> float:
