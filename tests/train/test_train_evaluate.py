@@ -24,7 +24,7 @@ from tasks.data.stats import compute_stats
 from tasks.determinism.bootstrap import start
 from tasks.train.augment import AugmentedBatches, shift_pixels
 from tasks.train.checkpoints import CheckpointError, load_checkpoint, result_config
-from tasks.train.evaluate import class_scores, confusion_matrix, evaluate
+from tasks.train.evaluate import accuracy_interval, class_scores, confusion_matrix, evaluate
 from tasks.train.loop import build_training
 from tasks.train.models import predict
 from tasks.train.stage import train
@@ -187,6 +187,10 @@ def test_evaluate_reports_consistent_metrics(workdir: Path, tmp_path: Path) -> N
     assert confusion.sum() == len(test.labels) == result.metrics["num_samples"]
     assert result.metrics["accuracy"] == pytest.approx(np.trace(confusion) / confusion.sum())
     assert result.metrics["accuracy"] > 0.8
+    correct, total = int(np.trace(confusion)), int(confusion.sum())
+    interval = (result.metrics["accuracy_ci95_low"], result.metrics["accuracy_ci95_high"])
+    assert interval == accuracy_interval(correct, total)
+    assert interval[0] < result.metrics["accuracy"] < interval[1]
     assert set(result.per_class) == set(test.classes)
     for name, row in result.per_class.items():
         i = test.classes.index(name)
@@ -360,3 +364,26 @@ def test_the_confusion_matrix_and_class_scores_are_sklearns(seed: int) -> None:
     for mine, reference in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(mine, reference)
     assert ours[0][5] == 0 and ours[1][3] == 0 and ours[2][3] == 0  # the undefined ones are 0, not NaN
+
+
+@pytest.mark.parametrize(("correct", "total"), [(25, 33), (0, 10), (10, 10), (1, 1), (750, 782), (5, 7), (1, 2)])
+def test_the_accuracy_interval_is_wilsons_score_interval(correct: int, total: int) -> None:
+    """evaluate's 95% interval is the set of accuracies p whose score test does not reject the observed
+    one: its inner bounds solve (observed - p)^2 = z^2 p (1 - p) / total, and at 0 or all correct the
+    outer bound is exactly 0 or 1. At 25 of 33 it is scipy's `binomtest(25, 33).proportion_ci(method=
+    "wilson")`, 0.590-0.872 (scipy 1.17: the stage leaves scipy.stats' import out)."""
+    low, high = accuracy_interval(correct, total)
+    observed, z = correct / total, 1.959963984540054
+    assert 0.0 <= low <= observed <= high <= 1.0
+    for bound, at_the_end in ((low, correct == 0), (high, correct == total)):
+        if at_the_end:
+            assert bound == observed  # 0.0 or 1.0 exactly
+        else:
+            assert (observed - bound) ** 2 == pytest.approx(z * z * bound * (1 - bound) / total, rel=1e-9)
+    if (correct, total) == (25, 33):
+        assert (low, high) == pytest.approx((0.5897538017044264, 0.8716828662282499), abs=1e-15)
+
+
+def test_an_accuracy_interval_of_no_test_images_is_refused() -> None:
+    with pytest.raises(ValueError, match="an accuracy interval needs test images: got 0"):
+        accuracy_interval(0, 0)
