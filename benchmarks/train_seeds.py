@@ -13,6 +13,11 @@ pipeline runs, without its MLflow record) in a copy of the set's project, with `
 the winner, the study's best params written to its params.yaml; one thread each (portable mode: the
 same bytes on any thread count), as many at once as there are cores. A copy whose evaluation is already
 there is read, not trained again, so a run stopped part-way goes on where it was.
+
+Each copy's last epoch is scored on the test split too (`artifacts/evaluate-last/`), beside the epoch
+the train stage keeps, the best by validation: on a validation split of a few dozen images (the
+sprites' 39) that choice is partly chance, and the two together show how much (2026-12-06, the
+training page).
 """
 
 from __future__ import annotations
@@ -44,6 +49,18 @@ LEFT_OUT = (
     "mlflow.db",
 )
 METRICS = "artifacts/evaluate/metrics.json"
+LAST = "artifacts/evaluate-last/metrics.json"  # the same evaluation of the last epoch's weights
+# The evaluate stage's function on last.safetensors, in a process started as `python -m tasks` starts
+# (bootstrap before numpy and torch load), with the copy's own code (its folder comes first on sys.path).
+_LAST_EPOCH = """
+from pathlib import Path
+from tasks.determinism.bootstrap import bootstrap, start
+p = bootstrap("params.yaml")
+start(p.seed, p.determinism.num_threads, strict=p.determinism.strict, cpu=p.determinism.cpu)
+from tasks.core import layout
+from tasks.train.evaluate import evaluate
+evaluate(p.evaluate, layout.TRAIN_DIR / "last.safetensors", layout.PREPROCESSED_DIR, Path("artifacts/evaluate-last"))
+"""
 
 
 def recipes(study_best: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -64,14 +81,16 @@ def copy_project(project: Path, dest: Path, overrides: dict[str, Any]) -> None:
 
 
 def train_and_evaluate(copy: Path, env: dict[str, str]) -> None:
-    """The train then the evaluate stage in `copy`; their output in `copy/stages.log`."""
+    """The train then the evaluate stage in `copy`, then the last epoch scored; their output in
+    `copy/stages.log`. A copy evaluated already (before the last epoch was scored) is only scored."""
+    steps = {"train": ["-m", "tasks", "train"], "evaluate": ["-m", "tasks", "evaluate"], "last": ["-c", _LAST_EPOCH]}
+    if (copy / METRICS).exists():
+        steps = {"last": steps["last"]}
     with (copy / "stages.log").open("a") as log:
-        for stage in ("train", "evaluate"):
-            done = subprocess.run(
-                [sys.executable, "-m", "tasks", stage], cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
+        for step, args in steps.items():
+            done = subprocess.run([sys.executable, *args], cwd=copy, env=env, stdout=log, stderr=subprocess.STDOUT)
             if done.returncode != 0:
-                raise RuntimeError(f"`python -m tasks {stage}` exited {done.returncode} in {copy} (log: {log.name})")
+                raise RuntimeError(f"{step} exited {done.returncode} in {copy} (log: {log.name})")
 
 
 def run(project: Path, folder: Path, seeds: list[int], best: dict[str, Any] | None, env: dict[str, str]) -> None:
@@ -80,7 +99,10 @@ def run(project: Path, folder: Path, seeds: list[int], best: dict[str, Any] | No
     for name, params in recipes(best).items():
         for seed in seeds:
             copy = folder / f"{name}-{seed}"
-            if (copy / METRICS).exists():
+            if (copy / LAST).exists():
+                continue
+            if (copy / METRICS).exists():  # evaluated before the last epoch was scored: only that is left
+                todo.append(copy)
                 continue
             if copy.exists():  # stopped part-way: a stage's half-written outputs are not resumed from
                 shutil.rmtree(copy)
@@ -92,19 +114,35 @@ def run(project: Path, folder: Path, seeds: list[int], best: dict[str, Any] | No
 
 def summary(folder: Path, earlier: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]:
     """Per recipe: each seed's test accuracy and macro recall (`earlier`'s first: the row's own trainings),
-    their means, and the winner's mean minus the defaults' in points."""
-    found: dict[str, dict[int, dict[str, float]]] = {name: dict(rows) for name, rows in earlier.items()}
-    for metrics in sorted(folder.glob(f"*-*/{METRICS}")):
-        name, _, seed = metrics.parents[2].name.rpartition("-")
-        found.setdefault(name, {})[int(seed)] = scores(json.loads(metrics.read_text()))
-    out: dict[str, Any] = {}
-    for name, rows in found.items():
-        out[name] = {
-            "seeds": {str(seed): rows[seed] for seed in sorted(rows)},
-            "mean_test_accuracy": statistics.mean(r["test_accuracy"] for r in rows.values()),
-            "mean_macro_recall": statistics.mean(r["macro_recall"] for r in rows.values()),
+    their means, and the winner's mean minus the defaults' in points; where the copies' last epochs were
+    scored, the same of those ("last_epoch": the copies only) and how far each is from its kept epoch."""
+    found, last = _found(folder, METRICS, earlier), _found(folder, LAST, {})
+    out: dict[str, Any] = {name: _means(rows) for name, rows in found.items()}
+    for name, rows in last.items():
+        kept = found[name]
+        out[name]["last_epoch"] = _means(rows) | {
+            "last_minus_kept_points": round(
+                100 * statistics.mean(rows[seed]["test_accuracy"] - kept[seed]["test_accuracy"] for seed in rows), 2
+            )
         }
     if {"defaults", "winner"} <= out.keys():
         gap = out["winner"]["mean_test_accuracy"] - out["defaults"]["mean_test_accuracy"]
         out["winner_minus_defaults_points"] = round(100 * gap, 2)
     return out
+
+
+def _found(folder: Path, metrics_file: str, earlier: dict[str, dict[int, dict[str, float]]]) -> dict[str, Any]:
+    """recipe -> seed -> scores, from each copy's `metrics_file` after `earlier`'s."""
+    found: dict[str, dict[int, dict[str, float]]] = {name: dict(rows) for name, rows in earlier.items()}
+    for metrics in sorted(folder.glob(f"*-*/{metrics_file}")):
+        name, _, seed = metrics.parents[2].name.rpartition("-")
+        found.setdefault(name, {})[int(seed)] = scores(json.loads(metrics.read_text()))
+    return found
+
+
+def _means(rows: dict[int, dict[str, float]]) -> dict[str, Any]:
+    return {
+        "seeds": {str(seed): rows[seed] for seed in sorted(rows)},
+        "mean_test_accuracy": statistics.mean(r["test_accuracy"] for r in rows.values()),
+        "mean_macro_recall": statistics.mean(r["macro_recall"] for r in rows.values()),
+    }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,8 @@ def _project(root: Path) -> Path:
     return project
 
 
-def _evaluated(copy: Path, accuracy: float, macro_recall: float) -> None:
-    metrics = copy / train_seeds.METRICS
+def _evaluated(copy: Path, accuracy: float, macro_recall: float, which: str = train_seeds.METRICS) -> None:
+    metrics = copy / which
     metrics.parent.mkdir(parents=True, exist_ok=True)
     metrics.write_text(json.dumps({"accuracy": accuracy, "macro_recall": macro_recall, "num_samples": 252}))
 
@@ -55,16 +56,45 @@ def test_only_copies_not_yet_evaluated_train_and_a_half_done_one_starts_afresh(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     project, folder = _project(tmp_path), tmp_path / "seeds"
-    _evaluated(folder / "defaults-1", 0.68, 0.62)  # finished earlier
+    _evaluated(folder / "defaults-1", 0.68, 0.62)  # finished earlier, its last epoch scored too
+    _evaluated(folder / "defaults-1", 0.70, 0.63, train_seeds.LAST)
+    _evaluated(folder / "defaults-2", 0.66, 0.60)  # evaluated before the last epoch was scored
     (folder / "winner-1" / "artifacts/train").mkdir(parents=True)  # stopped mid-training
     (folder / "winner-1" / "artifacts/train/last.safetensors").write_bytes(b"half")
     trained: list[str] = []
     monkeypatch.setattr(train_seeds, "train_and_evaluate", lambda copy, env: trained.append(copy.name))
-    train_seeds.run(project, folder, [1, 2], WINNER, env={})
-    assert sorted(trained) == ["defaults-2", "winner-1", "winner-2"]
+    train_seeds.run(project, folder, [1, 2, 3], WINNER, env={})
+    assert sorted(trained) == ["defaults-2", "defaults-3", "winner-1", "winner-2", "winner-3"]
+    assert (folder / "defaults-2" / train_seeds.METRICS).exists()  # kept: only its last epoch is left to score
     assert not (folder / "winner-1" / "artifacts/train/last.safetensors").exists()
     assert load_params(folder / "winner-2" / "params.yaml").train.lr == 0.0123
-    assert load_params(folder / "defaults-2" / "params.yaml").train.lr == load_params(project / "params.yaml").train.lr
+    assert load_params(folder / "defaults-3" / "params.yaml").train.lr == load_params(project / "params.yaml").train.lr
+
+
+def test_a_copy_trains_evaluates_and_scores_its_last_epoch_and_an_evaluated_one_only_scores_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran: list[tuple[str, list[str]]] = []
+
+    def records(args: list[str], cwd: Path, **_: object) -> subprocess.CompletedProcess[str]:
+        ran.append((Path(cwd).name, args[1:]))
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(train_seeds.subprocess, "run", records)
+    for name in ("fresh", "evaluated"):
+        (tmp_path / name).mkdir()
+    _evaluated(tmp_path / "evaluated", 0.68, 0.62)
+    train_seeds.train_and_evaluate(tmp_path / "fresh", env={})
+    train_seeds.train_and_evaluate(tmp_path / "evaluated", env={})
+    assert [args[:3] for name, args in ran if name == "fresh"] == [
+        ["-m", "tasks", "train"],
+        ["-m", "tasks", "evaluate"],
+        ["-c", train_seeds._LAST_EPOCH],
+    ]
+    assert [args for name, args in ran if name == "evaluated"] == [["-c", train_seeds._LAST_EPOCH]]
+    assert 'TRAIN_DIR / "last.safetensors"' in train_seeds._LAST_EPOCH and train_seeds.LAST.startswith(
+        "artifacts/evaluate-last/"
+    )
 
 
 def test_a_failed_training_stops_the_run_naming_its_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,6 +121,13 @@ def test_the_summary_gives_each_recipes_seeds_and_means_and_the_gap_in_points(tm
     assert out["defaults"]["mean_test_accuracy"] == pytest.approx((0.70 + 0.66 + 0.67) / 3)
     assert out["winner"]["mean_macro_recall"] == pytest.approx((0.63 + 0.65 + 0.64) / 3)
     assert out["winner_minus_defaults_points"] == pytest.approx(100 * (0.70 - 0.67666667), abs=0.01)
+    assert "last_epoch" not in out["defaults"]  # no copy's last epoch scored yet
+    _evaluated(folder / "defaults-1", 0.76, 0.70, train_seeds.LAST)
+    _evaluated(folder / "defaults-2", 0.64, 0.58, train_seeds.LAST)
+    last = train_seeds.summary(folder, own)["defaults"]["last_epoch"]
+    assert list(last["seeds"]) == ["1", "2"]  # the copies only: the row's own run has no last epoch scored
+    assert last["mean_test_accuracy"] == pytest.approx(0.70)
+    assert last["last_minus_kept_points"] == pytest.approx(100 * ((0.76 - 0.70) + (0.64 - 0.66)) / 2)
 
 
 def test_seeds_are_integers_separated_by_commas() -> None:
