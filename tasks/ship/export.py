@@ -326,7 +326,7 @@ def _recipe_lines(config: dict[str, Any]) -> list[str]:
 
 
 def _model_card(
-    result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float], table: str, card: CardContext
+    result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float | int], table: str, card: CardContext
 ) -> str:
     params = json.dumps(redact_tree(card.params), indent=2, sort_keys=True)
     beside = ", ".join(f"`{name}`" for name in result.sha256 if name != SHIPPED)
@@ -361,7 +361,7 @@ def _model_card(
         "",
         "| metric | value |",
         "| --- | ---: |",
-        *(f"| evaluate {k} | {v:.4f} |" for k, v in evaluated.items()),
+        *(f"| evaluate {k} | {v if isinstance(v, int) else f'{v:.4f}'} |" for k, v in evaluated.items()),
         f"| fp32 ONNX accuracy | {result.fp32_accuracy:.4f} |",
         f"| shipped ({result.variant}) ONNX accuracy | {result.accuracy:.4f} |",
         "",

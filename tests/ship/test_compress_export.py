@@ -105,6 +105,11 @@ def test_model_card_and_registry(dvc_repo: dict[str, Any]) -> None:
     assert "## Training recipe" in card and "- optimizer: `sgd`" in card and "ema_decay `None`" in card
     assert "| static_int8 |" in card and "| pruned_l1 |" in card  # the compression table
     assert "Not built: dynamic_int8, qat_int8, pruned_ln" in card  # what `compress.variants: all` would add
+    evaluated = json.loads((repo / "artifacts/evaluate/metrics.json").read_text())
+    assert f"| evaluate num_samples | {evaluated['num_samples']} |" in card  # a count, not 271.0000
+    for key in ("accuracy", "accuracy_ci95_low", "accuracy_ci95_high"):
+        assert f"| evaluate {key} | {evaluated[key]:.4f} |" in card
+    assert evaluated["accuracy_ci95_low"] < evaluated["accuracy"] < evaluated["accuracy_ci95_high"]
     (compress_run,) = _stage_runs(repo, "compress")
     assert compress_run.data.params["compress.variants"] == str(("static_int8", "pruned_l1"))  # what was built
     for name in ("model.onnx", "model_fp32.onnx", "torch/model.pt2"):
