@@ -49,7 +49,7 @@ def evaluate(cfg: EvaluateConfig, checkpoint: Path, pre_dir: Path, out_dir: Path
     correct = int((predicted == test.labels).sum())
     low, high = accuracy_interval(correct, len(test.labels))
     metrics = {
-        "accuracy": float((predicted == test.labels).mean()),
+        "accuracy": correct / len(test.labels),  # (numpy's mean of the hits: the same float64)
         "accuracy_ci95_low": low,
         "accuracy_ci95_high": high,
         "loss": float(torch.nn.functional.cross_entropy(logits, labels)),
