@@ -51,7 +51,9 @@ def range_test(project: Path, steps: int, low: float, high: float) -> dict:
     if changed:
         raise ValueError(f"{project / 'params.yaml'}: the range test does not apply train.{changed}: set them off")
     split = load_split(project / "artifacts" / "preprocessed", "train")
-    cfg, _ = resolve(params.train, profile(split))
+    cfg, _ = resolve(
+        params.train, profile(split, load_split(project / "artifacts" / "preprocessed", "val", stream=True))
+    )
     t = build_training(cfg, params.seed, split, torch.device("cpu"))
     t.hold_backbone(cfg.freeze_backbone_epochs > 0)  # as the first epoch holds it
     t.model.train()

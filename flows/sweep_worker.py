@@ -25,7 +25,7 @@ from tasks.core.config.params import Params
 from tasks.core.hashing import file_digest
 from tasks.runner import train_trial
 from tasks.tools.sweep.study import SweepError, data_digest
-from tasks.tools.sweep.trials import Pruned, Pruning, TrialOutcome, TrialSpec, best_value, trial_params
+from tasks.tools.sweep.trials import Pruned, Pruning, TrialOutcome, TrialSpec, kept_value, trial_params
 from tasks.tracking.runs import PARENT_ENV
 
 # One trial at a time per process: a trial seeds the process-wide RNGs and sets torch's thread
@@ -113,7 +113,7 @@ def _run_trial(spec: TrialSpec, context: SweepContext, attempt: int) -> TrialOut
     outcome = TrialOutcome(
         number=spec.number,
         state="complete" if result is not None else "pruned",
-        value=best_value(history, params.sweep.metric, params.sweep.direction),
+        value=kept_value(history, result.best_epoch, params.sweep.metric) if result is not None else None,
         history=history,
         run_id=run_id,
         best_sha256=file_digest(out_dir / "best.safetensors") if result is not None else None,

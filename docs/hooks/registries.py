@@ -110,9 +110,11 @@ def _source_recipes() -> str:
                 augment,
                 _from_data(recipe.early_stop_patience, recipe.early_stop_patience or "no"),
                 _from_data(recipe.class_balance, f"`{recipe.class_balance}`"),
+                _from_data(recipe.keep, f"`{recipe.keep}`"),
             )
         )
-    return _table(("source", "model", "epochs", "mirroring", "augment", "early stop", "class balance"), rows)
+    columns = ("source", "model", "epochs", "mirroring", "augment", "early stop", "class balance", "kept epoch")
+    return _table(columns, rows)
 
 
 def _from_data(value: object, shown: object) -> object:

@@ -325,6 +325,14 @@ def _recipe_lines(config: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _kept_epoch_line(meta: dict[str, Any]) -> str:
+    """Which epoch's weights these are: the best by validation, or the last (`train.keep`)."""
+    scored = f"validation accuracy {meta['val_accuracy']:.4f}"
+    if meta.get("config", {}).get("keep") == "last":
+        return f"- kept epoch: {meta['epoch']}, the last (train.keep: last), {scored}"
+    return f"- best epoch: {meta['epoch']}, {scored}"
+
+
 def _model_card(
     result: ExportResult, meta: dict[str, Any], evaluated: dict[str, float | int], table: str, card: CardContext
 ) -> str:
@@ -342,7 +350,7 @@ def _model_card(
         "",
         f"- data (DVC md5 of `data/`): `{card.data_md5}`",
         f"- seed: {meta['seed']} (training), {card.params.get('seed')} (pipeline)",
-        f"- best epoch: {meta['epoch']}, validation accuracy {meta['val_accuracy']:.4f}",
+        _kept_epoch_line(meta),
         f"- classes: {', '.join(map(str, meta['classes']))}",
         *(f"- {key}: `{value}`" for key, value in sorted(card.lineage.items())),
         "",

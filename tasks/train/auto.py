@@ -1,11 +1,11 @@
-"""What `auto` becomes where the data decides: an image folder's epochs, early stopping, class balance
-and label smoothing, chosen in the train stage from the training split it reads, each with its reason.
+"""What `auto` becomes where the data decides: an image folder's epochs, early stopping, class balance,
+label smoothing and kept epoch, chosen in the train stage from the splits it reads, each with its reason.
 
 A published source (digits, mnist, cifar10, ...) is known before it is downloaded, and its recipe
 (tasks/core/config/data.py `SOURCES`) is a measured one: Params resolves it when params.yaml loads. An
 image folder is the user's own, of any size and balance; its recipe marks what depends on the data
 (`FROM_DATA`), Params leaves those keys `auto`, and `resolve` here fills them from a `DataProfile` of
-the training split. The rules are arithmetic on counts: the same split gives the same choices, so the
+the training and validation splits. The rules are arithmetic on counts: the same split gives the same choices, so the
 same bytes, on every rank of a DDP job and in every process that asks again.
 
 Why these rules (docs/training.md, "Real image sets", has the measurements):
@@ -15,11 +15,20 @@ Why these rules (docs/training.md, "Real image sets", has the measurements):
   most `MAX_EPOCHS`. The budget was 600 steps (the 8x8 digits' recipe: 30 epochs of 20); on 5,000 real
   handwritten digits (3,486 training images, 55 steps an epoch) it left 15 epochs, 98.3-98.9% test
   accuracy over three seeds; 1,600 steps (30 epochs) gave 98.8-99.1% (2026-12-04).
+- kept epoch: under `SMALL_VALIDATION` validation images the last epoch's weights are kept, not the
+  best-scoring epoch's. On 39 validation images one image is 2.6 points, many epochs tie at the best
+  score (a tie keeps the first), and the one kept was often mid-run (epochs 75-170 of 175-200). Over 24
+  trainings of the real sprites (resnet9: the defaults and the sweep's winner under several seeds, the
+  sweep's trials, variants; benchmarks/results/sprites-variants.json), the last epoch scored 4.4 points
+  higher on the test split than the kept one (SE 1.7; higher in 15, lower in 5), 2026-12-06. From 100
+  images (one image a point; the real icons have 168, the emoji 280) the best epoch, as before: the last
+  was not measured against it on splits that size.
 - early stopping guards the longer budget: a run whose validation score has not improved for half its
-  epochs (at least `MIN_PATIENCE`) ends there; best.safetensors is still the best epoch's. Not sooner:
-  a small folder's validation split is a few dozen images, and in the first epochs, at the peak
-  learning rate, answering the largest class can score best for a while (on 726 icons, a patience
-  of 10 stopped a 50-epoch run at epoch 12, at 18% training accuracy).
+  epochs (at least `MIN_PATIENCE`) ends there; best.safetensors is still the best epoch's. Not sooner: a
+  small folder's validation split is a few dozen images, and in the first epochs, at the peak learning
+  rate, answering the largest class can score best for a while (on 726 icons, a patience of 10 stopped a
+  50-epoch run at epoch 12, at 18% training accuracy). None where the last epoch is kept: the schedule
+  runs to its end (a stop would keep a mid-schedule epoch).
 - class balance: past `IMBALANCE` (largest class over smallest) each epoch draws every class equally
   often (`sampler`), so a small class is not given up for the large one's accuracy. On 726 icons whose
   largest class has 15x the smallest's images, 50 epochs: macro recall 0.50 unbalanced, 0.63 sampled,
@@ -49,15 +58,19 @@ MAX_EPOCHS = 200  # a folder of a few dozen images: more epochs only memorise th
 MIN_PATIENCE = 10  # epochs without a better validation score before a longer run stops
 IMBALANCE = 3.0  # largest class / smallest class from which classes are drawn equally often
 SMOOTHING = 0.1  # label smoothing below IMBALANCE (0 from it), as every source's recipe has
-AUTO_KEYS = ("epochs", "early_stop_patience", "class_balance", "label_smoothing")  # what `resolve` may choose
+SMALL_VALIDATION = 100  # validation images under which the last epoch is kept, not the best-scoring one
+# what `resolve` may choose (keep before early_stop_patience: keeping the last epoch turns stopping off)
+AUTO_KEYS = ("epochs", "keep", "early_stop_patience", "class_balance", "label_smoothing")
 
 
 @dataclass(frozen=True)
 class DataProfile:
-    """What the rules read of a training split: its size, its classes' sizes, its images' shape."""
+    """What the rules read of the splits: the training split's size, its classes' sizes and its images'
+    shape, and the validation split's size."""
 
-    class_counts: tuple[int, ...]  # images per class, in the split's class order
+    class_counts: tuple[int, ...]  # training images per class, in the split's class order
     image_shape: tuple[int, int, int]  # (C, H, W)
+    val_images: int
 
     @property
     def images(self) -> int:
@@ -78,11 +91,11 @@ class Choice:
     reason: str
 
 
-def profile(split: Preprocessed) -> DataProfile:
-    """The profile of a training split (its labels are in memory; its images are not read)."""
-    counts = np.bincount(split.labels, minlength=len(split.classes))
-    c, h, w = split.images.shape[1:]
-    return DataProfile(tuple(int(n) for n in counts), (int(c), int(h), int(w)))
+def profile(train: Preprocessed, val: Preprocessed) -> DataProfile:
+    """The profile of a training and a validation split (their labels are in memory; no image is read)."""
+    counts = np.bincount(train.labels, minlength=len(train.classes))
+    c, h, w = train.images.shape[1:]
+    return DataProfile(tuple(int(n) for n in counts), (int(c), int(h), int(w)), len(val.labels))
 
 
 def resolve(cfg: TrainConfig, data: DataProfile) -> tuple[TrainConfig, dict[str, Choice]]:
@@ -90,9 +103,12 @@ def resolve(cfg: TrainConfig, data: DataProfile) -> tuple[TrainConfig, dict[str,
     choices: dict[str, Choice] = {}
     if cfg.epochs == "auto":
         choices["epochs"] = _epochs(cfg, data)
+    if cfg.keep == "auto":
+        choices["keep"] = _keep(cfg, data)
     if cfg.early_stop_patience == "auto":
         epochs = choices["epochs"].value if "epochs" in choices else cfg.epochs
-        choices["early_stop_patience"] = _patience(epochs)
+        keep = choices["keep"].value if "keep" in choices else cfg.keep
+        choices["early_stop_patience"] = _patience(epochs, keep)
     if cfg.class_balance == "auto":
         choices["class_balance"] = _class_balance(data)
     if cfg.label_smoothing == "auto":
@@ -105,7 +121,8 @@ def resolve(cfg: TrainConfig, data: DataProfile) -> tuple[TrainConfig, dict[str,
 def epochs_on(cfg: TrainConfig, pre_dir: Path) -> int:
     """The epochs the train stage will run with `cfg` on `pre_dir`'s training split (`auto` chosen as it
     chooses): what a sweep's pruner needs before the trial trains."""
-    return resolve(cfg, profile(load_split(pre_dir, "train", stream=True)))[0].epochs
+    splits = (load_split(pre_dir, name, stream=True) for name in ("train", "val"))
+    return resolve(cfg, profile(*splits))[0].epochs
 
 
 def as_trained(cfg: TrainConfig, trained: dict[str, Any]) -> TrainConfig:
@@ -128,7 +145,24 @@ def _epochs(cfg: TrainConfig, data: DataProfile) -> Choice:
     return Choice(epochs, f"{why}: {epochs} epochs reach the budget of {STEP_BUDGET} steps")
 
 
-def _patience(epochs: int) -> Choice:
+def _keep(cfg: TrainConfig, data: DataProfile) -> Choice:
+    if isinstance(cfg.early_stop_patience, int):  # given: TrainConfig refuses it beside keep: last
+        return Choice("best", f"early stopping is on (early_stop_patience {cfg.early_stop_patience}): the best epoch")
+    n = data.val_images
+    if n == 0:
+        return Choice("last", "no validation images: the last epoch")
+    if n < SMALL_VALIDATION:
+        return Choice(
+            "last",
+            f"{n} validation images (under {SMALL_VALIDATION}): one image is {100 / n:.1f} points, and the best "
+            "epoch among many is picked by luck: the last epoch, at the end of the schedule",
+        )
+    return Choice("best", f"{n} validation images: the best epoch by {cfg.monitor}")
+
+
+def _patience(epochs: int, keep: str) -> Choice:
+    if keep == "last":
+        return Choice(None, "the last epoch is kept (keep): the schedule runs to its end")
     patience = max(MIN_PATIENCE, epochs // 2)
     if patience >= epochs:
         return Choice(None, f"{epochs} epochs leave no room to stop early")

@@ -83,26 +83,36 @@ def _autocast(amp: str, device: torch.device) -> AbstractContextManager:
 
 @dataclass
 class Progress:
-    """Where a training run stands after its last epoch: the history so far, and the best weights on
-    validation (by `train.monitor`). What a resume checkpoint carries besides the model and optimiser
-    (tasks/train/resume.py)."""
+    """Where a training run stands after its last epoch: the history so far, and the weights kept (the
+    best on validation by `train.monitor`, or the last: `train.keep`). What a resume checkpoint carries
+    besides the model and optimiser (tasks/train/resume.py)."""
 
     history: list[dict[str, float]] = field(default_factory=list)
-    best_acc: float = -1.0  # the validation accuracy of the best epoch
-    best_epoch: int = 0
+    best_acc: float = -1.0  # the validation accuracy of the kept epoch
+    best_epoch: int = 0  # the kept epoch (the best, or with keep: last the last, once the run ends)
     best_state: dict[str, torch.Tensor] | None = None
 
     @property
     def epoch(self) -> int:
         return int(self.history[-1]["epoch"]) if self.history else 0
 
-    def record(self, row: dict[str, float], model: nn.Module, monitor: str = "val_accuracy") -> None:
-        """Add an epoch's row; keep a copy of `model`'s weights if it is the best so far on validation."""
+    def record(
+        self, row: dict[str, float], model: nn.Module, monitor: str = "val_accuracy", keep: str = "best"
+    ) -> None:
+        """Add an epoch's row; keep a copy of `model`'s weights if it is the best so far on validation
+        (with keep: last, none: `keep_last` takes the weights when the run ends)."""
         best = next((r[monitor] for r in self.history if r["epoch"] == self.best_epoch), None)
         self.history.append(row)
-        if better(row[monitor], best, monitor):
+        if keep != "last" and better(row[monitor], best, monitor):
             self.best_acc, self.best_epoch = row["val_accuracy"], int(row["epoch"])
             self.best_state = cpu_state(model)
+
+    def keep_last(self, model: nn.Module) -> None:
+        """Keep `model`'s weights as the last epoch's."""
+        self.best_state, self.best_epoch = cpu_state(model), self.epoch
+        scored = self.history[-1]["val_accuracy"] if self.history else math.nan
+        if math.isfinite(scored):  # an empty validation split scores NaN: best_acc stays -1.0, never scored
+            self.best_acc = scored
 
 
 @dataclass
@@ -165,7 +175,7 @@ class Training:
             "val_accuracy": val_acc,
             "lr": self.scheduler.get_last_lr()[0],
         }
-        self.progress.record(row, self.evaluated, self.cfg.monitor)
+        self.progress.record(row, self.evaluated, self.cfg.monitor, self.cfg.keep)
         return row
 
     def should_stop(self) -> bool:
@@ -228,7 +238,7 @@ def build_training(
     if unresolved:
         raise ValueError(
             f"train.{', train.'.join(unresolved)}: 'auto' depends on the data: resolve with TrainConfig.for_source "
-            "(data.source) and tasks.train.auto.resolve (the training split)"
+            "(data.source) and tasks.train.auto.resolve (the training and validation splits)"
         )
     if cfg.sync_batchnorm and device.type != "cuda":
         raise ValueError("train.sync_batchnorm: torch's SyncBatchNorm runs on CUDA devices only; set it false on CPU")

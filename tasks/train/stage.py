@@ -1,9 +1,10 @@
 """Stage 4 — train: fit the model `train.model` names on the preprocessed training split.
 
-Outputs (`artifacts/train/`): `best.safetensors` (best validation accuracy) and
-`last.safetensors` (final epoch) — weights only, loadable without unpickling code, with the
-resolved config and epoch in the safetensors metadata (tasks/train/checkpoints.py) — `history.json`
-(per-epoch loss, accuracy and learning rate, also a DVC plot) and `train.json` (the result).
+Outputs (`artifacts/train/`): `best.safetensors` (the weights kept: the best validation score, or the
+last epoch's with `train.keep: last`) and `last.safetensors` (final epoch) — weights only, loadable
+without unpickling code, with the resolved config and epoch in the safetensors metadata
+(tasks/train/checkpoints.py) — `history.json` (per-epoch loss, accuracy and learning rate, also a DVC
+plot) and `train.json` (the result).
 
 One code path for one process and for DDP: under torchrun (RANK/WORLD_SIZE set) `train` joins the
 process group (tasks/train/devices.py), shards batches with the same seeded DistributedSampler,
@@ -79,7 +80,7 @@ def train(
     ranks, device = join_process_group(cfg.device)
     train_split, val_split = load_split(pre_dir, "train", stream=True), load_split(pre_dir, "val", stream=True)
     # what an image folder's recipe leaves to its data (every rank reads the same split: the same choices)
-    cfg, choices = auto.resolve(cfg, auto.profile(train_split))
+    cfg, choices = auto.resolve(cfg, auto.profile(train_split, val_split))
     if ranks.rank == 0:
         for key, choice in choices.items():
             log.info("train.%s: auto is %s (%s)", key, choice.value, choice.reason)
@@ -99,8 +100,9 @@ def train(
     out_dir.mkdir(parents=True, exist_ok=True)
     _train_epochs(training, val_split, on_epoch, resume_path, signature)
 
-    if progress.best_state is None:  # validation never scored (an empty split): the last weights are the best known
-        progress.best_state, progress.best_epoch = cpu_state(training.evaluated), progress.epoch
+    # keep: last, or validation never scored (an empty split): the last weights are the ones known
+    if cfg.keep == "last" or progress.best_state is None:
+        progress.keep_last(training.evaluated)
     result = _result(training, resumed_from, pretrained, choices)
     contents = None
     if ranks.rank == 0:

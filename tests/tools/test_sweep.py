@@ -27,8 +27,8 @@ from tasks.tools.sweep.trials import (
     Pruning,
     TrialOutcome,
     TrialSpec,
-    best_value,
     derived_seed,
+    kept_value,
     trial_params,
     warmup_epochs,
 )
@@ -80,7 +80,7 @@ class Trainer:
             history.append(row)
             if pruning.should_stop(spec.number, row):
                 return TrialOutcome(spec.number, "pruned", row["val_accuracy"], history)
-        value = best_value(history, self.cfg.metric, self.cfg.direction)
+        value = kept_value(history, len(history), self.cfg.metric)  # the made-up curve rises: its last is its best
         return TrialOutcome(spec.number, "complete", value, history, fingerprint=spec.fingerprint)
 
 
@@ -222,6 +222,18 @@ def test_derived_seeds_are_pinned() -> None:
 
 
 PINNED_SEEDS = [4147804363, 2919965486, 4152727838]
+
+
+def test_a_trial_is_scored_at_the_epoch_it_kept_not_its_luckiest() -> None:
+    history = [
+        {"epoch": 1, "val_accuracy": 0.5, "val_loss": 1.2},
+        {"epoch": 2, "val_accuracy": 0.9, "val_loss": 0.7},  # the best by validation
+        {"epoch": 3, "val_accuracy": 0.8, "val_loss": 0.6},  # the last
+    ]
+    assert kept_value(history, 2, "val_accuracy") == 0.9  # train.keep: best
+    assert kept_value(history, 3, "val_accuracy") == 0.8  # train.keep: last
+    assert kept_value(history, 2, "val_loss") == 0.7  # the kept epoch's loss, not the lowest of the run
+    assert kept_value([{"epoch": 1, "val_accuracy": math.nan}], 1, "val_accuracy") is None  # never scored
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
-"""`auto` chosen from the data (tasks/train/auto.py): an image folder's epochs, early stopping and class
-balance follow its training split, each choice is recorded with its reason (train.json, the checkpoint's
-config, MLflow, the model card), and fine-tuning continues with what train chose."""
+"""`auto` chosen from the data (tasks/train/auto.py): an image folder's epochs, early stopping, class
+balance and kept epoch follow its training and validation splits, each choice is recorded with its
+reason (train.json, the checkpoint's config, MLflow, the model card), and fine-tuning continues with
+what train chose."""
 
 from __future__ import annotations
 
@@ -28,11 +29,17 @@ from tasks.train.stage import train
 from tests.conftest import write_params
 
 FOLDER = {"source": "imagefolder", "path": "/data/photos"}
-FROM_DATA = {"epochs": "auto", "early_stop_patience": "auto", "class_balance": "auto", "label_smoothing": "auto"}
+FROM_DATA = {
+    "epochs": "auto",
+    "early_stop_patience": "auto",
+    "class_balance": "auto",
+    "label_smoothing": "auto",
+    "keep": "auto",
+}
 
 
-def _profile(*counts: int, shape: tuple[int, int, int] = (3, 32, 32)) -> DataProfile:
-    return DataProfile(tuple(counts), shape)
+def _profile(*counts: int, shape: tuple[int, int, int] = (3, 32, 32), val: int = 300) -> DataProfile:
+    return DataProfile(tuple(counts), shape, val)
 
 
 @pytest.mark.parametrize(
@@ -68,6 +75,33 @@ def test_patience_is_half_the_run_and_absent_when_it_would_never_stop() -> None:
 
 
 @pytest.mark.parametrize(
+    ("val", "keep", "patience"),
+    [
+        (39, "last", None),  # the real sprites' split: an image is 2.6 points; the schedule runs to its end
+        (99, "last", None),
+        (0, "last", None),  # nothing to pick the best by
+        (100, "best", 100),  # an image is a point: the best epoch, early stopping on as before
+        (280, "best", 100),  # the real emoji's split
+    ],
+)
+def test_a_small_validation_split_keeps_the_last_epoch(val: int, keep: str, patience: int | None) -> None:
+    cfg, choices = resolve(TrainConfig(**FROM_DATA), _profile(100, 73, val=val))  # 200 epochs
+    assert cfg.keep == choices["keep"].value == keep
+    assert f"{val} validation images" in choices["keep"].reason or val == 0
+    assert cfg.early_stop_patience == choices["early_stop_patience"].value == patience
+    if keep == "last":
+        assert "the last epoch is kept" in choices["early_stop_patience"].reason
+
+
+def test_keep_last_beside_early_stopping_is_refused_and_auto_keeps_the_best_beside_a_given_patience() -> None:
+    with pytest.raises(ValueError, match="keep: last with early_stop_patience 20: the run would keep whichever"):
+        TrainConfig(keep="last", early_stop_patience=20)
+    cfg, choices = resolve(TrainConfig(**{**FROM_DATA, "early_stop_patience": 20}), _profile(100, 73, val=39))
+    assert (cfg.keep, cfg.early_stop_patience) == ("best", 20)
+    assert "early stopping is on (early_stop_patience 20)" in choices["keep"].reason
+
+
+@pytest.mark.parametrize(
     ("counts", "balance"), [((100, 90, 80), "none"), ((300, 100), "sampler"), ((500, 50), "sampler")]
 )
 def test_class_balance_follows_the_largest_class_over_the_smallest(counts: tuple[int, ...], balance: str) -> None:
@@ -80,15 +114,15 @@ def test_class_balance_follows_the_largest_class_over_the_smallest(counts: tuple
 
 
 def test_what_the_user_set_is_kept_and_a_published_source_is_resolved_when_params_load() -> None:
-    given = TrainConfig(epochs=7, early_stop_patience=3, class_balance="sampler", label_smoothing=0.2)
+    given = TrainConfig(epochs=7, early_stop_patience=3, class_balance="sampler", label_smoothing=0.2, keep="best")
     assert resolve(given, _profile(500, 5)) == (given, {})
     digits = Params.model_validate({"train": FROM_DATA}).train  # digits: a measured recipe, no data rule
     assert (digits.epochs, digits.early_stop_patience, digits.class_balance) == (30, None, "none")
-    assert digits.label_smoothing == 0.1
+    assert (digits.label_smoothing, digits.keep) == (0.1, "best")
     assert resolve(digits, _profile(500, 5)) == (digits, {})
     folder = Params.model_validate({"data": FOLDER, "train": FROM_DATA}).train
     assert (folder.epochs, folder.early_stop_patience, folder.class_balance) == ("auto", "auto", "auto")
-    assert folder.label_smoothing == "auto"
+    assert folder.label_smoothing == folder.keep == "auto"
     assert SOURCES["imagefolder"].recipe.epochs == "auto"
 
 
@@ -100,12 +134,20 @@ def test_compress_continues_with_what_train_chose() -> None:
     assert (tuned.epochs, tuned.early_stop_patience, tuned.class_balance) == (200, 100, "sampler")  # 6 steps an epoch
     unweighted, _ = resolve(folder, _profile(300, 250))  # class_balance "none": left out of the checkpoint
     assert as_trained(folder, result_config(unweighted)).class_balance == "none"
+    assert as_trained(folder, result_config(unweighted)).keep == "best"  # at its default: left out too
+    small, _ = resolve(folder, _profile(300, 60, val=39))
+    assert result_config(small)["keep"] == "last"
+    assert (
+        as_trained(folder, result_config(small)).keep,
+        as_trained(folder, result_config(small)).early_stop_patience,
+    ) == ("last", None)
 
 
-def test_the_profile_counts_the_split_without_reading_its_images() -> None:
+def test_the_profile_counts_the_splits_without_reading_their_images() -> None:
     split = Preprocessed(np.zeros((5, 3, 4, 6), np.uint8), np.array([0, 2, 2, 2, 0]), ["a", "b", "c"], [0.5], [0.2])
-    assert auto.profile(split) == DataProfile((2, 0, 3), (3, 4, 6))
-    assert auto.profile(split).imbalance == 1.5  # an absent class is no class to balance
+    val = Preprocessed(np.zeros((2, 3, 4, 6), np.uint8), np.array([1, 2]), ["a", "b", "c"], [0.5], [0.2])
+    assert auto.profile(split, val) == DataProfile((2, 0, 3), (3, 4, 6), 2)
+    assert auto.profile(split, val).imbalance == 1.5  # an absent class is no class to balance
 
 
 def test_the_train_stage_chooses_and_records_why(pre: Path, tmp_path: Path) -> None:
@@ -117,6 +159,7 @@ def test_the_train_stage_chooses_and_records_why(pre: Path, tmp_path: Path) -> N
     assert recorded["epochs"]["value"] == 80  # 1,238 digits make 20 steps an epoch: 80 epochs for 1,600
     assert "1238 training images make 20 optimiser steps an epoch" in recorded["epochs"]["reason"]
     assert recorded["class_balance"]["value"] == "none"
+    assert recorded["keep"]["value"] == "best" and "validation images: the best epoch" in recorded["keep"]["reason"]
     config = read_safetensors(tmp_path / "best.safetensors", tensors=False)[0]["config"]
     assert config["epochs"] == 80 and config["early_stop_patience"] == 40  # numbers, never "auto"
     rows = json.loads((tmp_path / "history.json").read_text())
@@ -168,10 +211,12 @@ def test_a_folder_run_records_each_choice_in_mlflow_the_card_and_compress(folder
     for stage in ("train", "evaluate", "compress", "export"):
         run_stage(stage, params)
     recipe = json.loads((layout.TRAIN_DIR / "train.json").read_text())["recipe"]
-    # 84 training images: 2 steps an epoch, 800 wanted, 200 at most; the largest class 5x the smallest
+    # 84 training images: 2 steps an epoch, 800 wanted, 200 at most; the largest class 5x the smallest;
+    # a validation split of a few images: the last epoch kept, the schedule run to its end
     assert {key: choice["value"] for key, choice in recipe.items()} == {
         "epochs": 200,
-        "early_stop_patience": 100,
+        "keep": "last",
+        "early_stop_patience": None,
         "class_balance": "sampler",
         "label_smoothing": 0.0,  # as imbalanced
     }
@@ -184,9 +229,13 @@ def test_a_folder_run_records_each_choice_in_mlflow_the_card_and_compress(folder
     assert logged["train.label_smoothing"] == "auto" and logged["auto.train.label_smoothing"] == "0.0"
     card = (layout.EXPORT_DIR / "model_card.md").read_text()
     assert f"- class_balance (auto, from the data): `sampler`: {recipe['class_balance']['reason']}" in card
+    assert "- kept epoch: 200, the last (train.keep: last), validation accuracy" in card
     # compress fine-tuned nothing here, but resolved from the checkpoint what it would fine-tune with
     config = read_safetensors(layout.TRAIN_DIR / "best.safetensors", tensors=False)[0]["config"]
-    assert as_trained(params.train, config).class_balance == "sampler"
+    assert (as_trained(params.train, config).class_balance, as_trained(params.train, config).keep) == (
+        "sampler",
+        "last",
+    )
     # the pipeline's run, recorded from these outputs, names what auto became beside what params.yaml says
     with pipeline_run(params.tracking, entry_point="dvc", params=params) as pipeline_id:
         assert pipeline_id is not None

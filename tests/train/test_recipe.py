@@ -122,6 +122,36 @@ def test_early_stopping_ends_the_run_and_the_best_epoch_ships(
     assert _digests(tmp_path / "broken") == _digests(tmp_path / "whole")
 
 
+def test_keep_last_ships_the_last_epoch_and_resumes_to_the_same_bytes(pre: Path, tmp_path: Path) -> None:
+    cfg = TrainConfig(**PLAIN, epochs=4, max_batches=3, keep="last")
+    start(42, 1)
+    result = train(cfg, 42, pre, tmp_path / "whole", resume_dir=tmp_path / "whole-resume")
+    history = load_history(tmp_path / "whole")
+    assert (result.best_epoch, result.best_val_accuracy) == (4, history[-1]["val_accuracy"])
+    kept, kept_tensors = read_safetensors(tmp_path / "whole" / "best.safetensors")
+    assert (kept["epoch"], kept["config"]["keep"]) == (4, "last")
+    assert _digests(tmp_path / "whole")["best.safetensors"] == _digests(tmp_path / "whole")["last.safetensors"]
+    # the same training with keep: best ends on the same weights; only which epoch ships differs
+    start(42, 1)
+    best = train(cfg.model_copy(update={"keep": "best"}), 42, pre, tmp_path / "best")
+    last_tensors = read_safetensors(tmp_path / "best" / "last.safetensors")[1]
+    assert kept_tensors.keys() == last_tensors.keys()
+    assert all(torch.equal(kept_tensors[name], last_tensors[name]) for name in kept_tensors)
+    scores = [row["val_accuracy"] for row in history]
+    assert best.best_epoch == scores.index(max(scores)) + 1
+
+    def die_at_epoch_3(row: dict[str, float]) -> None:
+        if row["epoch"] == 3:
+            raise Killed  # before epoch 3's checkpoint: the file holds epoch 2, and no best weights
+
+    start(42, 1)
+    with pytest.raises(Killed):
+        train(cfg, 42, pre, tmp_path / "broken", resume_dir=tmp_path / "resume", on_epoch=die_at_epoch_3)
+    start(42, 1)
+    assert train(cfg, 42, pre, tmp_path / "broken", resume_dir=tmp_path / "resume").resumed_from_epoch == 2
+    assert _digests(tmp_path / "broken") == _digests(tmp_path / "whole")
+
+
 def load_history(out: Path) -> list[dict[str, float]]:
     return json.loads((out / "history.json").read_text())
 

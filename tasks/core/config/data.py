@@ -23,8 +23,8 @@ FROM_DATA: Final = "auto"
 @dataclass(frozen=True)
 class SourceRecipe:
     """What `auto` in the train section means for one data source: `train.model`, `train.epochs`,
-    `train.hflip`, `train.augment`, `train.early_stop_patience`, `train.class_balance` and
-    `train.label_smoothing` (names of
+    `train.hflip`, `train.augment`, `train.early_stop_patience`, `train.class_balance`,
+    `train.label_smoothing` and `train.keep` (names of
     tasks/core/config/train.py's MODELS or a torchvision model, and of its AUGMENT_PRESETS), or
     FROM_DATA."""
 
@@ -36,6 +36,7 @@ class SourceRecipe:
     early_stop_patience: int | str | None = None
     class_balance: str = "none"
     label_smoothing: float | str = 0.1  # 3 seeds on 8x8 digits: 98.5-98.9% test accuracy (0.0: 97.0-99.6%)
+    keep: str = "best"  # the epoch best.safetensors holds (published sources validate on 288 images or more)
 
     def augment_for(self, channels: int | None) -> str:
         return self.greyscale_augment if channels == 1 and self.greyscale_augment else self.augment
@@ -61,9 +62,10 @@ class DataSource:
 # Greyscale folders (data.channels: 1: handwriting, glyphs, scans) add an elastic distortion: on real
 # handwritten digits it beat `affine` on validation over three split seeds, on generated glyphs it tied
 # on two and was two images worse on one; 12 or 10 epochs of it did worse than 15 (docs/training.md).
-# Not on colour folders: unmeasured on photos. A folder's epochs, early stopping, class balance and label
-# smoothing are its data's (FROM_DATA): 15 epochs were 45 optimiser steps on 173 painted sprites, and left real colour
-# folders underfit (docs/training.md, "Real image sets"); tasks/train/auto.py has the rules.
+# Not on colour folders: unmeasured on photos. A folder's epochs, early stopping, class balance, label
+# smoothing and kept epoch are its data's (FROM_DATA): 15 epochs were 45 optimiser steps on 173 painted
+# sprites, and left real colour folders underfit (docs/training.md, "Real image sets"); tasks/train/auto.py
+# has the rules.
 _PUBLISHED = "the published files (torchvision's URLs and md5s)"
 SOURCES: Registry[DataSource] = Registry(
     "data.source",
@@ -103,6 +105,7 @@ SOURCES: Registry[DataSource] = Registry(
                 early_stop_patience=FROM_DATA,
                 class_balance=FROM_DATA,
                 label_smoothing=FROM_DATA,
+                keep=FROM_DATA,
             ),
             folder_options=True,
         ),

@@ -113,17 +113,25 @@ AUGMENT_PRESETS: Registry[AugmentPreset] = Registry(
 AugmentName = AUGMENT_PRESETS.named("auto")
 # The train keys whose `auto` a data source's recipe decides (tasks/core/config/data.py SourceRecipe):
 # resolved by `for_source`, or, what the recipe leaves to the data, by the train stage.
-SOURCE_AUTO_KEYS = ("model", "epochs", "hflip", "augment", "early_stop_patience", "class_balance", "label_smoothing")
+SOURCE_AUTO_KEYS = (
+    "model",
+    "epochs",
+    "hflip",
+    "augment",
+    "early_stop_patience",
+    "class_balance",
+    "label_smoothing",
+    "keep",
+)
 
 
 class TrainConfig(Section):
     # one of MODELS (ours: resnet9, small_cnn), or any of TORCHVISION_MODELS: adapted to the data's channels and
-    # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py).
-    # auto (model, epochs, hflip, augment, early_stop_patience, class_balance, label_smoothing): the source's recipe,
-    # resolved by Params (params.yaml says auto, and a params file that leaves them out gets auto:
-    # FILE_DEFAULTS in params.py), but for what an image folder's recipe leaves to its data: the train stage
-    # chooses that (tasks/train/auto.py). A TrainConfig made alone gets the defaults below, or resolves with
-    # `for_source`.
+    # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py). auto (model, epochs, hflip,
+    # augment, early_stop_patience, class_balance, label_smoothing, keep): the source's recipe, resolved by Params
+    # (params.yaml says auto, and a params file that leaves them out gets auto: FILE_DEFAULTS in params.py), but for
+    # what an image folder's recipe leaves to its data: the train stage chooses that (tasks/train/auto.py). A
+    # TrainConfig made alone gets the defaults below, or resolves with `for_source`.
     model: str = Field("resnet9", max_length=64)
     epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | Auto = 30
     batch_size: int = Field(64, ge=1, le=MAX_BATCH)
@@ -172,6 +180,10 @@ class TrainConfig(Section):
     # The training recipe (tasks/train/recipe.py, tasks/train/augment.py, tasks/train/batches.py): every
     # option off by default, each a function of (seed, epoch, step), so deterministic and resumable.
     monitor: Literal["val_accuracy", "val_loss"] = "val_accuracy"  # picks best.safetensors; early stopping watches it
+    # The epoch whose weights best.safetensors holds (evaluated, compressed, shipped): the best by `monitor`, or
+    # the last (a validation split of a few dozen images picks its best epoch by luck); auto: the source's
+    # recipe (best), an image folder's from the size of its validation split (tasks/train/auto.py)
+    keep: Literal["best", "last", "auto"] = "best"
     # epochs without improvement; null: never; auto: the source's recipe (an image folder's: from the data)
     early_stop_patience: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None | Auto = None
     early_stop_min_delta: float = Field(0.0, ge=0, le=1e6)  # a smaller change of `monitor` is no improvement
@@ -213,6 +225,15 @@ class TrainConfig(Section):
     def _one_warmup(self) -> TrainConfig:
         if self.warmup_epochs and self.warmup_steps:
             raise ValueError("warmup_epochs and warmup_steps: give one (the other stays 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _kept_epoch_is_not_the_stop(self) -> TrainConfig:
+        if self.keep == "last" and isinstance(self.early_stop_patience, int):
+            raise ValueError(
+                f"keep: last with early_stop_patience {self.early_stop_patience}: the run would keep whichever "
+                "epoch the stop fell on, mid-schedule; give early_stop_patience: null (or keep: best)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -261,6 +282,7 @@ class TrainConfig(Section):
 # option existed, and the model card lists only the options a run changed.
 RECIPE_KEYS = (
     "monitor",
+    "keep",
     "early_stop_patience",
     "early_stop_min_delta",
     "warmup_epochs",

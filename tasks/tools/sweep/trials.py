@@ -120,9 +120,9 @@ class Pruning:
         return bool(self._study.pruner.prune(self._study, frozen))
 
 
-def best_value(history: Sequence[dict[str, float]], metric: str, direction: str) -> float | None:
-    """The metric at the trial's best epoch."""
-    values = [row[metric] for row in history if math.isfinite(row.get(metric, math.nan))]
-    if not values:
-        return None
-    return max(values) if direction == "maximize" else min(values)
+def kept_value(history: Sequence[dict[str, float]], epoch: int, metric: str) -> float | None:
+    """The metric at `epoch`, the one whose weights the trial kept (`train.keep`: the best by
+    `train.monitor`, or the last): the trial is scored by what it would ship, not by its luckiest epoch."""
+    row = next((row for row in history if int(row["epoch"]) == epoch), {})
+    value = row.get(metric, math.nan)
+    return value if math.isfinite(value) else None
