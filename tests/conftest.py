@@ -7,6 +7,7 @@ The expensive one, `dvc_repo` (a project the whole pipeline ran in), is built on
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -39,6 +40,20 @@ VENV_BIN = Path(sys.executable).parent
 # directory of its own, not in the checkout's .prefect/ (a user's `make run` state; and a second
 # xdist worker would share it). Subprocesses get the variable stripped (`subprocess_env`).
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="lockstep-tests-prefect-")
+# The temporary folder of the processes tests start (`subprocess_env`): what they leave there (torchrun's
+# agent, Dask's scratch space, a process a test killed) goes when this process exits, with PREFECT_HOME.
+SUBPROCESS_TMP = tempfile.mkdtemp(prefix="lockstep-tests-tmp-")
+
+
+def _remove_at_exit(*folders: str) -> None:
+    for folder in folders:
+        try:
+            shutil.rmtree(folder)
+        except OSError as exc:  # a process a test started may still be writing there
+            print(f"lockstep tests: {folder} not removed: {exc}", file=sys.stderr)
+
+
+atexit.register(_remove_at_exit, os.environ["PREFECT_HOME"], SUBPROCESS_TMP)
 # The project's other Prefect settings (each yields to PREFECT_HOME above), as an entry point applies them:
 # the flows tests run in this process see Prefect as `make run` does. (How OpenMP's threads wait, set
 # before torch loads, is tests/support/cpu_pin.py's.)
@@ -114,6 +129,7 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env["MLFLOW_WORKERS"] = MLFLOW_WORKERS
     env["DVC_NO_ANALYTICS"] = "1"
+    env["TMPDIR"] = SUBPROCESS_TMP
     env.update(extra)
     return env
 

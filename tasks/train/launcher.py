@@ -72,8 +72,8 @@ RDZV_ID = "lockstep-train"
 
 
 def torchrun_command(params: Params, private_dir: Path) -> list[str]:
-    """The torchrun command line (the same on every node); `private_dir` (mode 0700, ours) holds a
-    one-node job's rendezvous file."""
+    """The torchrun command line (the same on every node); `private_dir` (mode 0700, ours, removed when
+    the job ends) holds a one-node job's rendezvous file and the agent's log folder."""
     cfg = params.train
     cmd = [
         sys.executable,
@@ -81,6 +81,9 @@ def torchrun_command(params: Params, private_dir: Path) -> list[str]:
         "torch.distributed.run",
         f"--nproc-per-node={cfg.nproc_per_node}",
         f"--max-restarts={cfg.max_restarts}",
+        # the agent makes a log folder per launch, by default a torchelastic_* in $TMPDIR that it never
+        # removes (one more with every training); the ranks' output still goes to the stage's terminal
+        f"--log-dir={Path(private_dir) / 'torchelastic'}",
     ]
     if cfg.nnodes == 1:  # rdzv_endpoint is not used: no other machine takes part
         cmd += [

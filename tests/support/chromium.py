@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -44,6 +45,14 @@ def chromium_flags(profile: Path) -> list[str]:
     ]
 
 
+@contextmanager
+def chromium_env() -> Iterator[dict[str, str]]:
+    """The browser's environment, with a temporary folder of its own, removed afterwards: Chromium leaves
+    its socket folder (org.chromium.Chromium.*) there. A short path: the socket's must fit 107 bytes."""
+    with tempfile.TemporaryDirectory(prefix="lockstep-chromium-") as temporary:
+        yield {**os.environ, "TMPDIR": temporary}
+
+
 def dom_and_screenshot(url: str, profile: Path, screenshot: Path) -> str:
     """The page's DOM once its scripts ran; a PNG of it kept at `screenshot` for a person to look at.
 
@@ -52,9 +61,14 @@ def dom_and_screenshot(url: str, profile: Path, screenshot: Path) -> str:
     flags = chromium_flags(profile)
     screenshot.parent.mkdir(parents=True, exist_ok=True)
     screenshot.unlink(missing_ok=True)
-    done = subprocess.run(
-        [*flags, "--dump-dom", f"--screenshot={screenshot}", url], capture_output=True, text=True, timeout=120
-    )
+    with chromium_env() as env:
+        done = subprocess.run(
+            [*flags, "--dump-dom", f"--screenshot={screenshot}", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
     assert done.returncode == 0, f"chromium exited {done.returncode}: {done.stderr[-2000:]}"
     assert screenshot.stat().st_size > 10_000, f"{screenshot}: an empty page?"
     return done.stdout
@@ -166,12 +180,7 @@ def devtools(profile: Path, width: int = 1400, height: int = 1800) -> Iterator[D
     from websockets.sync.client import connect
 
     flags = [f for f in chromium_flags(profile) if not f.startswith(("--window-size", "--virtual-time"))]
-    proc = subprocess.Popen(
-        [*flags, f"--window-size={width},{height}", "--remote-debugging-port=0", "about:blank"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    with chromium_env() as env, _browser(flags, width, height, env) as proc:
         port_file = profile / "DevToolsActivePort"  # Chromium writes the port it bound here
         deadline = time.monotonic() + 30
         while not port_file.exists() or not port_file.read_text().strip():
@@ -182,6 +191,19 @@ def devtools(profile: Path, width: int = 1400, height: int = 1800) -> Iterator[D
             page = next(t for t in json.loads(response.read()) if t["type"] == "page")
         with connect(page["webSocketDebuggerUrl"], max_size=None) as socket:
             yield DevTools(socket)
+
+
+@contextmanager
+def _browser(flags: list[str], width: int, height: int, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """The browser process, ended (and waited for) when the block does."""
+    proc = subprocess.Popen(
+        [*flags, f"--window-size={width},{height}", "--remote-debugging-port=0", "about:blank"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        yield proc
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -207,7 +207,13 @@ def test_ddp_stage_logs_one_mlflow_run_with_bf16(data: Path, tmp_path: Path) -> 
     project = _project(data, tmp_path / "p", strategy="ddp", nproc_per_node=2, amp="bf16", epochs=2, max_batches=3)
     write_params(project / "params.yaml", {"tracking": {"enabled": True}}, base=project / "params.yaml")
     uri = f"sqlite:///{project / 'mlflow.db'}"
-    _finish(_start(project, MLFLOW_TRACKING_URI=uri))
+    temporary = tmp_path / "tmp"  # the job's $TMPDIR: the launch leaves nothing in it (torchrun's agent would)
+    temporary.mkdir()
+    _finish(_start(project, MLFLOW_TRACKING_URI=uri, TMPDIR=str(temporary)))
+    # but what every later run shares by design: torch's compile cache (torchinductor_<user>) and the lock
+    # files of the MLflow store (one per database: tasks/tracking/store.py)
+    shared = ("torchinductor_", "lockstep-mlflow-")
+    assert [path.name for path in temporary.iterdir() if not path.name.startswith(shared)] == []
     client = MlflowClient(tracking_uri=uri)
     runs = client.search_runs([client.get_experiment_by_name("lockstep").experiment_id])
     train_runs = [r for r in runs if r.data.tags.get("lockstep.stage") == "train"]
