@@ -106,6 +106,7 @@ def _source_recipes() -> str:
                 f"`{name}`",
                 f"`{recipe.model}`",
                 _from_data(recipe.epochs, recipe.epochs),
+                _from_data(recipe.lr, recipe.lr),
                 "yes" if recipe.hflip else "no",
                 augment,
                 _from_data(recipe.early_stop_patience, recipe.early_stop_patience or "no"),
@@ -113,7 +114,17 @@ def _source_recipes() -> str:
                 _from_data(recipe.keep, f"`{recipe.keep}`"),
             )
         )
-    columns = ("source", "model", "epochs", "mirroring", "augment", "early stop", "class balance", "kept epoch")
+    columns = (
+        "source",
+        "model",
+        "epochs",
+        "learning rate",
+        "mirroring",
+        "augment",
+        "early stop",
+        "class balance",
+        "kept epoch",
+    )
     return _table(columns, rows)
 
 

@@ -124,7 +124,10 @@ def _view_state() -> str:
     columns = [
         "attributes.`Dataset`",
         *(f"metrics.`{key}`" for key in metrics),
-        *(f"params.`{key}`" for key in ("data.source", "train.model", "train.epochs", "auto.train.epochs", "train.lr")),
+        *(
+            f"params.`{key}`"
+            for key in ("data.source", "train.model", "train.epochs", "auto.train.epochs", "train.lr", "auto.train.lr")
+        ),
         "tags.`export.shipped_variant`",
         "tags.`registry.version`",
     ]

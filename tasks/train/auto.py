@@ -1,5 +1,5 @@
-"""What `auto` becomes where the data decides: an image folder's epochs, early stopping, class balance,
-label smoothing and kept epoch, chosen in the train stage from the splits it reads, each with its reason.
+"""What `auto` becomes where the data decides: an image folder's epochs, learning rate, early stopping,
+class balance, label smoothing and kept epoch, chosen in the train stage from the splits it reads, each with its reason.
 
 A published source (digits, mnist, cifar10, ...) is known before it is downloaded, and its recipe
 (tasks/core/config/data.py `SOURCES`) is a measured one: Params resolves it when params.yaml loads. An
@@ -15,6 +15,13 @@ Why these rules (docs/training.md, "Real image sets", has the measurements):
   most `MAX_EPOCHS`. The budget was 600 steps (the 8x8 digits' recipe: 30 epochs of 20); on 5,000 real
   handwritten digits (3,486 training images, 55 steps an epoch) it left 15 epochs, 98.3-98.9% test
   accuracy over three seeds; 1,600 steps (30 epochs) gave 98.8-99.1% (2026-12-04).
+- learning rate: `BASE_LR` (every published source's) for images up to `BASE_SIDE` px, and in inverse
+  proportion to the image's area above it, to a quarter of it at twice the side (the least: larger
+  images were not measured). The two real 64 px sets trained better at a quarter (0.0125) under every
+  seed measured: the emoji by 4.8 and 3.2 points (seeds 42, 1; the best epoch, which their 280
+  validation images keep), the sprites by 9.7 points over five seeds by the last epoch (the one their
+  39 keep), and both sweeps' winners took 0.0056-0.012. On the 28-32 px sets the winners took 0.03,
+  near the 0.05 that gives 99.2% on real digits (2026-12-04 to 12-07, docs/training.md).
 - kept epoch: under `SMALL_VALIDATION` validation images the last epoch's weights are kept, not the
   best-scoring epoch's. On 39 validation images one image is 2.6 points, many epochs tie at the best
   score (a tie keeps the first), and the one kept was often mid-run (epochs 75-170 of 175-200). Over 24
@@ -58,9 +65,11 @@ MAX_EPOCHS = 200  # a folder of a few dozen images: more epochs only memorise th
 MIN_PATIENCE = 10  # epochs without a better validation score before a longer run stops
 IMBALANCE = 3.0  # largest class / smallest class from which classes are drawn equally often
 SMOOTHING = 0.1  # label smoothing below IMBALANCE (0 from it), as every source's recipe has
+BASE_LR = 0.05  # per batch_size images: the published sources' rate (tasks/core/config/data.py SourceRecipe)
+BASE_SIDE = 32  # px: images up to this side train at BASE_LR
 SMALL_VALIDATION = 100  # validation images under which the last epoch is kept, not the best-scoring one
 # what `resolve` may choose (keep before early_stop_patience: keeping the last epoch turns stopping off)
-AUTO_KEYS = ("epochs", "keep", "early_stop_patience", "class_balance", "label_smoothing")
+AUTO_KEYS = ("epochs", "lr", "keep", "early_stop_patience", "class_balance", "label_smoothing")
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,8 @@ def resolve(cfg: TrainConfig, data: DataProfile) -> tuple[TrainConfig, dict[str,
     choices: dict[str, Choice] = {}
     if cfg.epochs == "auto":
         choices["epochs"] = _epochs(cfg, data)
+    if cfg.lr == "auto":
+        choices["lr"] = _lr(data)
     if cfg.keep == "auto":
         choices["keep"] = _keep(cfg, data)
     if cfg.early_stop_patience == "auto":
@@ -143,6 +154,18 @@ def _epochs(cfg: TrainConfig, data: DataProfile) -> Choice:
     if epochs == MAX_EPOCHS:
         return Choice(epochs, f"{why}: {MAX_EPOCHS} epochs, the most ({per_epoch * epochs} steps)")
     return Choice(epochs, f"{why}: {epochs} epochs reach the budget of {STEP_BUDGET} steps")
+
+
+def _lr(data: DataProfile) -> Choice:
+    side = min(data.image_shape[1:])
+    if side <= BASE_SIDE:
+        return Choice(BASE_LR, f"{side} px images (up to {BASE_SIDE}): {BASE_LR:g}, the published sources' rate")
+    scale = max(0.25, (BASE_SIDE / side) ** 2)
+    return Choice(
+        round(BASE_LR * scale, 6),
+        f"{side} px images: {BASE_LR:g} x {scale:.3g} (the area of {BASE_SIDE} px over theirs, at least a quarter): "
+        "the real 64 px sets trained better at a quarter",
+    )
 
 
 def _keep(cfg: TrainConfig, data: DataProfile) -> Choice:

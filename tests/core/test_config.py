@@ -164,6 +164,8 @@ def test_entry_points_exit_2_and_write_nothing(tmp_path: Path, entry: list[str])
     done = run(["python", *entry, "--params", str(repo / "params.yaml")], cwd=repo, check=False, PYTHONPATH=str(ROOT))
     assert done.returncode == 2, done.stderr
     # the file as the user at that prompt knows it, not its absolute path
-    assert "error: params.yaml: train.lr: Input should be greater than 0 (got -0.5)" in done.stderr, done.stderr
+    assert "error: params.yaml: train.lr: Input should be greater than 0 or 'auto' (got -0.5)" in done.stderr, (
+        done.stderr
+    )
     assert "Traceback" not in done.stderr
     assert sorted(p.name for p in repo.iterdir()) == before

@@ -31,6 +31,7 @@ from tests.conftest import write_params
 FOLDER = {"source": "imagefolder", "path": "/data/photos"}
 FROM_DATA = {
     "epochs": "auto",
+    "lr": "auto",
     "early_stop_patience": "auto",
     "class_balance": "auto",
     "label_smoothing": "auto",
@@ -75,6 +76,25 @@ def test_patience_is_half_the_run_and_absent_when_it_would_never_stop() -> None:
 
 
 @pytest.mark.parametrize(
+    ("side", "lr"),
+    [
+        (8, 0.05),  # the 8x8 digits' rate
+        (28, 0.05),
+        (32, 0.05),
+        (48, 0.022222),  # (32 / 48)² of it
+        (64, 0.0125),  # a quarter: the real 64 px sets' better rate
+        (224, 0.0125),  # never below a quarter: unmeasured beyond 64 px
+    ],
+)
+def test_the_learning_rate_falls_with_the_image_area_above_32_px(side: int, lr: float) -> None:
+    cfg, choices = resolve(TrainConfig(**FROM_DATA), _profile(300, 250, shape=(3, side, side)))
+    assert cfg.lr == choices["lr"].value == lr
+    assert f"{side} px images" in choices["lr"].reason
+    wide, _ = resolve(TrainConfig(**FROM_DATA), _profile(300, 250, shape=(3, side, 1000)))
+    assert wide.lr == lr  # the shorter side decides
+
+
+@pytest.mark.parametrize(
     ("val", "keep", "patience"),
     [
         (39, "last", None),  # the real sprites' split: an image is 2.6 points; the schedule runs to its end
@@ -114,15 +134,17 @@ def test_class_balance_follows_the_largest_class_over_the_smallest(counts: tuple
 
 
 def test_what_the_user_set_is_kept_and_a_published_source_is_resolved_when_params_load() -> None:
-    given = TrainConfig(epochs=7, early_stop_patience=3, class_balance="sampler", label_smoothing=0.2, keep="best")
+    given = TrainConfig(
+        epochs=7, lr=0.2, early_stop_patience=3, class_balance="sampler", label_smoothing=0.2, keep="best"
+    )
     assert resolve(given, _profile(500, 5)) == (given, {})
     digits = Params.model_validate({"train": FROM_DATA}).train  # digits: a measured recipe, no data rule
     assert (digits.epochs, digits.early_stop_patience, digits.class_balance) == (30, None, "none")
-    assert (digits.label_smoothing, digits.keep) == (0.1, "best")
+    assert (digits.label_smoothing, digits.keep, digits.lr) == (0.1, "best", 0.05)
     assert resolve(digits, _profile(500, 5)) == (digits, {})
     folder = Params.model_validate({"data": FOLDER, "train": FROM_DATA}).train
     assert (folder.epochs, folder.early_stop_patience, folder.class_balance) == ("auto", "auto", "auto")
-    assert folder.label_smoothing == folder.keep == "auto"
+    assert folder.label_smoothing == folder.keep == folder.lr == "auto"
     assert SOURCES["imagefolder"].recipe.epochs == "auto"
 
 
@@ -135,7 +157,9 @@ def test_compress_continues_with_what_train_chose() -> None:
     unweighted, _ = resolve(folder, _profile(300, 250))  # class_balance "none": left out of the checkpoint
     assert as_trained(folder, result_config(unweighted)).class_balance == "none"
     assert as_trained(folder, result_config(unweighted)).keep == "best"  # at its default: left out too
-    small, _ = resolve(folder, _profile(300, 60, val=39))
+    assert as_trained(folder, result_config(unweighted)).lr == 0.05
+    small, _ = resolve(folder, _profile(300, 60, val=39, shape=(3, 64, 64)))
+    assert as_trained(folder, result_config(small)).lr == 0.0125
     assert result_config(small)["keep"] == "last"
     assert (
         as_trained(folder, result_config(small)).keep,
@@ -160,6 +184,7 @@ def test_the_train_stage_chooses_and_records_why(pre: Path, tmp_path: Path) -> N
     assert "1238 training images make 20 optimiser steps an epoch" in recorded["epochs"]["reason"]
     assert recorded["class_balance"]["value"] == "none"
     assert recorded["keep"]["value"] == "best" and "validation images: the best epoch" in recorded["keep"]["reason"]
+    assert recorded["lr"]["value"] == 0.05 and recorded["lr"]["reason"].startswith("8 px images")
     config = read_safetensors(tmp_path / "best.safetensors", tensors=False)[0]["config"]
     assert config["epochs"] == 80 and config["early_stop_patience"] == 40  # numbers, never "auto"
     rows = json.loads((tmp_path / "history.json").read_text())
@@ -215,6 +240,7 @@ def test_a_folder_run_records_each_choice_in_mlflow_the_card_and_compress(folder
     # a validation split of a few images: the last epoch kept, the schedule run to its end
     assert {key: choice["value"] for key, choice in recipe.items()} == {
         "epochs": 200,
+        "lr": 0.05,  # 8 px
         "keep": "last",
         "early_stop_patience": None,
         "class_balance": "sampler",

@@ -23,7 +23,7 @@ FROM_DATA: Final = "auto"
 @dataclass(frozen=True)
 class SourceRecipe:
     """What `auto` in the train section means for one data source: `train.model`, `train.epochs`,
-    `train.hflip`, `train.augment`, `train.early_stop_patience`, `train.class_balance`,
+    `train.lr`, `train.hflip`, `train.augment`, `train.early_stop_patience`, `train.class_balance`,
     `train.label_smoothing` and `train.keep` (names of
     tasks/core/config/train.py's MODELS or a torchvision model, and of its AUGMENT_PRESETS), or
     FROM_DATA."""
@@ -31,6 +31,7 @@ class SourceRecipe:
     model: str
     epochs: int | str
     hflip: bool
+    lr: float | str = 0.05  # per batch_size images: what every published source's recipe was measured with
     augment: str = "shift_flip"
     greyscale_augment: str | None = None  # `augment` when data.channels is 1, if it differs
     early_stop_patience: int | str | None = None
@@ -62,8 +63,8 @@ class DataSource:
 # Greyscale folders (data.channels: 1: handwriting, glyphs, scans) add an elastic distortion: on real
 # handwritten digits it beat `affine` on validation over three split seeds, on generated glyphs it tied
 # on two and was two images worse on one; 12 or 10 epochs of it did worse than 15 (docs/training.md).
-# Not on colour folders: unmeasured on photos. A folder's epochs, early stopping, class balance, label
-# smoothing and kept epoch are its data's (FROM_DATA): 15 epochs were 45 optimiser steps on 173 painted
+# Not on colour folders: unmeasured on photos. A folder's epochs, learning rate, early stopping, class
+# balance, label smoothing and kept epoch are its data's (FROM_DATA): 15 epochs were 45 optimiser steps on 173 painted
 # sprites, and left real colour folders underfit (docs/training.md, "Real image sets"); tasks/train/auto.py
 # has the rules.
 _PUBLISHED = "the published files (torchvision's URLs and md5s)"
@@ -99,6 +100,7 @@ SOURCES: Registry[DataSource] = Registry(
             SourceRecipe(
                 model="resnet9",
                 epochs=FROM_DATA,
+                lr=FROM_DATA,
                 hflip=False,
                 augment="affine",
                 greyscale_augment="elastic",

@@ -116,6 +116,7 @@ AugmentName = AUGMENT_PRESETS.named("auto")
 SOURCE_AUTO_KEYS = (
     "model",
     "epochs",
+    "lr",
     "hflip",
     "augment",
     "early_stop_patience",
@@ -127,7 +128,7 @@ SOURCE_AUTO_KEYS = (
 
 class TrainConfig(Section):
     # one of MODELS (ours: resnet9, small_cnn), or any of TORCHVISION_MODELS: adapted to the data's channels and
-    # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py). auto (model, epochs, hflip,
+    # classes, with a stride-1 stem for images under 64 px (tasks/train/models.py). auto (model, epochs, lr, hflip,
     # augment, early_stop_patience, class_balance, label_smoothing, keep): the source's recipe, resolved by Params
     # (params.yaml says auto, and a params file that leaves them out gets auto: FILE_DEFAULTS in params.py), but for
     # what an image folder's recipe leaves to its data: the train stage chooses that (tasks/train/auto.py). A
@@ -136,7 +137,7 @@ class TrainConfig(Section):
     epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | Auto = 30
     batch_size: int = Field(64, ge=1, le=MAX_BATCH)
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.05, gt=0, le=MAX_LR)
+    lr: Annotated[float, Field(gt=0, le=MAX_LR)] | Auto = 0.05  # auto: the source's recipe (a folder's: image size)
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(5e-4, ge=0, le=1)
     scheduler: Literal["cosine", "step", "none"] = "cosine"
