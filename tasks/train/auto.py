@@ -19,9 +19,10 @@ Why these rules (docs/training.md, "Real image sets", has the measurements):
   proportion to the image's area above it, to a quarter of it at twice the side (the least: larger
   images were not measured). The two real 64 px sets trained better at a quarter (0.0125) under every
   seed measured: the emoji by 4.8 and 3.2 points (seeds 42, 1; the best epoch, which their 280
-  validation images keep), the sprites by 9.7 points over five seeds by the last epoch (the one their
-  39 keep), and both sweeps' winners took 0.0056-0.012. On the 28-32 px sets the winners took 0.03,
-  near the 0.05 that gives 99.2% on real digits (2026-12-04 to 12-07, docs/training.md).
+  validation images keep), the sprites by 9.1 points over five seeds by the last epoch (the one their
+  39 keep), and both sweeps' winners took 0.0056-0.012; at it the defaults reach those winners
+  (benchmarks/results/lr-by-image-size.json). On the 28-32 px sets the winners took 0.03, near the
+  0.05 that gives 99.2% on real digits (2026-12-04 to 12-07, docs/training.md).
 - kept epoch: under `SMALL_VALIDATION` validation images the last epoch's weights are kept, not the
   best-scoring epoch's. On 39 validation images one image is 2.6 points, many epochs tie at the best
   score (a tie keeps the first), and the one kept was often mid-run (epochs 75-170 of 175-200). Over 24
