@@ -483,6 +483,8 @@ def test_a_one_node_ddp_job_listens_on_loopback_only_and_ignores_rdzv_endpoint(t
         assert job.returncode == 0, output
         assert _no_connection(attacker)
     assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
-    assert [p.name for p in private.iterdir()] == ["rendezvous"] and stat.S_IMODE(private.stat().st_mode) == 0o700
+    # the rendezvous file and torchrun's log folder, in the private folder (which the launch then removes)
+    assert sorted(p.name for p in private.iterdir()) == ["rendezvous", "torchelastic"]
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
     expected = [{"rank": r, "value": 0.1 + r, "text": "x" * (1000 * r)} for r in (0, 1)]
     assert [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)] == [expected, expected]
