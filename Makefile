@@ -84,6 +84,11 @@ tune: $(STAMP)  ## the sweep on your data within an hour, its best trial's param
 # its workers: a third costs its imports and contention (one checkout, 2026-12-03: 2 workers 267 s, 443
 # CPU-seconds; 3: 320 s, 556; a fresh clone later took 338-352 s with two: docs/tests.md).
 PYTEST := $(VENV)/bin/python -m pytest --dist loadscope --no-loadscope-reorder
+# These machines set PYTHONDONTWRITEBYTECODE, so each of a tier's ~1,000 Python processes, most of them in
+# copies of the project, compiled the project's own modules from source again: ~0.2 CPU-s for a stage's
+# ~100 (site-packages come precompiled: UV_COMPILE_BYTECODE). An empty value lets Python cache them
+# (__pycache__/ is git-ignored; DVC's code deps are files).
+test test-all: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP)  ## the fast tier, after each change (a few minutes): everything not marked slow; ARGS="-k config"
 	$(PYTEST) -n 2 -m "not slow" $(ARGS)
 
