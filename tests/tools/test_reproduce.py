@@ -97,8 +97,13 @@ def test_unknown_run_and_run_without_record_are_refused_exit_3_without_traceback
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file under `root` with its size and modification time."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+    """Every file under `root` with its size and modification time, but Python's bytecode cache: the
+    interpreter writes it on a module's first import (`make test` lets it), the tool does not."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 def _reproduce(repo: Path, run_id: str, tmp_path: Path, *options: str) -> tuple[Any, dict[str, Any] | None]:
