@@ -25,10 +25,10 @@ from tasks.determinism.bootstrap import start
 from tasks.determinism.fingerprint import fingerprint
 from tasks.determinism.threads import resolve
 from tasks.tools.sweep.trials import Pruned
-from tasks.tracking.dashboard import log_dataset
 from tasks.tracking.lineage import lineage_tags
 from tasks.tracking.registry import register_shipped
-from tasks.tracking.runs import StageRun, stage_run
+from tasks.tracking.runs import stage_run
+from tasks.tracking.writers import StageRun
 from tasks.train.launcher import launch
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def _record_training(params: Params, run: StageRun, result: TrainResult, out_dir
             for path in (resolved, layout.DATA_DVC, Path("dvc.lock")):  # dvc.lock: absent before the first run
                 if path.exists():
                     run.log_artifact(path, "reproduce")
-        log_dataset(run.mlflow.MlflowClient(), run.run_id, params)
+        run.log_dataset(params)
 
 
 def train_trial(

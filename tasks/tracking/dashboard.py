@@ -151,36 +151,63 @@ def ensure_training_view(client: Any, experiment: Any) -> None:
         client.set_experiment_tag(experiment.experiment_id, VIEW_TAG, _view_state())
 
 
-def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, finished: bool) -> None:
-    """Name the pipeline run for what it did; when it finished, its headline numbers, curves, data, the
-    registry decision of the export it ran and what `auto` became (`recipe_params`; the others are
+@dataclass(frozen=True)
+class PipelineRecord:
+    """What a pipeline run gets when a stage or the pipeline ends (`pipeline_record`)."""
+
+    name: str
+    metrics: list[tuple[str, float, int, int]] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)
+
+
+def pipeline_record(
+    entry_point: str,
+    by_stage: dict[str | None, dict[str, str]],
+    logged: tuple[dict[str, float], dict[str, str]],
+    finished: bool,
+) -> PipelineRecord:
+    """The pipeline run's name for what it did (its stage runs' tags `by_stage`); when it finished, its
+    headline numbers and curves that differ from the metrics and params `logged` so far, what shipped,
+    the registry decision of the export it ran and what `auto` became (`recipe_params`; the others are
     logged when it starts)."""
+    name = run_name(entry_point, [stage for stage in by_stage if stage], data_md5())
+    if not finished:
+        return PipelineRecord(name)
+    result = headline()
+    metrics = headline_metrics(result, logged[0], int(time.time() * 1000))
+    tags = {"export.shipped_variant": result.shipped_variant or "none"}
+    export = by_stage.get("export")
+    if export is not None:  # this run registered a version: which, and what was decided
+        tags |= {k: v for k, v in export.items() if k in ("registry.version", "registry.decision")}
+    # A param is logged once, so only the recipe this run trained with, or (nothing ran) the one on disk:
+    # an earlier stage of a DVC session would log the previous run's, which its own train cannot replace.
+    params = {}
+    if "train" in by_stage or not by_stage:
+        params = {k: v for k, v in recipe_params(result).items() if k not in logged[1]}
+    return PipelineRecord(name, metrics, {k: redact(str(v)) for k, v in tags.items()}, params)
+
+
+def record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, finished: bool) -> None:
+    """`pipeline_record`, written with MLflow's client, and the data the pipeline trained on."""
     run = client.get_run(run_id)
     children = client.search_runs(
         [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=100
     )
-    by_stage = {c.data.tags.get("lockstep.stage"): c for c in children}
-    client.update_run(run_id, name=run_name(entry_point, list(by_stage), data_md5()))
+    by_stage = {c.data.tags.get("lockstep.stage"): c.data.tags for c in children}
+    record = pipeline_record(entry_point, by_stage, (run.data.metrics, run.data.params), finished)
+    client.update_run(run_id, name=record.name)
     if not finished:
         return
     # heavy: mlflow (~4 s), only when a run is logged; the no-op path never loads it
     from mlflow.entities import Metric, Param, RunTag
 
-    result = headline()
-    metrics = [Metric(*m) for m in headline_metrics(result, run.data.metrics, int(time.time() * 1000))]
-    tags = {"export.shipped_variant": result.shipped_variant or "none"}
-    export = by_stage.get("export")
-    if export is not None:  # this run registered a version: which, and what was decided
-        tags |= {k: v for k, v in export.data.tags.items() if k in ("registry.version", "registry.decision")}
+    metrics = [Metric(*m) for m in record.metrics]
     for start in range(0, len(metrics), 1000):  # MLflow's limit per batch
         client.log_batch(run_id, metrics=metrics[start : start + 1000])
-    client.log_batch(run_id, tags=[RunTag(k, redact(str(v))) for k, v in tags.items()])
-    # A param is logged once, so only the recipe this run trained with, or (nothing ran) the one on disk:
-    # an earlier stage of a DVC session would log the previous run's, which its own train cannot replace.
-    if "train" in by_stage or not by_stage:
-        new = [Param(k, v) for k, v in recipe_params(result).items() if k not in run.data.params]
-        if new:
-            client.log_batch(run_id, params=new)
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in record.tags.items()])
+    if record.params:
+        client.log_batch(run_id, params=[Param(k, v) for k, v in record.params.items()])
     log_dataset(client, run_id, params)
 
 

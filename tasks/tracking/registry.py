@@ -20,8 +20,8 @@ from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5, file_digest
 from tasks.determinism.threads import resolve
 from tasks.tracking.dashboard import describe_version, headline, run_page
-from tasks.tracking.runs import StageRun
 from tasks.tracking.store import store_lock, tracking_uri
+from tasks.tracking.writers import StageRun
 
 if TYPE_CHECKING:
     from tasks.ship.export import ExportResult

@@ -1,179 +1,158 @@
-"""A finished pipeline run written into the project's own sqlite MLflow store without MLflow's client.
+"""Runs written into the project's own sqlite MLflow store without MLflow's client (tasks/tracking/
+sqlite_store.py says why, and which rows): a stage's run, nested in the flow's pipeline run or in its
+DVC session's (found, resumed or made here), that session run's record when the stage ends, and the
+finished pipeline run of a flow that found nothing stale (flows/noop.py).
 
-Why: a `make run` with nothing stale does no work but leave its pipeline run in MLflow (flows/noop.py),
-and MLflow's client costs ~2.9 s of CPU before its first write on 2 cores: `import mlflow` (~1.7 s:
-pandas, FastAPI, its GenAI modules) and its SQLAlchemy store (~1.1 s: SQLAlchemy, Alembic, ~70 ORM
-mappings), against ~0.05 s for the rows themselves. So this one record, of one shape, is written with
-the standard library's sqlite3, in one transaction, as MLflow 3.17's SqlAlchemyStore writes it
-(`create_run`, `log_batch`, `log_inputs`, `update_run_info`: the same columns, values and latest-metric
-rule). Its content comes from the same functions MLflow's path uses (tasks/tracking/runs.py
-`pipeline_tags`, dashboard.py `shown_params`, `recipe_params`, `headline_metrics`, `run_name`); tests/tracking/
-test_sqlite_record.py compares the two runs as MLflow's client reads them back.
+The content comes from the functions MLflow's path uses (tasks/tracking/lineage.py's tags,
+dashboard.py's `pipeline_record` and `shown_params`); tests/tracking/test_sqlite_record.py compares the
+runs written both ways as MLflow's client reads them back.
 
-It writes only when it can be sure; otherwise it returns None and the caller uses MLflow's client:
-the store's schema revision is the one checked here (`SCHEMA_REVISION`: an MLflow upgrade changes it,
-and a test fails until this module is checked again), the experiment and its training view exist
-(`ensure_training_view` would write nothing), no run of it is RUNNING (the orphan sweep would look
-at it), the dataset is already recorded (MLflow builds its source and schema), every value is finite
-and within MLflow's limits.
+Each function writes only where it can be sure, and otherwise returns None having written nothing, and
+the caller uses MLflow's client (tasks/tracking/runs.py): where `SqliteStore.open` refuses (not a local
+sqlite store, another schema revision, no experiment or training view yet), where MLflow's own context
+providers may add tags (`context_tags`), for a run that owns its pipeline run while another run of the
+experiment is RUNNING (the orphan sweep judges it: tasks/tracking/orphans.py), for a stage that logs
+models (export: MLflow's model flavours), and for a no-op run whose dataset MLflow has not recorded.
 """
 
 from __future__ import annotations
 
-import math
-import sqlite3
+import logging
 import time
-import urllib.parse
-import uuid
 from contextlib import closing
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 from tasks.core.config.params import Params
 from tasks.core.hashing import data_md5
 from tasks.core.redact import redact_mapping
-from tasks.tracking.dashboard import (
-    EXPERIMENT_KIND_TAG,
-    VIEW_TAG,
-    _view_state,
-    dataset_name,
-    headline,
-    headline_metrics,
-    recipe_params,
-    run_name,
-    shown_params,
-)
-from tasks.tracking.runs import pipeline_tags
+from tasks.tracking.dashboard import dataset_name, log_dataset, pipeline_record, shown_params
+from tasks.tracking.lineage import context_tags, pipeline_tags, session_tags
+from tasks.tracking.owners import session_owner
+from tasks.tracking.sqlite_store import PARENT_TAG, SqliteStore
+from tasks.tracking.store import mlflow_module
 
-# alembic_version of MLflow 3.17.2's sqlite store (`mlflow.store.db.utils._get_latest_schema_revision()`)
-SCHEMA_REVISION = "dc11669786a5"
-MAX_KEY, MAX_PARAM, MAX_TAG = 250, 6000, 8000  # MLflow's validation limits (mlflow/utils/validation.py)
-RUN_NAME_TAG = "mlflow.runName"
-DATASET_CONTEXT = ("mlflow.data.context", "training")  # the input tag log_dataset gives the data
+log = logging.getLogger(__name__)
+
+CLIENT_STAGES = frozenset({"export"})  # stages that log models: MLflow's flavours write through its client
 
 
-def database(uri: str) -> Path | None:
-    """The sqlite file behind a `sqlite:///` tracking URI, if it exists; None for any other store."""
-    parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme != "sqlite" or parsed.netloc or parsed.query:
+@dataclass
+class DirectRun:
+    """A stage's run being written directly: its store, id, and the session's pipeline run it owns (if any)."""
+
+    store: SqliteStore
+    run_id: str
+    owned_parent: str | None
+
+
+def start_stage_run(
+    uri: str,
+    experiment: str,
+    stage: str,
+    parent_id: str | None,
+    started_by: tuple[str, dict[str, str]],
+    pipeline: Params | None,
+) -> DirectRun | None:
+    """A RUNNING run for `stage` with MLflow's context tags and `started_by`'s (entry point, tags),
+    nested in `parent_id` or (None) in its DVC session's pipeline run, found and resumed or made here, as
+    tasks/tracking/runs.py `stage_run` makes them with MLflow's client; None if this is not a run this
+    module may write (nothing was written)."""
+    entry_point, tags = started_by
+    if stage in CLIENT_STAGES:
         return None
-    path = Path(parsed.path[1:])  # sqlite:///<path>, absolute (sqlite:////...) or not, as store.py reads it
-    return path if path.is_file() else None
+    context = context_tags()
+    store = SqliteStore.open(uri, experiment) if context is not None else None
+    if store is None or context is None:
+        return None
+    run_id = owned = None
+    try:
+        with store.transaction():
+            if parent_id is None and not store.running():
+                parent_id = owned = _session_parent(store, entry_point, pipeline)
+            if parent_id is not None:
+                run_id = store.create_run(stage, {**context, **tags, PARENT_TAG: parent_id})
+    finally:
+        if run_id is None:
+            store.close()
+    return DirectRun(store, run_id, owned) if run_id is not None else None
+
+
+def _session_parent(store: SqliteStore, entry_point: str, pipeline: Params | None) -> str:
+    owner = session_owner()
+    tags = session_tags(entry_point, owner)
+    session = tags["lockstep.session"]
+    found = store.find_run("lockstep.session", session)
+    if found:
+        store.update_run(found, status="RUNNING")
+        return found
+    run_id = store.create_run(f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}", tags)
+    if pipeline is not None:
+        store.log_batch(run_id, params=shown_params(pipeline))
+    return run_id
+
+
+def end_stage_run(run: DirectRun, status: str, entry_point: str, pipeline: Params | None) -> None:
+    """End the stage's run as `status`, and the session's pipeline run it owns, with that run's record."""
+    try:
+        run.store.update_run(run.run_id, status, end=True)
+        if run.owned_parent is not None:
+            if pipeline is not None:
+                record_pipeline(run.store, run.owned_parent, entry_point, pipeline, finished=status == "FINISHED")
+            run.store.update_run(run.owned_parent, status, end=True)
+    finally:
+        run.store.close()
+
+
+def record_pipeline(store: SqliteStore, run_id: str, entry_point: str, params: Params, finished: bool) -> None:
+    """dashboard.py `record_pipeline`, written directly: the pipeline run's name, and once it finished
+    its headline numbers, tags, recipe params and training data."""
+    by_stage = {tags.get("lockstep.stage"): tags for tags in store.children(run_id)}
+    record = pipeline_record(entry_point, by_stage, (store.metrics(run_id), store.params(run_id)), finished)
+    store.update_run(run_id, name=record.name)
+    if finished:
+        store.log_batch(run_id, params=record.params, tags=record.tags, metrics=record.metrics)
+        link_dataset(store, run_id, params)
+
+
+def link_dataset(store: SqliteStore, run_id: str, params: Params) -> None:
+    """dashboard.py `log_dataset`: the data as the run's training input; through MLflow's client where
+    this store has not recorded it yet (MLflow builds its source and schema: once per data version)."""
+    md5 = data_md5()
+    if md5 != "none" and not store.link_dataset(run_id, dataset_name(params), md5.removesuffix(".dir")):
+        log_dataset(mlflow_module().MlflowClient(), run_id, params)
 
 
 def record_pipeline_run(uri: str, params: Params, entry_point: str, extra_tags: dict[str, str]) -> str | None:
-    """A finished pipeline run in which no stage ran, as `pipeline_run` + `tag_run` leave it; its run id,
-    or None if this store is not one this module may write (then nothing was written)."""
-    path = database(uri)
-    if path is None:
+    """A finished pipeline run in which no stage ran, as `pipeline_run` + `tag_run` leave it, in one
+    transaction; its run id, or None if this store is not one this module may write (nothing written)."""
+    store = SqliteStore.open(uri, params.tracking.experiment)
+    if store is None:
         return None
     md5 = data_md5()
-    start = _now()
-    tags = {**pipeline_tags(entry_point), **redact_mapping(extra_tags)}
-    result = headline()
-    tags["export.shipped_variant"] = result.shipped_variant or "none"
-    tags[RUN_NAME_TAG] = run_name(entry_point, [], md5)
-    content = {
-        "tags": tags,
-        "params": shown_params(params) | recipe_params(result),
-        "metrics": headline_metrics(result, {}, _now()),
-        "dataset": (dataset_name(params), md5.removesuffix(".dir")) if md5 != "none" else None,
-    }
-    if not _fits(content):
-        return None
-    with closing(sqlite3.connect(path, timeout=30, isolation_level=None)) as db:
-        db.execute("BEGIN IMMEDIATE")  # the checks and the writes see one state of the store
+    dataset = (dataset_name(params), md5.removesuffix(".dir")) if md5 != "none" else None
+    record = pipeline_record(entry_point, {}, ({}, {}), finished=True)
+    tags = {**pipeline_tags(entry_point), **redact_mapping(extra_tags), **record.tags}
+    with closing(store):
         try:
-            run_id = _write(db, params.tracking.experiment, start, content)
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("ROLLBACK" if run_id is None else "COMMIT")
+            with store.transaction():
+                if store.running() or (dataset is not None and store.dataset(*dataset) is None):
+                    return None
+                run_id = store.create_run(record.name, tags)
+                store.log_batch(run_id, params=shown_params(params) | record.params, metrics=record.metrics)
+                if dataset is not None:
+                    store.link_dataset(run_id, *dataset)
+                store.update_run(run_id, "FINISHED", end=True)
+        except ValueError as exc:  # over MLflow's limits: rolled back, and MLflow's client says what
+            log.info("the no-op run is left to MLflow's client: %s", exc)
+            return None
     return run_id
 
 
 def experiment_id(uri: str, name: str) -> str | None:
-    """The id of the active experiment `name` in the sqlite store at `uri`, read without MLflow's client;
-    None if this module does not know the store (its kind or its schema)."""
-    path = database(uri)
-    if path is None:
+    """The id of the experiment `name` in the sqlite store at `uri`, read without MLflow's client;
+    None if this module does not know the store (its kind, schema, or the experiment's view)."""
+    store = SqliteStore.open(uri, name)
+    if store is None:
         return None
-    with closing(sqlite3.connect(path, timeout=30)) as db:
-        if db.execute("select version_num from alembic_version").fetchall() != [(SCHEMA_REVISION,)]:
-            return None
-        found = db.execute(_EXPERIMENT, (name,)).fetchone()
-    return str(found[0]) if found else None
-
-
-_EXPERIMENT = (
-    "select experiment_id, artifact_location from experiments "
-    "where name = ? and lifecycle_stage = 'active' and workspace = 'default'"
-)
-
-
-def _now() -> int:
-    return int(time.time() * 1000)
-
-
-def _fits(content: dict[str, Any]) -> bool:
-    keys = [*content["tags"], *content["params"], *(m[0] for m in content["metrics"])]
-    return (
-        all(len(key) <= MAX_KEY for key in keys)
-        and all(len(value) <= MAX_TAG for value in content["tags"].values())
-        and all(len(value) <= MAX_PARAM for value in content["params"].values())
-        and all(math.isfinite(m[1]) for m in content["metrics"])
-    )
-
-
-def _write(db: sqlite3.Connection, experiment: str, start: int, content: dict[str, Any]) -> str | None:
-    if db.execute("select version_num from alembic_version").fetchall() != [(SCHEMA_REVISION,)]:
-        return None
-    found = db.execute(_EXPERIMENT, (experiment,)).fetchone()
-    if found is None:
-        return None
-    experiment_id, location = found
-    experiment_tags = dict(db.execute("select key, value from experiment_tags where experiment_id = ?", found[:1]))
-    if EXPERIMENT_KIND_TAG not in experiment_tags or experiment_tags.get(VIEW_TAG) != _view_state():
-        return None
-    if db.execute("select 1 from runs where experiment_id = ? and status = 'RUNNING'", found[:1]).fetchone():
-        return None
-    dataset = None
-    if content["dataset"] is not None:
-        dataset = db.execute(
-            "select dataset_uuid from datasets where experiment_id = ? and name = ? and digest = ?",
-            (experiment_id, *content["dataset"]),
-        ).fetchone()
-        if dataset is None:
-            return None
-    run_id = uuid.uuid4().hex
-    tags = content["tags"]
-    db.execute(
-        "insert into runs (run_uuid, name, source_type, source_name, entry_point_name, user_id, status, "
-        "start_time, end_time, deleted_time, source_version, lifecycle_stage, artifact_uri, experiment_id) "
-        "values (?, ?, 'UNKNOWN', '', '', 'unknown', 'FINISHED', ?, ?, NULL, '', 'active', ?, ?)",
-        (run_id, tags[RUN_NAME_TAG], start, _now(), f"{location.rstrip('/')}/{run_id}/artifacts", experiment_id),
-    )
-    db.executemany("insert into tags (key, value, run_uuid) values (?, ?, ?)", [(*t, run_id) for t in tags.items()])
-    params = [(*p, run_id) for p in content["params"].items()]
-    db.executemany("insert into params (key, value, run_uuid) values (?, ?, ?)", params)
-    metrics = content["metrics"]
-    db.executemany(
-        "insert into metrics (key, value, timestamp, run_uuid, step, is_nan) values (?, ?, ?, ?, ?, 0)",
-        [(key, value, stamp, run_id, step) for key, value, stamp, step in metrics],
-    )
-    latest: dict[str, tuple[int, int, float]] = {}  # MLflow's rule: the greatest (step, timestamp, value)
-    for key, value, stamp, step in metrics:
-        latest[key] = max(latest.get(key, (step, stamp, value)), (step, stamp, value))
-    db.executemany(
-        "insert into latest_metrics (key, value, timestamp, step, is_nan, run_uuid) values (?, ?, ?, ?, 0, ?)",
-        [(key, value, stamp, step, run_id) for key, (step, stamp, value) in latest.items()],
-    )
-    if dataset is not None:
-        input_id = uuid.uuid4().hex
-        db.execute(
-            "insert into inputs (input_uuid, source_type, source_id, destination_type, destination_id, step) "
-            "values (?, 'DATASET', ?, 'RUN', ?, 0)",
-            (input_id, dataset[0], run_id),
-        )
-        db.execute("insert into input_tags (input_uuid, name, value) values (?, ?, ?)", (input_id, *DATASET_CONTEXT))
-    return run_id
+    with closing(store):
+        return store.experiment_id

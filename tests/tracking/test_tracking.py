@@ -9,8 +9,9 @@ import pytest
 
 from tasks.core.config.service import TrackingConfig
 from tasks.core.layout import ROOT, project_root
-from tasks.tracking.runs import PARENT_ENV, StageRun, stage_run
+from tasks.tracking.runs import PARENT_ENV, stage_run
 from tasks.tracking.store import tracking_uri
+from tasks.tracking.writers import StageRun
 
 
 def test_default_store_is_absolute_and_project_rooted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,13 +38,19 @@ def test_disabled_tracking_logs_nothing_and_says_so() -> None:
         _ = run.mlflow
 
 
+@pytest.mark.parametrize("writer", ["ClientWriter", "SqliteStore"])
 def test_metrics_are_batched_and_a_failed_stage_still_writes_its_curve(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    writer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Through MLflow's client (a new store: its experiment is made) and written directly (the next runs)."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv(PARENT_ENV, raising=False)
     monkeypatch.chdir(tmp_path)  # lineage tags read dvc.lock / data.dvc relative to here: absent
+    if writer == "SqliteStore":
+        with stage_run("stats", TrackingConfig(), {}):
+            pass
     with pytest.raises(FloatingPointError), stage_run("train", TrackingConfig(), {"lr": 0.1}) as run:
+        assert type(run.writer).__name__ == writer
         for epoch in range(1, 4):
             run.log_metrics({"train_loss": 1.0 / epoch}, step=epoch)
         # the first epoch is written at once, the next ones wait for the batch (1 s)
@@ -52,7 +59,11 @@ def test_metrics_are_batched_and_a_failed_stage_still_writes_its_curve(
         raise FloatingPointError("loss is nan at epoch 4")
     client = run.mlflow.MlflowClient()
     assert [m.step for m in client.get_metric_history(run.run_id, "train_loss")] == [1, 2, 3]
-    assert client.get_run(run.run_id).info.status == "FAILED"
+    failed = client.get_run(run.run_id)
+    assert failed.info.status == "FAILED" and failed.data.params == {"lr": "0.1"}
+    # its session's pipeline run ended with it, and the machine's load was sampled into its run
+    assert client.get_run(failed.data.tags["mlflow.parentRunId"]).info.status == "FAILED"
+    assert any(key.startswith("system/") for key in failed.data.metrics)
 
 
 def test_redaction_masks_secret_env_values_url_credentials_and_secret_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,11 +84,14 @@ def test_a_store_failing_again_while_the_run_closes_keeps_the_first_error(
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    from tasks.tracking import sqlite_record
     from tasks.tracking.store import TrackingUnavailable
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv(PARENT_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
+    # the server's part is played by an sqlite store written through MLflow's client, as a server's is
+    monkeypatch.setattr(sqlite_record, "start_stage_run", lambda *args: None)
     upload = MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow-artifacts failed with error code 500")
     reset = MlflowException("API request to http://127.0.0.1:1/api/2.0/mlflow/runs/get failed: Connection reset")
 
