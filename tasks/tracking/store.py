@@ -38,10 +38,6 @@ def mlflow_module() -> Any:
     """MLflow, imported (lazily: a GPU box with torch alone trains with tracking off) and pointed at
     `tracking_uri()`, its sqlite store created under a lock the first time."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    # system metrics (the train run, tasks/tracking/system.py): a point every second (MLflow: every 10 s),
-    # so that a training of a minute has a curve; sampled into memory, written with the run's metrics.
-    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
-    os.environ.setdefault("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
     # heavy: mlflow (~4 s), only when a tracking server is used; the no-op path never loads it
     import mlflow
 

@@ -5,10 +5,10 @@ interval, reads the run back from the store (`get_run`, to see whether it ended)
 (`log_batch`): two store calls a second at the project's interval. On 2 cores that thread was most of
 what tracking cost the train stage (B4: 1.059x with it, 1.018x without, benchmarks/results/).
 
-`SystemMetrics` keeps MLflow's collectors (`SystemMetricsMonitor`'s CPU, memory, disk, network and,
-where NVML finds one, GPU monitors: the same `system/...` names the UI's system-metrics tab charts, and
-MLflow's environment variables for the interval, the samples per point and the node id), but its thread
-only samples into memory. The points reach the store with the run's own metric writes
+`SystemMetrics` keeps what MLflow's monitor records (`SystemMetricsMonitor`'s CPU, memory, disk and
+network figures, and a GPU's where NVML or ROCm answers: the same `system/...` names the UI's
+system-metrics tab charts, and MLflow's environment variables for the interval, the samples per point and
+the node id), but its thread only samples into memory. The points reach the store with the run's own metric writes
 (`StageRun.flush`), and the thread writes them itself only when the run has written nothing for
 LIVE_WRITE_S (a long epoch), so the UI stays live at the cost of one write per half minute.
 
@@ -18,9 +18,12 @@ samples once, so a training shorter than the interval is not left without any (M
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -31,19 +34,22 @@ from tasks.core.redact import redact
 log = logging.getLogger(__name__)
 
 LIVE_WRITE_S = 30.0  # the longest the store may lag behind the sampled points while a run is silent
+# a point every second (MLflow's default: every 10 s), so that a training of a minute has a curve;
+# sampled into memory, written with the run's metrics
+INTERVAL_S = 1.0
 
 
 class SystemMetrics:
     """Samples the machine every MLflow sampling interval on a daemon thread; `take` hands over the
     points sampled so far as (name, value, timestamp ms, step) rows."""
 
-    def __init__(self, run_id: str, write: Callable[[], None], written_at: Callable[[], float]) -> None:
-        # heavy: mlflow's system metrics import psutil and (where installed) NVML; only the train run's
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        # MLflow's monitor, never started: its collectors, interval, samples per point and node id
-        self._monitor = SystemMetricsMonitor(run_id)
-        self._prefix = "system/" + (f"{self._monitor.node_id}/" if self._monitor.node_id else "")
+    def __init__(self, write: Callable[[], None], written_at: Callable[[], float]) -> None:
+        # MLflow's environment variables, over our default interval
+        self._interval = _setting("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", float) or INTERVAL_S
+        self._per_point = _setting("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", int) or 1
+        node = _setting("MLFLOW_SYSTEM_METRICS_NODE_ID", str)
+        self._prefix = "system/" + (f"{node}/" if node else "")
+        self._collectors: list[Any] = [HostCollector(), NetworkCollector(), *_gpu_collectors()]
         self._write, self._written_at = write, written_at
         self._lock = threading.Lock()
         self._points: list[tuple[str, float, int, int]] = []
@@ -70,11 +76,10 @@ class SystemMetrics:
         # psutil's cpu_percent is the load since the calling thread's previous call: this one starts the
         # first span (MLflow's thread records a meaningless 0.0 as its first CPU sample instead)
         psutil.cpu_percent()
-        interval, per_point = float(self._monitor.sampling_interval), int(self._monitor.samples_before_logging)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self._interval):
             with self._lock:
                 self._sample()
-                if self._samples >= per_point:
+                if self._samples >= self._per_point:
                     self._add_point()
             if time.monotonic() - max(self._written_at(), self._started, self._tried_at) >= LIVE_WRITE_S:
                 self._tried_at = time.monotonic()  # a store that is down is tried again LIVE_WRITE_S later
@@ -86,16 +91,18 @@ class SystemMetrics:
                 self._add_point()
 
     def _sample(self) -> None:
-        self._monitor.collect_metrics()
+        for collector in self._collectors:
+            collector.collect_metrics()
         self._samples += 1
 
     def _add_point(self) -> None:
         """The samples so far, aggregated as MLflow does (means; network totals), as one point."""
         stamp = int(time.time() * 1000)
-        metrics: dict[str, Any] = self._monitor.aggregate_metrics()
-        self._points += [(self._prefix + name, float(value), stamp, self._step) for name, value in metrics.items()]
-        for collector in self._monitor.monitors:
+        metrics: dict[str, Any] = {}
+        for collector in self._collectors:
+            metrics.update(collector.aggregate_metrics())
             collector.clear_metrics()
+        self._points += [(self._prefix + name, float(value), stamp, self._step) for name, value in metrics.items()]
         self._step, self._samples = self._step + 1, 0
 
     def _write_or_warn(self) -> None:
@@ -104,3 +111,94 @@ class SystemMetrics:
         except Exception as exc:  # the run's own next write (or its end) raises it where it is handled
             reason = redact(" ".join(str(exc).split()))[:300]  # a server URL may carry credentials
             log.warning("system metrics: could not write to the tracking store yet: %s", reason)
+
+
+# MLflow's own collectors (mlflow/system_metrics/metrics/cpu_monitor.py, disk_monitor.py, network_monitor.py),
+# the same psutil calls, names and rounding, written out here because importing them loads all of MLflow
+# (~1.8 CPU-s on a 2-core Zen 3) and its monitor opens MLflow's client store (~1 s more), in every train
+# process, where the run's rows are written without the client (tasks/tracking/sqlite_store.py).
+# tests/tracking/test_system_metrics.py compares them with MLflow's, name for name.
+
+
+class HostCollector:
+    """CPU, memory and the root disk: each point the mean of its samples, to one decimal."""
+
+    def __init__(self) -> None:
+        self._samples: dict[str, list[float]] = defaultdict(list)
+
+    def collect_metrics(self) -> None:
+        memory, disk = psutil.virtual_memory(), psutil.disk_usage(os.sep)
+        for name, value in (
+            ("cpu_utilization_percentage", psutil.cpu_percent()),
+            ("system_memory_usage_megabytes", memory.used / 1e6),
+            ("system_memory_usage_percentage", memory.used / memory.total * 100),
+            ("disk_usage_percentage", disk.percent),
+            ("disk_usage_megabytes", disk.used / 1e6),
+            ("disk_available_megabytes", disk.free / 1e6),
+        ):
+            self._samples[name].append(value)
+
+    def aggregate_metrics(self) -> dict[str, float]:
+        return {name: round(sum(values) / len(values), 1) for name, values in self._samples.items()}
+
+    def clear_metrics(self) -> None:
+        self._samples.clear()
+
+
+class NetworkCollector:
+    """Megabytes received and sent since the run started: the latest sample, not a mean."""
+
+    def __init__(self) -> None:
+        start = psutil.net_io_counters()
+        self._start = (start.bytes_recv / 1e6, start.bytes_sent / 1e6)
+        self._latest: dict[str, float] = {}
+
+    def collect_metrics(self) -> None:
+        now = psutil.net_io_counters()
+        self._latest = {
+            "network_receive_megabytes": now.bytes_recv / 1e6 - self._start[0],
+            "network_transmit_megabytes": now.bytes_sent / 1e6 - self._start[1],
+        }
+
+    def aggregate_metrics(self) -> dict[str, float]:
+        return dict(self._latest)
+
+    def clear_metrics(self) -> None:
+        self._latest = {}
+
+
+def _setting(name: str, kind: type) -> Any:
+    """MLflow's environment variable `name` as `kind` (None where unset), as mlflow.environment_variables reads it."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected {kind.__name__}") from None
+
+
+def _gpu_collectors() -> list[Any]:
+    """MLflow's GPU collectors where a GPU answers (NVML for NVIDIA, pyrsmi for AMD), as its monitor picks
+    them; loaded only then: a GPU host's training is long enough for MLflow's import."""
+    if importlib.util.find_spec("pynvml") is not None:
+        import pynvml  # optional: nvidia-ml-py, where installed
+
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:  # the library without a driver or a GPU: most CPU hosts
+            log.debug("system metrics: no NVIDIA GPU (%s)", exc)
+        else:
+            # heavy: mlflow (~1.8 s), only on a host with an NVIDIA GPU
+            from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
+
+            return [GPUMonitor()]
+    if importlib.util.find_spec("pyrsmi") is not None:
+        # heavy: mlflow (~1.8 s), only where AMD's ROCm SMI bindings are installed
+        from mlflow.system_metrics.metrics.rocm_monitor import ROCMMonitor
+
+        try:
+            return [ROCMMonitor()]
+        except Exception as exc:  # as MLflow's monitor does: no AMD GPU, no GPU metrics
+            log.debug("system metrics: no AMD GPU (%s)", exc)
+    return []

@@ -72,7 +72,7 @@ class StageRun:
     def sample_system(self) -> None:
         """Record the machine's load (MLflow's system metrics) until the run ends (tasks/tracking/system.py)."""
         if self._writer and self._system is None and self.run_id:
-            self._system = SystemMetrics(self.run_id, self.flush, lambda: self._written_at)
+            self._system = SystemMetrics(self.flush, lambda: self._written_at)
 
     @property
     def enabled(self) -> bool:

@@ -104,7 +104,7 @@ def test_a_store_that_fails_the_threads_write_is_warned_about_and_tried_again_la
         attempts.append(time.monotonic())
         raise ConnectionError("https://user:s3cret@mlflow.example/api: connection refused")
 
-    sampler = system.SystemMetrics("a-run", write, lambda: float("-inf"))
+    sampler = system.SystemMetrics(write, lambda: float("-inf"))
     deadline = time.monotonic() + 30
     while len(attempts) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -115,3 +115,69 @@ def test_a_store_that_fails_the_threads_write_is_warned_about_and_tried_again_la
     assert sorted(set(steps)) == list(range(len(set(steps)))) and len(set(steps)) > len(attempts)  # all kept
     warned = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
     assert warned and "s3cret" not in warned[0] and "https://***@mlflow.example/api: connection refused" in warned[0]
+
+
+def test_the_collectors_record_what_mlflows_own_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same names, the same aggregation (means to one decimal; network totals since the start) as
+    MLflow's CPU, disk and network monitors, sampled at the same moments (psutil stubbed to fixed readings)."""
+    from collections import namedtuple
+
+    import psutil
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+    memory, disk = namedtuple("Memory", "used total percent"), namedtuple("Disk", "used free percent")
+    net = namedtuple("Net", "bytes_recv bytes_sent")
+    readings = iter(itertools.chain.from_iterable(itertools.repeat(x, 2) for x in (12.5, 40.0, 77.7)))
+    monkeypatch.setattr(psutil, "cpu_percent", lambda: next(readings))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(3_123_456_789, 8_000_000_000, 39.0))
+    monkeypatch.setattr(psutil, "disk_usage", lambda _: disk(55_555_555_555, 44_444_444_444, 55.6))
+    received = iter([1_000_000, 1_000_000, 3_500_000, 3_500_000, 9_250_000, 9_250_000, 12_000_001, 12_000_001])
+    monkeypatch.setattr(psutil, "net_io_counters", lambda: net(next(received), 2_000_000))
+    ours = [system.HostCollector(), system.NetworkCollector()]
+    theirs = [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+    for _ in range(3):
+        for collector in theirs[:1] + ours[:1] + theirs[1:2] + theirs[2:] + ours[1:]:
+            collector.collect_metrics()
+    mine = {k: v for collector in ours for k, v in collector.aggregate_metrics().items()}
+    mlflows = {k: v for monitor in theirs for k, v in monitor.aggregate_metrics().items()}
+    assert mine == mlflows and mine["cpu_utilization_percentage"] == 43.4 and len(mine) == 8, (mine, mlflows)
+    assert {f"system/{name}" for name in mine} == NAMES
+
+
+def test_mlflows_variables_set_the_interval_and_a_wrong_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", raising=False)
+    sampler = system.SystemMetrics(lambda: None, lambda: float("-inf"))
+    sampler.stop()
+    assert sampler._interval == 1.0  # a point a second unless the variable says otherwise (MLflow: 10 s)
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "2.5")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_NODE_ID", "trainer-b")
+    sampler = system.SystemMetrics(lambda: None, lambda: float("-inf"))
+    sampler.stop()
+    assert sampler._interval == 2.5 and {point[0].split("/")[1] for point in sampler.take()} == {"trainer-b"}
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "ten")
+    with pytest.raises(ValueError, match="MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING='ten': expected int"):
+        system.SystemMetrics(lambda: None, lambda: float("-inf"))
+
+
+def test_the_sampler_loads_no_mlflow(tmp_path: Path) -> None:
+    """A direct-written run's sampler (tasks/tracking/sqlite_store.py's case) loads no MLflow module."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from tasks.tracking import system\n"
+        "sampler = system.SystemMetrics(lambda: None, lambda: float('-inf'))\n"
+        "sampler.stop()\n"
+        "assert sampler.take(), 'no point'\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow'))\n"
+    )
+    from tests.conftest import ROOT, subprocess_env
+
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
