@@ -12,8 +12,11 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 from tasks.core import layout
 from tasks.core.config.params import Params
@@ -55,7 +58,8 @@ def register_shipped(params: Params, run: StageRun, exported: ExportResult) -> s
     # MLflow draws a "Downloading artifacts" bar for each single file it copies here (the ONNX file into
     # the logged model, the champion out of the registry): console noise for an event the stage reports.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    info = _log_models(params, run, exported)
+    with requirements_taken_as_given():
+        info = _log_models(params, run, exported)
     name = params.tracking.registered_model
     version = _new_version(run.mlflow.MlflowClient(), name, info, run.run_id)
     promotion = decide_promotion(
@@ -107,6 +111,29 @@ def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> 
             " · ".join(r for r in runs if r),
         ],
     )
+
+
+@contextmanager
+def requirements_taken_as_given() -> Iterator[None]:
+    """MLflow's check of a logged model's requirements against this environment, skipped for the block.
+
+    To warn of a mismatch, MLflow first maps every installed distribution to its modules (importlib.metadata
+    over ~290 of them: 0.8-0.9 s of an export on 2 cores, 2026-12-07), when it saves each model and when it
+    loads the served one to try its input example. `_log_models` pins the requirements to the versions
+    installed here, so they cannot mismatch; MLflow has no setting to skip the check, so its function is
+    replaced, in the two modules that call it, for the block only."""
+    # heavy: MLflow (~2 s), already loaded by the export run that logs the models
+    import mlflow.pyfunc
+    import mlflow.utils.environment
+
+    with ExitStack() as patches:
+        for module in (mlflow.utils.environment, mlflow.pyfunc):
+            patches.enter_context(mock.patch.object(module, "warn_dependency_requirement_mismatches", _as_given))
+        yield
+
+
+def _as_given(model_requirements: list[str]) -> None:
+    """MLflow's `warn_dependency_requirement_mismatches`, for requirements read off this environment."""
 
 
 def _log_models(params: Params, run: StageRun, exported: ExportResult) -> Any:

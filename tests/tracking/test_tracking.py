@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from importlib.metadata import version
 from pathlib import Path
 
@@ -121,3 +122,30 @@ def test_only_a_run_that_computes_with_torch_records_its_cuda_versions_whatever_
     assert computing["version.cuda"] == str(torch.version.cuda) and "version.cudnn" in computing
     # the installed distribution's version, and the loaded module's (which names its build: "+cu130")
     assert without["version.torch"] == version("torch") and computing["version.torch"] == torch.__version__
+
+
+def test_mlflows_requirement_check_is_skipped_only_while_the_models_are_logged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tasks/tracking/registry.py `requirements_taken_as_given`: inside, MLflow saves a model's requirements
+    without checking them against this environment (the check maps every installed distribution first);
+    outside, MLflow's own check is back and names a requirement this environment does not meet."""
+    import mlflow.pyfunc
+    import mlflow.utils.environment as environment
+    from mlflow.utils import requirements_utils
+
+    from tasks.tracking.registry import requirements_taken_as_given
+
+    unmet = ["numpy==0.0.1"]
+    # MLflow's loggers do not propagate to the root logger (its own handler writes to stderr)
+    monkeypatch.setattr(logging.getLogger("mlflow"), "handlers", [caplog.handler])
+    caplog.set_level(logging.WARNING, logger="mlflow")
+    with requirements_taken_as_given():
+        _, saved, _ = environment._process_pip_requirements(unmet)
+    assert "numpy==0.0.1" in saved  # what the model records is unchanged
+    assert "mismatches" not in caplog.text
+    environment._process_pip_requirements(unmet)
+    assert "numpy (current: " in caplog.text and "required: numpy==0.0.1" in caplog.text
+    mlflows = requirements_utils.warn_dependency_requirement_mismatches
+    for module in (environment, mlflow.pyfunc):  # MLflow's function again in both modules that call it
+        assert module.warn_dependency_requirement_mismatches is mlflows
