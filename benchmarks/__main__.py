@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.harness import RESULTS, ROOT, Figure, machine
+from flows import kept_server
 from tasks.core.atomic import write_text
 from tasks.determinism.bootstrap import bootstrap
 
@@ -130,12 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {sorted(suites)}")
     figures: list[Figure] = []
     with tempfile.TemporaryDirectory(prefix="lockstep-bench-") as tmp:
-        for name, suite in suites.items():
-            if args.only and name not in args.only:
-                continue
-            start = time.perf_counter()
-            figures += suite(Path(tmp))
-            print(f"{name}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        try:
+            for name, suite in suites.items():
+                if args.only and name not in args.only:
+                    continue
+                start = time.perf_counter()
+                figures += suite(Path(tmp))
+                print(f"{name}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        finally:  # the Prefect servers the project copies' runs kept (flows/kept_server.py), before their folders go
+            for home in Path(tmp).glob("**/.prefect"):
+                kept_server.stop(home)
     if args.smoke:  # toy sizes and one round: the figures show the code runs, not whether targets hold
         for figure in figures:
             figure.met = None

@@ -32,7 +32,7 @@ from typing import Any
 
 from benchmarks.harness import RESULTS, ROOT, machine, median
 from benchmarks.pipeline_overhead import project_copy
-from flows.prefect_env import AUTH_FILE, free_port, wait_until_healthy
+from flows.local_server import AUTH_FILE, free_port, wait_until_healthy
 from tasks.core.atomic import write_text
 from tasks.core.config.yaml_io import load_params
 from tasks.core.processes import stop_group

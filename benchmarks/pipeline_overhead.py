@@ -4,7 +4,8 @@ B2  the whole default pipeline through the Prefect flow (`python -m flows.pipeli
     stage, DVC hashing and committing each, MLflow logging runs, artifacts and the registry) vs the
     same stage functions called in one plain Python process (benchmarks/plain_pipeline.py), on
     digits and on a generated dataset 20x its size. Both sides are fresh processes timed by wall
-    clock, as users start them, and take turns. The 20x dataset has no source to download from,
+    clock, as users start them, and take turns; the flow reports to the Prefect server its set-up
+    run kept (flows/kept_server.py), as a user's next `make run` does. The 20x dataset has no source to download from,
     so there both start from the snapshot in data/: the flow re-runs stats .. export (their
     outputs deleted first, so DVC finds them stale), the plain process skips download.
 B3  a run when nothing changed: a no-op `dvc repro` and a no-op `make run` (`python -m flows.pipeline`,
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from benchmarks.data import raw
 from benchmarks.harness import ROOT, Figure, alternate, median, paired, run_timed
+from flows.kept_server import IDLE_ENV
 from tasks.core import layout
 from tasks.core.config.params import STAGES
 from tasks.core.config.yaml_io import set_params
@@ -50,6 +52,8 @@ SMOKE = {
 def _env(work: Path) -> dict[str, str]:
     """The user's environment without lockstep/MLflow/Prefect/DVC settings, with the venv on PATH."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_", "DVC_", "LOCKSTEP_"))}
+    if IDLE_ENV in os.environ:  # whether runs keep a Prefect server (the tests' runs keep none)
+        env[IDLE_ENV] = os.environ[IDLE_ENV]
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["LOCKSTEP_DOWNLOAD_CACHE"] = str(work / "cache")
     return env

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from flows import prefect_env, prefect_settings, project_server
+from flows.local_server import AUTH_FILE, LocalServer, prefect_home
 from tasks.core.cli import exit_code
 from tasks.core.config.params import is_params_key
 from tasks.core.config.policy import API_OVERRIDABLE, REMOTE_KEYS
@@ -78,11 +79,11 @@ def deployment_options(cfg: OrchestrationConfig) -> dict[str, Any]:
 
 
 @contextmanager
-def local_server(host: str, port: int) -> Iterator[prefect_env.LocalServer]:
+def local_server(host: str, port: int) -> Iterator[LocalServer]:
     """`prefect server start` on host:port for the block, answering; stopped on exit. While it runs, the
     project's other commands (`make run`, `make sweep`) run against it (flows/project_server.py)."""
-    server = prefect_env.LocalServer(host, port, die_with_parent=True)  # also if serve is SIGKILLed
-    home = prefect_env.prefect_home()
+    server = LocalServer(host, port, die_with_parent=True)  # also if serve is SIGKILLed
+    home = prefect_home()
     try:
         server.wait()
         project_server.record(home, host, server.port, server.proc.pid, server.auth_string)
@@ -364,9 +365,9 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_how_to_connect(server: prefect_env.LocalServer) -> None:
+def _print_how_to_connect(server: LocalServer) -> None:
     """Where the server is and how a client authenticates, without printing the secret."""
-    auth = prefect_env.prefect_home() / prefect_env.AUTH_FILE
+    auth = prefect_home() / AUTH_FILE
     where = f"in {auth}" if auth.exists() and auth.read_text().strip() == server.auth_string else "as you set it"
     print(
         f"Prefect server: {server.api_url.removesuffix('/api')}  (stopped with this process)\n"

@@ -39,7 +39,7 @@ from tasks.core.atomic import write_text
 log = logging.getLogger(__name__)
 
 RECORD_FILE = "server.json"
-AUTH_FILE = "api-auth"  # the project server's `user:password`, mode 0600 (prefect_env.project_auth_string)
+AUTH_FILE = "api-auth"  # the project server's `user:password`, mode 0600 (local_server.project_auth_string)
 MAX_RECORD_BYTES = 4096  # a few short fields; anything larger is not ours
 CHECK_TIMEOUT_S = 2.0  # a server on this machine that does not answer in 2 s is not one to run against
 # The addresses a record may name, and the wildcard a server bound to every address of that family uses
@@ -152,11 +152,17 @@ def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def proxies_set() -> list[str]:
+    """The HTTP proxies set in the environment (`http`, `all`): where one is, no recorded server is used.
+
+    Prefect's client (httpx) would send the run's calls, auth string included, through it unless NO_PROXY
+    names the address; rather than second-guess two libraries' bypass rules, a run with a proxy set starts
+    its own server (a string made for that run alone)."""
+    return sorted(name for name in urllib.request.getproxies() if name in ("http", "all"))
+
+
 def _refuse_proxies() -> None:
-    # Prefect's client (httpx) would send the run's calls, auth string included, through a proxy set in the
-    # environment unless NO_PROXY names the address; rather than second-guess two libraries' bypass rules,
-    # a run with a proxy set starts its own server (a string made for that run alone)
-    proxies = sorted(name for name in urllib.request.getproxies() if name in ("http", "all"))
+    proxies = proxies_set()
     if proxies:
         raise NotUsable(f"a proxy is set ({', '.join(proxies)}_proxy), through which the auth string would go")
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from flows import prefect_env
+from flows import local_server
 from stack.postgres import Postgres
 from stack.sockets import local_socket
 from stack.state import (
@@ -260,7 +260,7 @@ class TrackingServer(Daemon):
 
 
 class Orchestrator(Daemon):
-    """Prefect's server on PostgreSQL, locked down like `make schedule`'s (flows/prefect_env.py)."""
+    """Prefect's server on PostgreSQL, locked down like `make schedule`'s (flows/local_server.py)."""
 
     name = "prefect"
 
@@ -274,7 +274,7 @@ class Orchestrator(Daemon):
             "PREFECT_SERVER_DATABASE_CONNECTION_URL": self.stack.database_url("prefect", driver="asyncpg"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         }
-        prefect_env.secure_server_env(
+        local_server.secure_server_env(
             env, self.stack.host, self.stack.ports["prefect"], self.stack.secret("prefect-auth")
         )
         return env

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from flows import prefect_settings
-from flows.prefect_env import wait_until_healthy
+from flows.local_server import wait_until_healthy
 from tasks.core.processes import stop_group, tune_collector
 
 if TYPE_CHECKING:  # (imported where used: tests/support/first_run.py imports this module)
@@ -130,6 +130,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["MLFLOW_WORKERS"] = MLFLOW_WORKERS
     env["DVC_NO_ANALYTICS"] = "1"
     env["TMPDIR"] = SUBPROCESS_TMP
+    # No Prefect server kept after a test's run (flows/kept_server.py): each project copy's would idle for
+    # minutes beside the other tests; tests/flows/test_kept_server.py keeps one on purpose
+    env["LOCKSTEP_PREFECT_SERVER_IDLE_S"] = "0"
     env.update(extra)
     return env
 
@@ -355,7 +358,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory, prefect_database: P
     tests/flows/test_e2e.py reads), the bind test (tests/reliability/test_server_binds.py) and the
     benchmarks' no-op and whole-pipeline runs.
     """
-    from flows.prefect_env import LocalServer
+    from flows.local_server import LocalServer
 
     home = seed_prefect_home(tmp_path_factory.mktemp("prefect-server"), prefect_database)
     with pytest.MonkeyPatch.context() as patch:
@@ -373,7 +376,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory, prefect_database: P
 # first `make run` leaves it; what a test examines is never the migrations. The cold start is tested
 # where it is the subject: the first `make run`s (tests/support/first_run.py) and the benchmarks' runs.
 PREFECT_DATABASE = """
-from flows.prefect_env import LocalServer
+from flows.local_server import LocalServer
 server = LocalServer(ephemeral=True, quiet=True)
 server.wait()
 server.stop()

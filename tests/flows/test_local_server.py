@@ -33,7 +33,7 @@ from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 from prefect.states import Completed, Running
-from flows import prefect_env
+from flows import local_server, prefect_env
 from flows.local_records import wait_recorded
 
 @task
@@ -59,7 +59,7 @@ with prefect_env.local_api() as own_server:
         finish.join()
         began = time.monotonic()
         print("MISSING", wait_recorded(flow_run.id, task_runs=2, timeout_s=0.5), round(time.monotonic() - began, 2))
-    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{prefect_env.free_port()}/api"}):
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{local_server.free_port()}/api"}):
         print("GONE", wait_recorded(flow_run.id, task_runs=1))
 """
 

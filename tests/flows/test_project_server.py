@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from flows import project_server
-from flows.prefect_env import AUTH_FILE
+from flows.local_server import AUTH_FILE
 from tests.conftest import ROOT, free_port, run, seed_prefect_home, stop_group, subprocess_env
 from tests.support.prefect_client import PrefectAPI
 

@@ -16,7 +16,7 @@ from secrets import token_hex
 import psutil
 import pytest
 
-from flows.prefect_env import LocalServer, prefect_home, wait_until_healthy
+from flows.local_server import LocalServer, prefect_home, wait_until_healthy
 from tests.conftest import (
     copy_project,
     free_port,

@@ -113,6 +113,8 @@ class Host:
             "OMP_WAIT_POLICY": "PASSIVE",
             "MLFLOW_WORKERS": "1",
             "GIT_TERMINAL_PROMPT": "0",
+            # no Prefect server kept after a run on a host (flows/kept_server.py): the bed's outlive no test
+            "LOCKSTEP_PREFECT_SERVER_IDLE_S": "0",
         }
         for key in ("PYTHONDONTWRITEBYTECODE", "CI"):
             if key in os.environ:
