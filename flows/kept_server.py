@@ -176,17 +176,19 @@ def keep(home: Path) -> int:
 def _started(attempts: int = 3) -> local_server.LocalServer:
     """A server that answers. `free_port` cannot reserve the port it finds: another process may take it
     before the server binds it (tests start many at once), and the server then exits; so a few tries."""
-    for attempt in range(1, attempts + 1):
+    for _ in range(attempts - 1):
         server = local_server.LocalServer(ephemeral=True, quiet=True, die_with_parent=True)
         try:
             server.wait()
             return server
         except RuntimeError as exc:
             server.stop()
-            if attempt == attempts or "exited with code" not in str(exc):
+            if "exited with code" not in str(exc):
                 raise
             print(f"the server's start failed, trying another port: {exc}", flush=True)
-    raise AssertionError("unreachable")
+    server = local_server.LocalServer(ephemeral=True, quiet=True, die_with_parent=True)
+    server.wait()  # the last try: its failure is the keeper's
+    return server
 
 
 def _unused_for(home: Path, limit: float) -> IO[str] | None:
