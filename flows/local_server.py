@@ -13,10 +13,8 @@ a run starts for itself gets a new one each time.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +27,7 @@ from typing import Any
 from filelock import FileLock
 
 from flows import prefect_settings, project_server
+from tasks.core import processes
 from tasks.core.processes import stop_group
 
 # a cold `prefect server start` (database migrations) takes ~20 s on 2 cores; a warm one ~3 s
@@ -149,7 +148,8 @@ class LocalServer:
             stdout=self._log,
             stderr=subprocess.STDOUT if quiet else None,
             start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,
+            # (`prefect server start` with one worker is a single process: this reaches uvicorn)
+            preexec_fn=processes.die_with_parent if die_with_parent else None,
         )
 
     @property
@@ -180,13 +180,6 @@ class LocalServer:
         stop_group(self.proc)
         if self._log is not None:
             self._log.close()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the process that started it dies, even by SIGKILL
-    (Linux; `prefect server start` with one worker is a single process, so this reaches uvicorn)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def wait_until_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> None:

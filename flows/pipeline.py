@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+from contextlib import nullcontext
 from typing import Any
 
 from flows import noop, prefect_env, prefect_settings
@@ -36,7 +37,7 @@ from tasks.core.config.yaml_io import PARAMS_FILE, load_yaml
 from tasks.core.layout import ROOT
 from tasks.core.redact import redact
 from tasks.determinism.bootstrap import bootstrap
-from tasks.tracking import sqlite_record
+from tasks.tracking import registrar, sqlite_record
 from tasks.tracking.dashboard import headline, runs_page
 from tasks.tracking.store import check_store, tracking_uri
 
@@ -57,14 +58,16 @@ def __getattr__(name: str) -> Any:
 
 def _warm_imports() -> None:
     # What the flow's stages need, loaded in a thread while the server starts (prefect_env.local_api): DVC
-    # and MLflow for the first, torch for every stage from train on (~2 s), in a run that will train (B2's
-    # flow side, 2026-12-05: 29.8 -> 28.6 s, median of 6; same bytes). `_run` prepared the process for it
-    # (`bootstrap`: before torch loads); what a run records does not depend on what is loaded when
-    # (tasks/tracking/lineage.py).
+    # for the first, torch for every stage from train on (~2 s), in a run that will train (B2's flow side,
+    # 2026-12-05: 29.8 -> 28.6 s, median of 6; same bytes); MLflow only where no helper registers export's
+    # models (tasks/tracking/registrar.py). `_run` prepared the process for it (`bootstrap`: before torch
+    # loads); what a run records does not depend on what is loaded when (tasks/tracking/lineage.py).
     import dvc.repo  # noqa: F401
-    import mlflow  # noqa: F401
 
     import tasks.determinism.pinning  # noqa: F401
+
+    if not registrar.helped():
+        import mlflow  # noqa: F401
 
 
 def _run_with_local_api(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -122,13 +125,19 @@ def _run(args: argparse.Namespace) -> int:
     check_store(params.tracking)  # a tracking server that is down fails the run now, not after training
     started = time.monotonic()
     results = None
-    if noop.eligible(args.force, args.overrides):
+    eligible = noop.eligible(args.force, args.overrides)
+    if eligible:
         settled = noop.record_if_nothing_stale(params, args.reingest)
         if settled is not None:
             results, summary = settled
             print(f"up to date (dvc.lock), skipped: {', '.join(results)}\n{summary}")
     if results is None:
-        results = _run_with_local_api(args)
+        # Stages will run (forced, new values, or found stale): export's MLflow client loads in a helper while
+        # this process loads Prefect and torch (registrar.py). Otherwise (a Prefect server's run, which asks
+        # DVC inside the flow) the flow starts one once it finds a stage stale.
+        will_run = args.force or bool(args.overrides) or eligible
+        with registrar.helping(params.tracking) if will_run else nullcontext():
+            results = _run_with_local_api(args)
     print("\n".join(closing_summary(results, time.monotonic() - started, params)))
     return 0
 

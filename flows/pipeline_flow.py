@@ -42,6 +42,7 @@ from tasks.core.layout import ROOT
 from tasks.core.lock import pipeline_lock
 from tasks.core.remote import push_outputs
 from tasks.determinism.bootstrap import prepare
+from tasks.tracking import registrar
 from tasks.tracking.orphans import FLOW_RUN_TAG
 from tasks.tracking.runs import pipeline_run, tag_run
 
@@ -176,7 +177,11 @@ def _stages(
         summary = summarize(results, before, before)
         noop.record(params, flow_run_id, summary)
         return results, summary
-    with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
+    # (registrar.py: started here for a run a worker started; `make run` has started it already)
+    with (
+        registrar.helping(params.tracking),
+        pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id,
+    ):
         if run_id:  # from the start: a run on another host asks Prefect whether this one is over (orphans.py)
             tag_run(run_id, {FLOW_RUN_TAG: flow_run_id})
         with PendingCommits(ROOT).flushed() as commits:  # before the push below: dvc.lock names what to push

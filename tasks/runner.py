@@ -25,8 +25,9 @@ from tasks.determinism.bootstrap import start
 from tasks.determinism.fingerprint import fingerprint
 from tasks.determinism.threads import resolve
 from tasks.tools.sweep.trials import Pruned
+from tasks.tracking import registrar
 from tasks.tracking.lineage import lineage_tags
-from tasks.tracking.registry import register_shipped
+from tasks.tracking.registry import Shipped
 from tasks.tracking.runs import stage_run
 from tasks.tracking.writers import StageRun
 from tasks.train.launcher import launch
@@ -290,7 +291,8 @@ def _export(params: Params, run: StageRun) -> dict[str, Any]:
         log.warning("export: %s", result.fallback_reason)
     metrics: dict[str, Any] = {"fp32_test_accuracy": result.fp32_accuracy, "test_accuracy": result.accuracy}
     if run.enabled:  # only after every gate passed: a failing model is never registered
-        metrics["promotion"] = register_shipped(params, run, result)  # the verdict, for the flow's notification
+        # the verdict, for the flow's notification; through the flow's helper where it started one
+        metrics["promotion"] = registrar.register(params, run, Shipped.of(result))
     return metrics
 
 

@@ -9,17 +9,20 @@ to stop it. psutil identifies a process by its start since boot for this reason
 (`Process._get_ident`), but does not make that public; `start_mark` reads it, with the boot's id, so
 that a mark made before a reboot never matches a process after it. And how a process group we started
 is stopped (`stop_group`), and how a process of ours spends less on Python's cyclic garbage
-collector while it imports and while it ends (`tune_collector`).
+collector while it imports and while it ends (`tune_collector`); and a child tied to its parent's life
+(`die_with_parent`).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import gc
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +90,13 @@ def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 30) -> None:
 # within 0.5%). Young and middle collections are unchanged, so garbage in reference cycles is still found
 # early; a long-lived process (a sweep's worker, a flow serving for days) still runs full collections, after
 # ten times as many middle ones.
+def die_with_parent() -> None:
+    """In a child, before exec (`preexec_fn`): SIGTERM it when the process that started it dies, even by
+    SIGKILL (Linux's PR_SET_PDEATHSIG; elsewhere nothing: the child is then stopped by its parent only)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 FULL_COLLECTION_EVERY = 100
 
 _freezing_at_exit = False

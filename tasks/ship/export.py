@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from tasks.core.atomic import atomic_dir
-from tasks.core.config.ship import EXPORT_FORMATS, ExportConfig
+from tasks.core.config.ship import EXPORT_FORMATS, FP32, SHIPPED, ExportConfig
 from tasks.core.config.train import RECIPE_KEYS, TrainConfig
 from tasks.core.errors import Refused
 from tasks.core.hashing import file_digest
@@ -52,7 +52,6 @@ from tasks.ship.formats import WRITERS
 from tasks.ship.onnx_model import as_pixels, predict, session
 from tasks.train.checkpoints import load_checkpoint
 
-SHIPPED, FP32 = "model.onnx", EXPORT_FORMATS["onnx"].file
 TORCH_DIR = "torch"  # the fp32 model in the torch formats of export.formats
 CARD, GATES = "model_card.md", "gates.json"
 

@@ -14,12 +14,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 from tasks.core import layout
 from tasks.core.config.params import Params
+from tasks.core.config.ship import FP32, SHIPPED
 from tasks.core.hashing import data_md5, file_digest
 from tasks.determinism.threads import resolve
 from tasks.tracking.dashboard import describe_version, headline, run_page
@@ -46,13 +48,42 @@ SERVING_MODULES = (
 )
 
 
-def register_shipped(params: Params, run: StageRun, exported: ExportResult) -> str:
+@dataclass(frozen=True)
+class Shipped:
+    """What the registry needs of an export (tasks/ship/export.py `ExportResult`): the model that shipped
+    as model.onnx, how good it is, and the shape of its input and output."""
+
+    variant: str
+    accuracy: float
+    fp32_accuracy: float
+    input_shape: tuple[int, int, int]
+    num_classes: int
+
+    @classmethod
+    def of(cls, exported: ExportResult) -> Shipped:
+        return cls(
+            exported.variant, exported.accuracy, exported.fp32_accuracy, exported.input_shape, exported.num_classes
+        )
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> Shipped:
+        """From `dataclasses.asdict` of one (tasks/tracking/registrar.py's request), its types checked."""
+        channels, height, width = (int(n) for n in fields["input_shape"])
+        return cls(
+            str(fields["variant"]),
+            float(fields["accuracy"]),
+            float(fields["fp32_accuracy"]),
+            (channels, height, width),
+            int(fields["num_classes"]),
+        )
+
+
+def register_shipped(params: Params, run: StageRun, exported: Shipped) -> str:
     """Log the fp32 ONNX model (onnx flavour) and the shipped one behind the image-bytes wrapper
     (tasks/ship/serving.py), register the latter, decide champion/challenger on the same test images
     (tasks/ship/promotion.py), record the decision on the run and describe the version; the verdict."""
-    # heavy: tasks.ship.export loads torch and onnx (~4 s), only when a model is registered
+    # heavy: numpy and onnxruntime (the champion is scored), only when a model is registered
     from tasks.data.preprocess import load_split
-    from tasks.ship.export import SHIPPED
     from tasks.ship.promotion import decide_promotion
 
     # MLflow draws a "Downloading artifacts" bar for each single file it copies here (the ONNX file into
@@ -77,7 +108,7 @@ def register_shipped(params: Params, run: StageRun, exported: ExportResult) -> s
     return promotion.verdict
 
 
-def _describe_version(run: StageRun, params: Params, exported: ExportResult) -> None:
+def _describe_version(run: StageRun, params: Params, exported: Shipped) -> None:
     """The registered version's description: what shipped, how good, small and fast it is, the
     promotion verdict, and links to its model card and to the export, pipeline and train runs."""
     client = run.mlflow.MlflowClient()
@@ -136,16 +167,15 @@ def _as_given(model_requirements: list[str]) -> None:
     """MLflow's `warn_dependency_requirement_mismatches`, for requirements read off this environment."""
 
 
-def _log_models(params: Params, run: StageRun, exported: ExportResult) -> Any:
+def _log_models(params: Params, run: StageRun, exported: Shipped) -> Any:
     """The fp32 model as it is (a tensor in, logits out) and the shipped one as served; the latter's info."""
-    # heavy: numpy, onnx, onnxruntime, mlflow and torch (tasks.ship.export): only when a model is registered
+    # heavy: numpy, onnx, onnxruntime and mlflow: only when a model is registered
     import numpy as np
     import onnx
     import onnxruntime as ort
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, Schema, TensorSpec
 
-    from tasks.ship.export import FP32, SHIPPED
     from tasks.ship.onnx_model import INPUT, OUTPUT
 
     # What serving needs, pinned to what was measured here (MLflow adds itself). Left to infer them,

@@ -40,11 +40,12 @@ from tasks.core.config.params import NUMPY_STAGES, Params
 from tasks.core.config.service import TrackingConfig
 from tasks.core.layout import project_root
 from tasks.core.redact import redact, redact_mapping
-from tasks.tracking import sqlite_record
+from tasks.tracking import registrar, sqlite_record
 from tasks.tracking.dashboard import ensure_training_view, record_pipeline, start_pipeline
 from tasks.tracking.lineage import SESSION_TAG, lineage_tags, pipeline_tags, redacted_context_tags, session_tags
 from tasks.tracking.orphans import mark_orphans_or_warn
 from tasks.tracking.owners import owner_tags, session_owner
+from tasks.tracking.sqlite_store import SqliteStore
 from tasks.tracking.store import TrackingUnavailable, check_store, default_uri, mlflow_module, tracking_uri
 from tasks.tracking.writers import ClientWriter, RunWriter, StageRun
 
@@ -101,12 +102,63 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str, params: Params | None = 
 
     Stages started inside the block, in this process or in subprocesses, nest under it. With the
     pipeline's `params`, the run is the pipeline's dashboard row (tasks/tracking/dashboard.py): key params and
-    dataset now, a name and the headline numbers at the end. (A sweep's run has trials, not stages.)
+    dataset now, a name and the headline numbers at the end. (A sweep's run has trials, not stages.) In the
+    project's own sqlite store it is written without MLflow's client where that is safe
+    (tasks/tracking/sqlite_record.py): a flow run then loads MLflow only to log its models, if at all.
     """
     if not cfg.enabled:
         yield None
         return
     check_store(cfg)
+    direct = sqlite_record.start_pipeline_run(tracking_uri(), cfg.experiment, entry_point, params)
+    if direct is not None:
+        run_id, end = direct.run_id, _ending_direct(direct, entry_point, params)
+        _direct_runs[run_id] = direct.store
+    else:
+        run_id, end = _start_with_client(cfg, entry_point, params)
+    previous = os.environ.get(PARENT_ENV)
+    os.environ[PARENT_ENV] = run_id
+    status = "FAILED"
+    try:
+        yield run_id
+        status = "FINISHED"
+    finally:
+        _direct_runs.pop(run_id, None)
+        end(status)
+        if previous is None:
+            os.environ.pop(PARENT_ENV, None)
+        else:
+            os.environ[PARENT_ENV] = previous
+
+
+# The pipeline runs this process writes directly, open: `tag_run` writes theirs the same way.
+_direct_runs: dict[str, SqliteStore] = {}
+
+
+def _ending_direct(run: sqlite_record.DirectRun, entry_point: str, params: Params | None) -> Callable[[str], None]:
+    """The end of a pipeline run written directly: its record (with `params`), its status, its store closed."""
+
+    def end(status: str) -> None:
+        try:
+            if params is not None:
+                _record_pipeline(
+                    lambda: sqlite_record.record_pipeline(
+                        run.store, run.run_id, entry_point, params, finished=status == "FINISHED"
+                    ),
+                    run.run_id,
+                    status,
+                )
+            run.store.update_run(run.run_id, status, end=True)
+        finally:
+            run.store.close()
+
+    return end
+
+
+def _start_with_client(
+    cfg: TrackingConfig, entry_point: str, params: Params | None
+) -> tuple[str, Callable[[str], None]]:
+    """The pipeline run made with MLflow's client (any store), after the orphan sweep: its id and its end."""
     mlflow = mlflow_module()
     client = mlflow.MlflowClient()
     experiment_id = _experiment_id(mlflow, cfg.experiment)
@@ -117,27 +169,25 @@ def pipeline_run(cfg: TrackingConfig, entry_point: str, params: Params | None = 
     run_id = run.info.run_id
     if params is not None:
         start_pipeline(client, run_id, params)
-    previous = os.environ.get(PARENT_ENV)
-    os.environ[PARENT_ENV] = run_id
-    status = "FAILED"
-    try:
-        yield run_id
-        status = "FINISHED"
-    finally:
+
+    def end(status: str) -> None:
         if params is not None:
-            _record_pipeline(client, run_id, entry_point, params, status)
+            _record_pipeline(
+                lambda: record_pipeline(client, run_id, entry_point, params, finished=status == "FINISHED"),
+                run_id,
+                status,
+            )
         client.set_terminated(run_id, status)
-        if previous is None:
-            os.environ.pop(PARENT_ENV, None)
-        else:
-            os.environ[PARENT_ENV] = previous
+
+    return run_id, end
 
 
-def _record_pipeline(client: Any, run_id: str, entry_point: str, params: Params, status: str) -> None:
-    """The pipeline run's name and headline numbers (tasks/tracking/dashboard.py). After a failure, a store
-    that cannot take them is logged, not raised: the failure itself is what the caller must see."""
+def _record_pipeline(record: Callable[[], None], run_id: str, status: str) -> None:
+    """The pipeline run's name and headline numbers (tasks/tracking/dashboard.py), by `record`. After a
+    failure, a store that cannot take them is logged, not raised: the failure itself is what the caller
+    must see."""
     try:
-        record_pipeline(client, run_id, entry_point, params, finished=status == "FINISHED")
+        record()
     except Exception as exc:
         if status == "FINISHED":
             raise
@@ -179,6 +229,9 @@ def _records_lost(stage: str, exc: BaseException) -> str:
 
 def tag_run(run_id: str, tags: dict[str, str]) -> None:
     """Add tags to a run that is not this process's active one (the flow's parent run), in one write."""
+    if run_id in _direct_runs:  # written directly (pipeline_run)
+        _direct_runs[run_id].log_batch(run_id, tags=redact_mapping(tags))
+        return
     # heavy: mlflow (~4 s), only when a run is logged; the no-op path never loads it
     from mlflow.entities import RunTag
 
@@ -244,7 +297,7 @@ def _start(
     client: where its records go, its id, and the writes that end it (and the parent run it owns)."""
     owner = redact_mapping(owner_tags())
     direct = sqlite_record.start_stage_run(
-        tracking_uri(), cfg.experiment, stage, parent_id, (entry_point, owner), pipeline
+        tracking_uri(), cfg.experiment, stage, parent_id, (entry_point, owner), pipeline, registrar.helped()
     )
     if direct is not None:
         return (
@@ -270,7 +323,12 @@ def _start(
         if owned is not None:
             client = mlflow.MlflowClient()
             if pipeline is not None:
-                steps.append(lambda: _record_pipeline(client, owned, entry_point, pipeline, status))
+                finished = status == "FINISHED"
+                steps.append(
+                    lambda: _record_pipeline(
+                        lambda: record_pipeline(client, owned, entry_point, pipeline, finished), owned, status
+                    )
+                )
             steps.append(lambda: client.set_terminated(owned, status))
         return steps
 

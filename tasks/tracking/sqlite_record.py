@@ -1,7 +1,7 @@
 """Runs written into the project's own sqlite MLflow store without MLflow's client (tasks/tracking/
 sqlite_store.py says why, and which rows): a stage's run, nested in the flow's pipeline run or in its
-DVC session's (found, resumed or made here), that session run's record when the stage ends, and the
-finished pipeline run of a flow that found nothing stale (flows/noop.py).
+DVC session's (found, resumed or made here), that session run's record when the stage ends, the flow's
+pipeline run, and the finished pipeline run of a flow that found nothing stale (flows/noop.py).
 
 The content comes from the functions MLflow's path uses (tasks/tracking/lineage.py's tags,
 dashboard.py's `pipeline_record` and `shown_params`); tests/tracking/test_sqlite_record.py compares the
@@ -12,7 +12,8 @@ the caller uses MLflow's client (tasks/tracking/runs.py): where `SqliteStore.ope
 sqlite store, another schema revision, no experiment or training view yet), where MLflow's own context
 providers may add tags (`context_tags`), for a run that owns its pipeline run while another run of the
 experiment is RUNNING (the orphan sweep judges it: tasks/tracking/orphans.py), for a stage that logs
-models (export: MLflow's model flavours), and for a no-op run whose dataset MLflow has not recorded.
+models in its own process (export, unless the flow's helper logs them: tasks/tracking/registrar.py), and
+for a no-op run whose dataset MLflow has not recorded.
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ def start_stage_run(
     parent_id: str | None,
     started_by: tuple[str, dict[str, str]],
     pipeline: Params | None,
+    models_elsewhere: bool = False,
 ) -> DirectRun | None:
     """A RUNNING run for `stage` with MLflow's context tags and `started_by`'s (entry point, tags),
     nested in `parent_id` or (None) in its DVC session's pipeline run, found and resumed or made here, as
     tasks/tracking/runs.py `stage_run` makes them with MLflow's client; None if this is not a run this
-    module may write (nothing was written)."""
+    module may write (nothing was written). `models_elsewhere`: another process logs the models of a
+    stage that logs models (tasks/tracking/registrar.py)."""
     entry_point, tags = started_by
-    if stage in CLIENT_STAGES:
+    if stage in CLIENT_STAGES and not models_elsewhere:
         return None
     context = context_tags()
     store = SqliteStore.open(uri, experiment) if context is not None else None
@@ -89,6 +92,32 @@ def _session_parent(store: SqliteStore, entry_point: str, pipeline: Params | Non
     if pipeline is not None:
         store.log_batch(run_id, params=shown_params(pipeline))
     return run_id
+
+
+def start_pipeline_run(uri: str, experiment: str, entry_point: str, params: Params | None) -> DirectRun | None:
+    """A RUNNING pipeline run for `entry_point` with the pipeline's key params (`params`), as tasks/tracking/
+    runs.py `pipeline_run` makes it with MLflow's client; None (nothing written) where this module may not
+    write it: the store `SqliteStore.open` refuses, another RUNNING run of the experiment (the orphan sweep
+    judges it: MLflow's path), a tag or param over MLflow's limits (MLflow's client says which)."""
+    store = SqliteStore.open(uri, experiment)
+    if store is None:
+        return None
+    run_id = None
+    try:
+        with store.transaction():
+            if not store.running():
+                run_id = store.create_run(
+                    f"{entry_point} {time.strftime('%Y-%m-%d %H:%M:%S')}", pipeline_tags(entry_point)
+                )
+                if params is not None:
+                    store.log_batch(run_id, params=shown_params(params))
+    except ValueError as exc:  # rolled back: nothing written
+        log.info("the pipeline run is left to MLflow's client: %s", exc)
+        run_id = None
+    finally:
+        if run_id is None:
+            store.close()
+    return DirectRun(store, run_id, None) if run_id is not None else None
 
 
 def end_stage_run(run: DirectRun, status: str, entry_point: str, pipeline: Params | None) -> None:

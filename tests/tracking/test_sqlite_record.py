@@ -1,6 +1,7 @@
 """Runs written without MLflow's client (tasks/tracking/sqlite_record.py, sqlite_store.py) are the runs
 MLflow's client writes, as MLflow's client reads both back: a stage's, its session's pipeline run, the
-no-op pipeline run, each rule of `log_batch`; and nothing is written directly where it cannot be sure."""
+flow's pipeline run, the no-op pipeline run, each rule of `log_batch`; and nothing is written directly where
+it cannot be sure."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from tests.conftest import client_for, clone_project, run
 pytestmark = pytest.mark.slow
 
 # In the project's own process, as flows/noop.py records a run: once directly, once through MLflow's
-# client (the flow's code: pipeline_run + tag_run); the two run ids (or None) on the last line.
+# client (the flow's code, pipeline_run + tag_run, its direct path declined); the two run ids (or None)
+# on the last line.
 BOTH_WAYS = """
 import json, os, sys
 from tasks.core.layout import ROOT
 from tasks.determinism.bootstrap import bootstrap
+from tasks.tracking import sqlite_record
 from tasks.tracking.runs import pipeline_run, tag_run
 from tasks.tracking.sqlite_record import record_pipeline_run
 from tasks.tracking.store import tracking_uri
@@ -34,6 +37,7 @@ tags = {"lockstep.summary": "nothing ran", "lockstep.retrained": "false"}
 direct = record_pipeline_run(tracking_uri(), params, "prefect", tags)
 through = None
 if sys.argv[1:] != ["direct"]:
+    sqlite_record.start_pipeline_run = lambda *args: None
     with pipeline_run(params.tracking, entry_point="prefect", params=params) as through:
         tag_run(through, tags)
 print(json.dumps([direct, through]))
@@ -184,6 +188,57 @@ def test_a_sessions_stage_runs_written_directly_read_back_as_mlflows_own(
     shipped = {"metrics.json", "per_class.json", "predictions.csv", "confusion_matrix.png"}
     assert {path for path, _size in direct["evaluate"]["artifacts"]} == shipped
     assert direct["evaluate"]["info"][2] == direct["evaluate"]["tags"]["mlflow.user"]  # the run's user
+
+
+# A flow run's pipeline run with a stage in it, as flows/pipeline_flow.py makes it (pipeline_run, tag_run,
+# a stage run nested in it): written directly, then through MLflow's client (the direct path declined).
+# Last line: both run ids, and whether MLflow was loaded by the first.
+FLOW_RUNS = """
+import json, os, sys
+from tasks.core.layout import ROOT
+from tasks.determinism.bootstrap import bootstrap
+
+os.chdir(ROOT)
+params = bootstrap(ROOT / "params.yaml")
+from tasks.runner import run_stage
+from tasks.tracking import sqlite_record
+from tasks.tracking.orphans import FLOW_RUN_TAG
+from tasks.tracking.runs import pipeline_run, tag_run
+
+
+def flow_run(flow_run_id):
+    with pipeline_run(params.tracking, entry_point="prefect", params=params) as run_id:
+        tag_run(run_id, {FLOW_RUN_TAG: flow_run_id})
+        run_stage("stats", params)
+        tag_run(run_id, {"lockstep.summary": "stats ran", "lockstep.retrained": "false", FLOW_RUN_TAG: flow_run_id})
+    return run_id
+
+
+direct = flow_run("flow-run")
+loaded = "mlflow" in sys.modules
+sqlite_record.start_pipeline_run = lambda *args: None
+print(json.dumps([direct, flow_run("flow-run"), loaded]))
+"""
+
+
+def test_a_flows_pipeline_run_written_directly_reads_back_as_mlflows_own(
+    dvc_repo: dict[str, Any], tmp_path: Path
+) -> None:
+    """The flow's pipeline run, its tags, the stage run nested in it and its record at the end, written
+    without MLflow's client (which a flow run then loads only to log its models) and through it."""
+    repo = clone_project(dvc_repo["repo"], tmp_path / "repo")
+    direct, through, loaded = json.loads(run(["python", "-c", FLOW_RUNS], repo).stdout.strip().splitlines()[-1])
+    assert not loaded, "the pipeline run written directly loaded MLflow"
+    client = client_for(repo)
+    written, reference = _as_read(client, direct), _as_read(client, through)
+    assert written == reference
+    assert written["info"][:2] == ("prefect: stats · data 0c18b2fd", "FINISHED"), written["info"]
+    assert written["tags"]["lockstep.summary"] == "stats ran" and written["tags"]["lockstep.flow_run"] == "flow-run"
+    assert written["params"] and written["metrics"]["test_accuracy"] > 0.9 and written["datasets"]
+    experiment = client.get_experiment_by_name("lockstep").experiment_id
+    for run_id in (direct, through):
+        (child,) = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+        assert child.data.tags["lockstep.stage"] == "stats" and child.info.status == "FINISHED"
 
 
 def test_the_direct_writer_keeps_mlflows_rules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,6 +113,8 @@ EXPORT_FORMATS: Registry[ExportFormat] = Registry(
     },
 )
 FormatName = EXPORT_FORMATS.named()
+# the exported model's files (tasks/ship/export.py writes them, tasks/tracking/registry.py logs them)
+SHIPPED, FP32 = "model.onnx", EXPORT_FORMATS["onnx"].file
 VariantOrFp32 = COMPRESSION_VARIANTS.named("fp32")
 
 
