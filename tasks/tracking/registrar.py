@@ -67,7 +67,10 @@ class Registrar:
             stdout=subprocess.PIPE,
             cwd=project_root(),
             text=True,
-            preexec_fn=die_with_parent,  # also when the flow is SIGKILLed
+            # Ctrl-C at the terminal reaches the flow, which stops the helper (`helping`), not the helper in
+            # the middle of its imports; and the helper ends when the flow does, even if SIGKILLed
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self._answered = False
 
