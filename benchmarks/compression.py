@@ -34,6 +34,7 @@ INT8_OPTIONS = {
     "int8 activations": {"activation_type": "QInt8"},
     "uint8 weights, 8-bit": {"weight_type": "QUInt8", "reduce_range": False},
     "per-tensor weights": {"per_channel": False},
+    "quantized logits": {"extra_options": {}},  # the last Gemm's output rounded to 8 bits, as before 2026-12-07
 }
 SMOKE_INT8_OPTIONS = ("QOperator",)
 

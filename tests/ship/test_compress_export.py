@@ -79,6 +79,11 @@ def test_compress_measures_every_variant_and_export_ships_what_was_measured(dvc_
     # global pooling as the op ORT has an int8 kernel for (tasks/ship/quantize.py global_pools); fp32 as exported
     assert "GlobalAveragePool" in static_ops and "ReduceMean" not in static_ops
     assert "ReduceMean" in _ops(compress_dir / "models/fp32.onnx")
+    # digits' pixels quantized in one node, not normalized first (tasks/ship/quantize.py quantized_pixels)
+    assert "Sub" not in static_ops and "Div" not in static_ops
+    assert {"Sub", "Div"} <= set(_ops(compress_dir / "models/fp32.onnx"))
+    # float logits straight from the last Gemm, not rounded to 8 bits (tasks/ship/quantize.py STATIC_INT8)
+    assert static_ops[-1] == "Gemm" and _ops(compress_dir / "models/fp32.onnx")[-1] == "Gemm"
 
     # export ships the measured files, byte for byte, with a dynamic batch axis and weights inside
     assert sha256(export_dir / "model.onnx") == sha256(compress_dir / "models/static_int8.onnx")
