@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.ship.onnx_model import INPUT
+from tasks.ship.onnx_model import INPUT, as_pixels
 from tasks.ship.quantize import global_pools, quantized_pixels
 
 
@@ -89,7 +89,7 @@ def _normalize_then_quantize(mean: list[float], std: list[float], scale: float, 
 
 def _every_pixel(channels: int) -> np.ndarray:
     """All 256 pixel values in every channel, as tasks/ship/onnx_model.py's as_pixels gives them."""
-    values = np.arange(256, dtype=np.float32).reshape(16, 1, 4, 4) / np.float32(255.0)
+    values = as_pixels(np.arange(256, dtype=np.uint8).reshape(16, 1, 4, 4))
     return np.repeat(values, channels, axis=1)
 
 
