@@ -11,7 +11,9 @@ Bombs are refused the same way, before anything is written: more members than `m
 bytes in all than `max_bytes`, or more than `max_ratio` times the archive's own size (a 400 KB
 gzip can hold 400 MB of zeros). The sizes are the members' own (tar headers; zip's declared
 sizes, which zipfile enforces when it inflates), summed as the member list is read, so even
-reading a bomb's member list stops at the first limit it passes.
+reading a bomb's member list stops at the first limit it passes. A tar member's long-name and pax
+headers count too (tarfile holds them in memory), and each is bounded before it is read
+(tasks/core/tar.py BoundedTarInfo): a header cannot be a bomb of its own.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from pathlib import Path
 
 from tasks.core.atomic import atomic_dir
 from tasks.core.errors import ExpectedFailure, Refused
-from tasks.core.tar import tarfile
+from tasks.core.tar import BoundedTarInfo, HeaderRefused, tarfile
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 RATIO_FLOOR = 1 << 20  # extracting to less is harmless, and a few tiny flat images compress well: no ratio check
 _CORRUPT = (EOFError, OSError, zlib.error, lzma.LZMAError)  # bz2 and gzip raise OSError
+SHOWN_CHARS = 200  # of a member name or an error in a message: a tar name may be 64 KiB, a message is one line
 
 
 class UnsafeArchiveError(Refused):
@@ -100,20 +103,28 @@ def _inside(name: str) -> str | None:
     return None if normal == ".." or normal.startswith("../") else normal
 
 
+def _shown(text: str) -> str:
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}..."
+
+
 def _refuse(archive: Path, member: str, why: str) -> UnsafeArchiveError:
-    return UnsafeArchiveError(f"{archive.name}: refusing to extract, member {member!r} {why}")
+    return UnsafeArchiveError(f"{archive.name}: refusing to extract, member {_shown(repr(member))} {why}")
 
 
 def _extract_tar(archive: Path, staging: Path, budget: _Budget) -> None:
     try:
-        with tarfile.open(archive) as tar:
+        with tarfile.open(archive, tarinfo=BoundedTarInfo) as tar:
             for member in tar:  # read lazily: a bomb is refused before its whole list is decompressed
-                budget.add(member.size if member.isfile() else 0)
+                budget.add((member.size if member.isfile() else 0) + member.extended_bytes)
                 _check_tar_member(archive, member)
             # The 'data' filter re-checks all of the above (and strips modes such as setuid).
             tar.extractall(staging, filter="data")
+    except HeaderRefused as exc:
+        raise UnsafeArchiveError(f"{archive.name}: refusing to extract, {exc}") from None
     except (tarfile.TarError, *_CORRUPT) as exc:
-        raise ExpectedFailure(f"{archive.name}: not a readable tar archive: {exc}") from None
+        raise ExpectedFailure(f"{archive.name}: not a readable tar archive: {_shown(str(exc))}") from None
+    except RecursionError:  # a backstop: BoundedTarInfo refuses long chains of headers well before this
+        raise ExpectedFailure(f"{archive.name}: not a readable tar archive: headers nested too deep") from None
 
 
 def _check_tar_member(archive: Path, member: tarfile.TarInfo) -> None:
@@ -124,9 +135,9 @@ def _check_tar_member(archive: Path, member: tarfile.TarInfo) -> None:
         # symlink targets are relative to the link's folder; hard links to the archive root
         base = posixpath.dirname(where) if member.issym() else ""
         if _inside(posixpath.join(base, member.linkname)) is None:
-            raise _refuse(archive, member.name, f"is a link pointing outside ({member.linkname!r})")
+            raise _refuse(archive, member.name, f"is a link pointing outside ({_shown(repr(member.linkname))})")
         # inside, too: `cat -> .` would list every image a second time, under the class `cat`
-        raise _refuse(archive, member.name, f"is a link ({member.linkname!r}); a dataset needs none")
+        raise _refuse(archive, member.name, f"is a link ({_shown(repr(member.linkname))}); a dataset needs none")
     if not (member.isfile() or member.isdir()):
         raise _refuse(archive, member.name, "is a device, FIFO or other special file")
 
@@ -147,4 +158,4 @@ def _extract_zip(archive: Path, staging: Path, budget: _Budget) -> None:
                     raise _refuse(archive, info.filename, "is encrypted")
             zf.extractall(staging)
     except (zipfile.BadZipFile, NotImplementedError, *_CORRUPT) as exc:  # NotImplementedError: a compression method
-        raise ExpectedFailure(f"{archive.name}: not a readable zip archive: {exc}") from None
+        raise ExpectedFailure(f"{archive.name}: not a readable zip archive: {_shown(str(exc))}") from None

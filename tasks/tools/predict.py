@@ -7,7 +7,8 @@
 
 The model runs in ONNX Runtime on the CPU; each image is decoded as ingest decodes training images
 (tasks/data/images.py: the model's channels, resized bilinearly to its size). Folders are read
-recursively (files with an image extension, sorted, links not followed); archives are extracted
+recursively (files with an image extension, sorted, links not followed; a FIFO, socket or device
+named like an image is a row with its error, never opened: it would block); archives are extracted
 with the download stage's limits (params.yaml `data`: size, ratio, file count; no path may leave
 the extraction folder). The CSV (`--out`, written whole or not at all) has one row per image:
 `path,class,probability,top_k,error`, `top_k` as "7:0.9912 1:0.0051 9:0.0013"; a cell that a
@@ -26,6 +27,7 @@ import argparse
 import csv
 import io
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -78,7 +80,7 @@ def _score_batch(sess: object, wanted: ModelInput, files: list[str], k: int, max
     failed: dict[int, str] = {}
     for i, path in enumerate(files):
         try:
-            decoded[i] = decode(path, mode_of(wanted.channels), wanted.size, max_pixels)
+            decoded[i] = _decode_regular(path, wanted, max_pixels)
         except ExpectedFailure as exc:
             failed[i] = str(exc)
     rows = {i: Scored(files[i], error=error) for i, error in failed.items()}
@@ -90,6 +92,17 @@ def _score_batch(sess: object, wanted: ModelInput, files: list[str], k: int, max
     return [rows[i] for i in range(len(files))]
 
 
+def _decode_regular(path: str, wanted: ModelInput, max_pixels: int) -> np.ndarray:
+    """`decode`, for a regular file only: opening a FIFO named like an image would block for ever."""
+    try:
+        mode = os.stat(path).st_mode  # a file given by a link is its target (links in folders are skipped)
+    except OSError:
+        mode = stat.S_IFREG  # gone or unreadable: decode says which
+    if not stat.S_ISREG(mode):
+        raise ExpectedFailure(f"{path}: not a regular file (a FIFO, socket or device); not opened")
+    return decode(path, mode_of(wanted.channels), wanted.size, max_pixels)
+
+
 def image_files(inputs: list[Path], scratch: Path, limits: ArchiveLimits) -> Iterator[str]:
     """The image files `inputs` name: files as given, folders recursively, archives extracted under `scratch`."""
     for n, given in enumerate(inputs):
@@ -99,8 +112,8 @@ def image_files(inputs: list[Path], scratch: Path, limits: ArchiveLimits) -> Ite
             yield from _under(given)
         elif given.is_file() and is_archive(given):
             yield from _under(extract(given, scratch / str(n), limits))
-        elif given.is_file():
-            yield str(given)
+        elif given.exists():
+            yield str(given)  # a file, or a FIFO or device: a row with its error (_decode_regular)
         else:
             raise ExpectedFailure(f"{given}: no such file or folder")
 
@@ -161,8 +174,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ExpectedFailure(f"no image files in {', '.join(map(str, args.inputs))} ({' '.join(IMG_EXTENSIONS)})")
         model, named = resolve_model(args, params, scratch / "model")
         rows = predict_files(model, files, args.top_k, resolve(params.determinism.num_threads), data.max_image_pixels)
-        for inside, given in _extracted_names(args.inputs, scratch / "inputs"):  # the CSV names what the user gave
-            rows = [Scored(r.path.replace(inside, given, 1), r.label, r.probability, r.top_k, r.error) for r in rows]
+        given = [_given_name(r.path, args.inputs, scratch / "inputs") for r in rows]  # the CSV names what was given
+        rows = [Scored(g, r.label, r.probability, r.top_k, r.error) for g, r in zip(given, rows, strict=True)]
     failed = [r for r in rows if r.error]
     for row in failed:
         print(f"unreadable: {one_line(row.error)}", file=sys.stderr)
@@ -173,10 +186,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _extracted_names(inputs: list[Path], extracted: Path) -> Iterator[tuple[str, str]]:
-    for n, given in enumerate(inputs):
-        if (extracted / str(n)).exists():
-            yield str(extracted / str(n)), f"{given}!"
+def _given_name(path: str, inputs: list[Path], extracted: Path) -> str:
+    """`<extracted>/N/a.png` as `<inputs[N]>!/a.png`; other paths as they are.
+
+    By the folder's whole name, up to its separator: a plain prefix `<extracted>/1` matches input 10's too.
+    """
+    inside = str(extracted) + os.sep
+    if not path.startswith(inside):
+        return path
+    n, _, member = path[len(inside) :].partition(os.sep)
+    return f"{inputs[int(n)]}!/{member}"
 
 
 def main(argv: list[str] | None = None) -> int:
