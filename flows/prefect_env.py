@@ -198,10 +198,10 @@ def check_api(timeout_s: float = 10) -> None:
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_KEY, PREFECT_API_URL
 
     url, auth, key = (_plain(s.value()) for s in (PREFECT_API_URL, PREFECT_API_AUTH_STRING, PREFECT_API_KEY))
-    headers = {"Authorization": project_server.basic_auth(auth)} if auth else {}
-    if key:  # Prefect Cloud's API key
-        headers = {"Authorization": f"Bearer {key}"}
-    request = urllib.request.Request(f"{url.rstrip('/')}/admin/version", headers=headers)
+    request = urllib.request.Request(f"{url.rstrip('/')}/admin/version")
+    if key or auth:  # Prefect Cloud's API key, else a server's auth string
+        # unredirected: urllib copies ordinary headers to wherever a redirect points, another host too
+        request.add_unredirected_header("Authorization", f"Bearer {key}" if key else project_server.basic_auth(auth))
     try:
         with urllib.request.urlopen(request, timeout=timeout_s):
             return

@@ -43,6 +43,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from tqdm import tqdm
 
+from tasks.core.cli import escape_controls
+from tasks.core.config.base import is_loopback
 from tasks.core.credentials import NO_AUTH, Auth
 from tasks.core.errors import ExpectedFailure
 from tasks.core.hashing import file_digest
@@ -225,8 +227,9 @@ class _Watchdog:
     def stop(self) -> None:
         self._timer.cancel()
 
-    def opener(self) -> urllib.request.OpenerDirector:
-        """urllib's opener, with every HTTP(S) connection it makes (redirects too) watched."""
+    def opener(self, direct: bool = False) -> urllib.request.OpenerDirector:
+        """urllib's opener, with every HTTP(S) connection it makes (redirects too) watched; `direct`: no
+        proxy from the environment (http_proxy...), whatever no_proxy says."""
         watchdog = self
 
         def watched(connection_class: type[http.client.HTTPConnection]) -> Any:
@@ -251,7 +254,7 @@ class _Watchdog:
             def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
                 return self.do_open(watched(http.client.HTTPSConnection), req)
 
-        return urllib.request.build_opener(Http(), Https())
+        return urllib.request.build_opener(Http(), Https(), *([urllib.request.ProxyHandler({})] if direct else []))
 
 
 def _shut(sock: socket.socket) -> None:
@@ -268,21 +271,31 @@ def _open(url: str, job: _Job, have: int, watchdog: _Watchdog) -> Any:  # HTTPRe
         raise job.late(url, f"{have} bytes received")
     try:
         request = _request(url, job, have)
-        return watchdog.opener().open(request, timeout=min(job.timeout_s, remaining))
+        # A loopback URL is this machine's: a proxy would fetch its own loopback instead, and over plain
+        # http it would get the credentials that tasks/core/credentials.py lets go to loopback only
+        direct = is_loopback(url)
+        return watchdog.opener(direct).open(request, timeout=min(job.timeout_s, remaining))
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and have:  # our partial file is longer than the resource: start over
             job.part.unlink()
             raise _Retryable(f"HTTP 416 on resume at byte {have}") from None
         if exc.code >= 500 or exc.code in (408, 429):
-            raise _Retryable(f"HTTP {exc.code} {exc.reason}") from None
-        raise DownloadError(f"{job.name}: {url}: HTTP {exc.code} {exc.reason}") from None
+            raise _Retryable(f"HTTP {exc.code} {_said(exc.reason)}") from None
+        raise DownloadError(f"{job.name}: {url}: HTTP {exc.code} {_said(exc.reason)}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         if isinstance(exc, urllib.error.URLError) and isinstance(reason, FileNotFoundError):
             raise DownloadError(f"{job.name}: {url}: no such file") from None
-        raise _Retryable(f"connection failed: {reason}") from None
+        raise _Retryable(f"connection failed: {_said(reason)}") from None
     except (ValueError, http.client.HTTPException) as exc:  # a malformed URL or response: no retry helps
-        raise DownloadError(f"{job.name}: {url}: {exc}") from None
+        raise DownloadError(f"{job.name}: {url}: {_said(exc)}") from None
+
+
+def _said(what: object) -> str:
+    """What a server said (a reason phrase, a malformed status line), as one short line: it reaches log
+    lines and messages, where a control character would forge a line or rewrite the terminal."""
+    text = escape_controls(str(what))
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _request(url: str, job: _Job, have: int) -> urllib.request.Request:

@@ -64,7 +64,9 @@ TOKEN_SHAPE = re.compile(
 )
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
 _URL_PARTS = re.compile(r"([^:]+://[^/?#]*)([^?#]*)(.*)", re.S)  # scheme and authority, path, the rest
-_USERINFO = re.compile(r"(?<=://)[^/@\s'\"]+@")
+# A URL's user info, read as urlsplit reads it: all of the authority (up to the first / ? # or space) before
+# its last @. A password may hold ' and @ (RFC 3986 allows ' unescaped; clients accept a raw @), so neither ends it.
+_USERINFO = re.compile(r"(?<=://)[^/?#\s\"<>`]*@")
 _PARAM = re.compile(r"([?&#;])([^=&#;?/\s]*)=([^&#\s'\"]*)")
 _BOT_TOKEN = re.compile(r"^(bot)\d+:.+", re.S)
 _RANDOM_SEGMENT = re.compile(
@@ -138,7 +140,7 @@ def _redact_path(head: str, path: str) -> str:
 
 
 def _redact_url(match: re.Match[str]) -> str:
-    url = _USERINFO.sub(f"{MASK}@", match.group(0))
+    url = match.group(0)
     parts = _URL_PARTS.fullmatch(url)
     if parts is not None:
         head, path, rest = parts.groups()
@@ -151,6 +153,7 @@ def redact(text: str) -> str:
     """`text` with every secret masked."""
     for value in secret_values():
         text = text.replace(value, MASK)
+    text = _USERINFO.sub(f"{MASK}@", text)  # before _URL, which a ' in a password would end
     text = _URL.sub(_redact_url, text)
     text = _PARAM.sub(_mask_param, text)  # query strings outside a full URL ("?token=...")
     text = TOKEN_SHAPE.sub(MASK, text)

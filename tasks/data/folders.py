@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from tasks.core.cli import CONTROL, escape_controls
 from tasks.core.errors import ExpectedFailure
 from tasks.data.formats import SPLITS, PublishedSplits, write_raw_blocks
 from tasks.data.images import IMG_EXTENSIONS, decode, mode_of, open_checked
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 
 BLOCK = 512  # images decoded per written block, at most
 BLOCK_BYTES = 64 << 20  # ... and at most this many bytes of them (at least one image)
-# C0 and C1 controls (newline, escape...), line and paragraph separators, bidirectional overrides
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 _NOT_UTF8 = re.compile("[\ud800-\udfff]")  # how Python decodes a file name's non-UTF-8 bytes
 
 
@@ -73,14 +72,14 @@ def _visible(name: str) -> bool:
 def _shown(path: str | os.PathLike[str]) -> str:
     """`path` as one printable line: non-UTF-8 bytes as \\xNN, control characters escaped."""
     text = os.fsencode(path).decode("utf-8", "backslashreplace")
-    return _CONTROL.sub(lambda match: ascii(match.group())[1:-1], text)
+    return escape_controls(text)
 
 
 def _check_name(path: str) -> None:
     name = os.path.basename(path)
     if _NOT_UTF8.search(name):
         raise ExpectedFailure(f"{_shown(path)}: name is not valid UTF-8; rename it (names reach logs and the model)")
-    if _CONTROL.search(name):
+    if CONTROL.search(name):
         raise ExpectedFailure(f"{_shown(path)}: name holds a control character; rename it (it would forge log lines)")
 
 

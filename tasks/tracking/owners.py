@@ -120,10 +120,11 @@ def flow_run_state(flow_run_id: str) -> tuple[str, str, str] | None:
     except ValueError:
         return None
     request = urllib.request.Request(url)
+    # unredirected: urllib copies ordinary headers to wherever a redirect points, another host too
     if auth := os.environ.get("PREFECT_API_AUTH_STRING"):
-        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+        request.add_unredirected_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     elif key := os.environ.get("PREFECT_API_KEY"):
-        request.add_header("Authorization", f"Bearer {key}")
+        request.add_unredirected_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=10) as answer:
             state = json.load(answer).get("state") or {}

@@ -29,6 +29,9 @@ SECRET = "s3cr3t-Value-42"
     "leaky",
     [
         f"https://user:{SECRET}@data.example/x.tgz",
+        # a password holding ' or @ (legal, and urlsplit reads up to the last @): all of it masked
+        f"postgresql://mlflow:'{SECRET}@db.internal:5432/mlflow",
+        f"MLFLOW_TRACKING_URI=http://alice:Pa@{SECRET}@127.0.0.1:9/ is unreachable",
         f"https://data.example/x.tgz?auth={SECRET}&page=2",
         f"https://data.example/x.tgz?jwt={SECRET}",
         f"https://app.example/callback#access_token={SECRET}&state=1",
@@ -86,6 +89,14 @@ def test_an_error_line_is_one_line_and_masked(capsys: pytest.CaptureFixture[str]
     assert exit_code(body) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and SECRET not in err and "forged: line" in err, err
+
+    def controls() -> int:  # what else ends a line (str.splitlines, a terminal) or rewrites one: escaped
+        raise ExpectedFailure("HTTP 404 Not Found\x0berror: checksum OK\x1b[2K\x85forged\x1c line\u2028\u202e")
+
+    assert exit_code(controls) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "\x1b" not in err, err
+    assert err == "error: HTTP 404 Not Found\\x0berror: checksum OK\\x1b[2K\\x85forged\\x1c line\\u2028\\u202e\n", err
 
 
 def test_yaml_aliases_are_refused_at_once(tmp_path: Path) -> None:

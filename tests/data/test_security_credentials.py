@@ -49,6 +49,23 @@ def test_a_token_from_the_environment_goes_to_the_configured_host_only(
         assert other.authorizations("/f.bin") == [None, None]
 
 
+def test_a_loopback_mirror_is_fetched_directly_not_through_the_environments_proxy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token goes over plain http to loopback only because that never leaves the machine: through an
+    http_proxy (urllib's default, whatever the host, unless no_proxy names it) it would reach the proxy in
+    clear, and the proxy would fetch from its own loopback. A proxy that records what it is sent."""
+    monkeypatch.setenv(TOKEN_ENV, SECRETS[2])
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    with FileServer() as mirror, FileServer() as proxy:
+        monkeypatch.setenv("http_proxy", proxy.url)
+        url = mirror.add("/f.bin", b"mine").replace("127.0.0.1", "localhost")
+        fetch([url], tmp_path / "f.bin", checksum(b"mine"), FAST, auth=Auth.from_environment([url]))
+        assert mirror.authorizations("/f.bin") == [f"Bearer {SECRETS[2]}"]
+        assert proxy.requests == []
+
+
 def test_a_token_is_never_sent_over_plain_http_off_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 66, point 7's sibling: the environment's token over http:// is the secret in clear to anyone on
     the path; refused before any request, naming the URL. Loopback (a local mirror) never leaves the machine."""
