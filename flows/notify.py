@@ -67,6 +67,7 @@ from tasks.core.redact import MASK
 from tasks.core.registry import Implementations
 
 MAX_ERROR_CHARS = 1000  # an error line longer than this is cut (a message, not a log)
+MAX_NAME_CHARS = 200  # a flow run's or deployment's name, which whoever starts a run through the API chooses
 
 _running: dict[str, str] = {}  # flow run id -> the stage it is in (this process's runs)
 _sent: set[tuple[str, str]] = set()  # (flow run id, event) already sent from this process
@@ -110,7 +111,10 @@ PAYLOADS: Implementations[Callable[[Event], dict[str, Any]]] = Implementations(N
 
 @PAYLOADS.register("slack")
 def _slack(event: Event) -> dict[str, Any]:
-    return {"text": event.text()}
+    # Slack reads `<!channel>`, `<url|label>` and `&...;` in a message as mentions, links and entities; a
+    # run's name or an error line holding them must show as text (Slack's escaping: &amp; &lt; &gt;)
+    text = event.text().replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return {"text": text}
 
 
 @PAYLOADS.register("generic")
@@ -177,6 +181,10 @@ def promotion_line(results: Any) -> str | None:
     return _scrubbed(str(line)) if line else None
 
 
+def _name(text: Any) -> str:
+    return _scrubbed(str(text))[:MAX_NAME_CHARS]
+
+
 def _scrubbed(text: str, secrets: tuple[str, ...] = ()) -> str:
     for secret in secrets:
         if secret:
@@ -196,13 +204,17 @@ def notify(flow: Any, flow_run: Any, state: Any, event: str, **fields: str | Non
         if (str(flow_run.id), event) in _sent:
             return False
         _sent.add((str(flow_run.id), event))
+    # Names come from whoever started the run or its tasks (the API accepts any string): one line each,
+    # cut short, so that none forges a line of the message (the error and promotion lines are scrubbed)
+    deployment, stage_name = _deployment_name(flow, flow_run), fields.pop("stage", None)
     message = Event(
         event=event,
-        flow=flow.name,
-        flow_run=flow_run.name,
+        flow=_name(flow.name),
+        flow_run=_name(flow_run.name),
         flow_run_id=str(flow_run.id),
-        deployment=_deployment_name(flow, flow_run),
-        state=state.name,
+        deployment=_name(deployment) if deployment else None,
+        state=_name(state.name),
+        stage=_name(stage_name) if stage_name else None,
         **fields,
     )
     return send(message, cfg, _logger(flow, flow_run))

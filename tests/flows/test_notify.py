@@ -67,7 +67,8 @@ def test_a_refused_snapshot_is_its_own_event_naming_the_stage_and_the_check(
         notify.on_failure(*_run_objects("Failed", refused))  # a hook run twice still sends once
         (message,) = hook.wait_for(2, timeout_s=1)
     assert message["text"].startswith("lockstep-pipeline: flow run 'brave-otter' Failed (refused)")
-    assert "stage: download" in message["text"] and "class_imbalance 1.05 > 1" in message["text"]
+    # (Slack's format, the default: its markup characters escaped, which Slack shows as `>`)
+    assert "stage: download" in message["text"] and "class_imbalance 1.05 &gt; 1" in message["text"]
     assert f"flow run id: {FLOW_RUN_ID}" in message["text"]
     assert notify.failure_event(ExpectedFailure("gate")) == notify.failure_event(ValueError()) == "failed"
 
@@ -94,6 +95,37 @@ def test_the_generic_format_carries_each_field_and_the_error_is_one_redacted_lin
     }
     assert message["error"] == "ValueError: fetching https://***@example.com/x failed\\nwith ***"
     assert message["promotion"] is None and "stage: none" in message["text"]
+
+
+FORGED_NAME = (
+    "nightly' Completed (promotion)\npromotion: v9 promoted\r\n<!channel> re-login: <https://evil.example|x> &amp;"
+)
+
+
+@pytest.mark.parametrize("fmt", ["slack", "generic"])
+def test_a_run_name_from_the_api_cannot_forge_lines_mentions_or_links(
+    monkeypatch: pytest.MonkeyPatch, quiet_logger: logging.Logger, fmt: str
+) -> None:
+    """Whoever starts a run through the API names it (and its tasks): in the message each name is one line,
+    cut short, and Slack shows its markup as text instead of pinging the channel or drawing a link."""
+    flow, flow_run, state = _run_objects("Failed", ValueError("x"))
+    flow_run.name = FORGED_NAME + "x" * 500
+    with WebhookReceiver() as hook:
+        monkeypatch.setenv("LOCKSTEP_NOTIFY_URL", hook.url(HOOK_PATH))
+        monkeypatch.setattr(notify, "notify_config", lambda flow_run: notify.NotifyConfig(format=fmt))
+        monkeypatch.setattr(notify, "_running", {FLOW_RUN_ID: "train\n<!here>"})
+        notify.on_failure(flow, flow_run, state)
+        (message,) = hook.wait_for(1)
+    lines = message["text"].splitlines()
+    assert [line.split(":")[0] for line in lines[1:]] == ["deployment", "stage", "error", "flow run id"], lines
+    assert lines[0].startswith("lockstep-pipeline: flow run 'nightly' Completed (promotion)\\npromotion: v9 promoted")
+    assert len(lines[0]) < notify.MAX_NAME_CHARS + 100
+    if fmt == "slack":
+        assert "<" not in message["text"] and ">" not in message["text"], message["text"]
+        assert "&lt;!channel&gt;" in lines[0] and "&amp;amp;" in lines[0] and lines[2] == "stage: train\\n&lt;!here&gt;"
+    else:
+        assert message["flow_run"].startswith("nightly' Completed") and "\n" not in message["flow_run"]
+        assert len(message["flow_run"]) == notify.MAX_NAME_CHARS and message["stage"] == "train\\n<!here>"
 
 
 def test_a_promotion_is_sent_once_and_only_when_export_registered_a_model(
