@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.core.config.base import ConfigError
+from tasks.core.config.base import ConfigError, shown
 from tasks.core.config.params import Params
 from tasks.core.config.policy import changed_keys, refuse_api_overrides
 from tasks.core.config.yaml_io import PARAMS_FILE, load_params, parse_params, read_params_text, text_with_overrides
 from tasks.core.errors import Refused
 from tasks.core.layout import ROOT
+
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,12 @@ def recheck(checked: CheckedParams, allowed: frozenset[str] | set[str]) -> Check
 def inside_project(params_file: str) -> str:
     """`params_file` if it names a file inside the project (it comes from the API, and overrides are
     written into it); ConfigError otherwise."""
+    # Refused before any path function sees it: a NUL (JSON "\u0000") made them raise a bare
+    # ValueError, and no file has a name longer than Linux's PATH_MAX.
+    if "\0" in params_file:
+        raise ConfigError(f"params_file: {shown(params_file)} holds a NUL character; expected a file's name")
+    if len(params_file) > MAX_PATH_CHARS:
+        raise ConfigError(f"params_file: {len(params_file)} characters; a file's name is at most {MAX_PATH_CHARS}")
     if not (ROOT / params_file).resolve().is_relative_to(ROOT.resolve()):
         raise ConfigError(f"params_file: {params_file!r} is outside the project {ROOT}")
     return params_file

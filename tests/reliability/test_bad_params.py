@@ -280,6 +280,19 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
     assert code == 2 and err == "error: params.yaml: lr: given twice (lines 2 and 4); keep one\n"
 
 
+@pytest.mark.parametrize("entry", ["tasks", "flows.pipeline"])
+def test_deep_nesting_is_refused_naming_the_line(entry: str, tmp_path: Path) -> None:
+    """814 bytes of nested lists ran PyYAML's recursive composer out of stack: a RecursionError, its
+    traceback 3,000 lines. The loader refuses nesting past MAX_YAML_DEPTH; params.yaml nests 6."""
+    params = tmp_path / "params.yaml"
+    params.write_text("train:\n  lr: " + "[" * 400 + "]" * 400 + "\n")
+    code, err = _run_main(entry, params, tmp_path)
+    assert (
+        code == 2
+        and err == "error: params.yaml: line 2: nested more than 32 levels deep; params.yaml needs far fewer\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("content", "shown"),
     [

@@ -17,6 +17,11 @@ from tasks.core.config.params import Params
 
 PARAMS_FILE = "params.yaml"
 MAX_PARAMS_BYTES = 1 << 20
+# Lists and mappings nested deeper than this are refused: params.yaml nests 6 levels at most (the
+# document, sweep, space, a key, its choices, one choice), dvc.lock (also read by `load_yaml`) 8.
+# PyYAML composes recursively: 814 bytes of `[[[...` ran out of stack, a RecursionError whose
+# traceback was 3,000 lines.
+MAX_YAML_DEPTH = 32
 
 # The tags pydantic puts in an error's location for the branch of a union that failed
 # (`epochs: int | "auto"` fails as train.epochs.constrained-int and train.epochs.literal['auto'];
@@ -55,18 +60,28 @@ def _format_error(error: dict[str, Any]) -> str:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)
-    and aliases (`*name`): nine nested aliases expand a few lines into a billion values ("billion
-    laughs"), and params.yaml has no need for them."""
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last),
+    aliases (`*name`): nine nested aliases expand a few lines into a billion values ("billion
+    laughs"), and params.yaml has no need for them; and nesting deeper than `MAX_YAML_DEPTH`."""
+
+    _depth = 0  # of the node being composed: the document's top node is composed at 0
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            line = event.start_mark.line + 1 if event.start_mark else "?"
+        event = self.peek_event()
+        line = event.start_mark.line + 1 if event.start_mark else "?"
+        if isinstance(event, yaml.AliasEvent):
             raise ConfigError(
                 f"line {line}: YAML aliases (*{shown(event.anchor, 40)}) are not accepted; write the value out"
             )
-        return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        if self._depth >= MAX_YAML_DEPTH:
+            raise ConfigError(
+                f"line {line}: nested more than {MAX_YAML_DEPTH} levels deep; params.yaml needs far fewer"
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -155,6 +170,8 @@ def _parse(text: str, path: Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML{where}: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:  # a backstop: the loader refuses deep nesting first, naming the line
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply to read") from None
 
 
 def _validate(raw: Any, path: Path) -> Params:
@@ -207,10 +224,24 @@ def text_with_overrides(
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node:
             raise ConfigError(f"{name}: {key}: no such key (in overrides)")
+        # A value from the API is JSON of any depth: refused before ruamel writes it (recursively) where
+        # the loader would refuse the text it makes (the document and the key's sections take the rest).
+        levels = MAX_YAML_DEPTH - len(parents) - 1
+        if _deeper_than(value, levels):
+            raise ConfigError(f"{name}: {key}: a value nested more than {levels} levels deep (in overrides)")
         node[leaf] = value
     out = io.StringIO()
     rt.dump(doc, out)
     return out.getvalue(), _validate(_parse(out.getvalue(), name), name)
+
+
+def _deeper_than(value: Any, levels: int) -> bool:
+    """Whether `value` nests lists or mappings more than `levels` deep (a scalar or [] is 1 level).
+    It looks no deeper than `levels` + 1: the check must not itself run out of stack."""
+    if levels < 1:
+        return True
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
+    return any(_deeper_than(child, levels - 1) for child in children)
 
 
 def set_params(path: str | Path, overrides: dict[str, Any]) -> Params:
