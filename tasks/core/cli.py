@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable
 
 from tasks.core.atomic import WRITE_ERRNOS
 from tasks.core.config.base import ConfigError
 from tasks.core.errors import ExitCode, ExpectedFailure
+from tasks.core.redact import escape_controls, redact
 from tasks.core.redact import install as install_redaction
-from tasks.core.redact import redact
 
 
 def configure_logging(fmt: str = "%(levelname)s %(name)s: %(message)s") -> None:
@@ -82,16 +81,6 @@ def one_line(message: str) -> str:
     """`message` masked and on one line: a value with a newline (a file name, a run record's tag, an
     HTTP reason phrase) must not forge a second line, nor an escape sequence rewrite the terminal."""
     return escape_controls(redact(message))
-
-
-# C0 and C1 controls (newline, escape...), line and paragraph separators, bidirectional overrides: all
-# that str.splitlines, a terminal or a reader's eye takes for the end of a line or another order of text
-CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
-
-
-def escape_controls(text: str) -> str:
-    """`text` with every `CONTROL` character written as its escape (`\\n`, `\\x1b`, `\\u202e`)."""
-    return CONTROL.sub(lambda match: ascii(match.group())[1:-1], text)
 
 
 def _error(message: str) -> None:

@@ -43,12 +43,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 from tqdm import tqdm
 
-from tasks.core.cli import escape_controls
 from tasks.core.config.base import is_loopback
 from tasks.core.credentials import NO_AUTH, Auth
 from tasks.core.errors import ExpectedFailure
 from tasks.core.hashing import file_digest
-from tasks.core.redact import redact
+from tasks.core.redact import escape_controls, redact
 
 log = logging.getLogger(__name__)
 

@@ -78,6 +78,17 @@ _AUTH_HEADER = re.compile(
 _SHOWN_AS_IS = "/:@!$&'()*+,;=-._~"  # what a masked path keeps unescaped
 
 
+# C0 and C1 controls (newline, escape...), line and paragraph separators, bidirectional overrides: all
+# that str.splitlines, a terminal or a reader's eye takes for the end of a line or another order of text
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every `CONTROL` character written as its escape (`\\n`, `\\x1b`, `\\u202e`): what
+    leaves a process as one line (tasks/core/cli.py `one_line`) cannot forge another or move the cursor."""
+    return CONTROL.sub(lambda match: ascii(match.group())[1:-1], text)
+
+
 def unquoted(text: str) -> str:
     """`text` with its percent-escapes decoded until none is left (`%2577` -> `%77` -> `w`): a server
     may decode a name more than once, so a check must see what the last decoding gives."""

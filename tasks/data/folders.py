@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from tasks.core.cli import CONTROL, escape_controls
 from tasks.core.errors import ExpectedFailure
+from tasks.core.redact import CONTROL, escape_controls
 from tasks.data.formats import SPLITS, PublishedSplits, write_raw_blocks
 from tasks.data.images import IMG_EXTENSIONS, decode, mode_of, open_checked
 
