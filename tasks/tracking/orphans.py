@@ -116,7 +116,8 @@ def judge(run: Any, older_than_s: float | None = None, now: float | None = None)
     """What the sweep makes of one RUNNING run (an mlflow Run)."""
     tags, info = run.data.tags, run.info
     verdict, why = judge_owner(tags)
-    if verdict in (ELSEWHERE, UNOWNED) and older_than_s is not None:
+    # a run written by hand through the REST API may have no start time: then it has no age either
+    if verdict in (ELSEWHERE, UNOWNED) and older_than_s is not None and isinstance(info.start_time, int | float):
         age = (now if now is not None else time.time()) - info.start_time / 1000
         if age >= older_than_s:
             verdict = STALE

@@ -48,7 +48,13 @@ def _pid_namespace() -> str:
 
 
 def iso_time(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    """`seconds` since 1970 as ISO 8601 UTC; a time no datetime holds (a planted tag's year 9999 in
+    UTC-14, a start time in the far future) as the number, never an error: one planted run must not
+    stop the orphan sweep for every other."""
+    try:
+        return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    except (OverflowError, OSError, ValueError):
+        return f"{seconds:.0f} s after 1970 (out of range)"
 
 
 def owner_tags(proc: psutil.Process | None = None) -> dict[str, str]:

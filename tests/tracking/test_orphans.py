@@ -247,6 +247,20 @@ def test_runs_it_cannot_check_are_left_alone_unless_older_than_asked(store: Stor
     assert {store.status(r) for r in marked} == {"KILLED"}
 
 
+def test_a_planted_owner_time_out_of_range_stops_nothing(store: Store) -> None:
+    """Anyone who can write runs to a shared store can tag one: a start time that parses but cannot be
+    written back in UTC (year 9999 at UTC-14) made the whole sweep fail, leaving every real orphan RUNNING."""
+    pid, started = _gone_process()
+    orphan = _owned_by(store, pid, started)
+    planted = _owned_by(store, pid, started, **{OWNER_HOST: "elsewhere.invalid"})
+    store.client.set_tag(planted, OWNER_STARTED, "9999-12-31T23:59:59-14:00")
+    assert [m.run_id for m in mark_orphans(store.client, [store.experiment_id], marked_by="test")] == [orphan]
+    assert store.status(planted) == "RUNNING"  # another host's, not checked from here
+    marked = mark_orphans(store.client, [store.experiment_id], older_than_s=0.001, marked_by="test")
+    assert [m.run_id for m in marked] == [planted]
+    assert "(started 253402351199 s after 1970 (out of range))" in marked[0].reason, marked[0].reason
+
+
 def test_the_command_prints_each_run_it_marks_and_a_count(
     store: Store, capsys: pytest.CaptureFixture[str], processes: list[subprocess.Popen[str]]
 ) -> None:
