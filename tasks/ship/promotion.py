@@ -141,24 +141,61 @@ def _paired_with(
         return None, "no champion yet"
     with tempfile.TemporaryDirectory(prefix="lockstep-champion-") as tmp:
         champion_file, problem = _fetch_champion(client, name, champion, test, Path(tmp), cfg)
-        return (score_pair(shipped, champion_file, test), "") if champion_file is not None else (None, problem)
+        if champion_file is None:
+            return None, problem
+        # The challenger first and unguarded: it is this run's own file, so an error in it is a bug here
+        # and must fail the stage. Only the champion comes from a registry others write to.
+        challenger_right = right_answers(shipped, test)
+        try:
+            champion_right = right_answers(champion_file, test)
+        except _runtime_errors() as exc:
+            return None, f"champion v{champion} is not a usable ONNX model: {_one_line(exc)}"
+        return _pair(challenger_right, champion_right), ""
 
 
 def score_pair(challenger: Path, champion: Path, test: Preprocessed, threads: int = 1) -> Paired:
     """Both ONNX models on every test image, in ONNX Runtime."""
-    # heavy: onnx and onnxruntime (~1 s), only when a pair of models is scored
-    from tasks.ship.onnx_model import predict, session
+    return _pair(right_answers(challenger, test, threads), right_answers(champion, test, threads))
 
-    right = [
-        predict(session(path, threads), test.images).argmax(axis=1) == test.labels for path in (challenger, champion)
-    ]
+
+def right_answers(path: Path, test: Preprocessed, threads: int = 1) -> np.ndarray:
+    """Per test image, whether the ONNX model at `path` predicts its label; ValueError for a model
+    whose logits are not one row per image and one column per class (argmax would still answer)."""
+    # heavy: onnx and onnxruntime (~1 s), only when a pair of models is scored
+    from tasks.ship.onnx_model import OUTPUT, predict, session
+
+    logits = predict(session(path, threads), test.images)
+    if logits.shape != (len(test.labels), len(test.classes)):
+        raise ValueError(f"its {OUTPUT} have shape {logits.shape}, not {(len(test.labels), len(test.classes))}")
+    right: np.ndarray = logits.argmax(axis=1) == test.labels
+    return right
+
+
+def _pair(challenger: np.ndarray, champion: np.ndarray) -> Paired:
     return Paired(
-        images=len(test.labels),
-        challenger_accuracy=float(right[0].mean()),
-        champion_accuracy=float(right[1].mean()),
-        challenger_only=int(np.sum(right[0] & ~right[1])),
-        champion_only=int(np.sum(right[1] & ~right[0])),
+        images=len(challenger),
+        challenger_accuracy=float(challenger.mean()),
+        champion_accuracy=float(champion.mean()),
+        challenger_only=int(np.sum(challenger & ~champion)),
+        champion_only=int(np.sum(champion & ~challenger)),
     )
+
+
+def _runtime_errors() -> tuple[type[Exception], ...]:
+    """What ONNX Runtime raises for a model it refuses to load or run (its own exception classes, none
+    of them a RuntimeError subclass, plus the RuntimeError its Python layer raises), and ValueError:
+    `right_answers`'s and `predict`'s checks of the logits' shape."""
+    # heavy: onnxruntime (~1 s), only once a champion has been fetched to be scored
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    ort_errors = [c for c in vars(ort_state).values() if isinstance(c, type) and issubclass(c, Exception)]
+    return (*ort_errors, RuntimeError, ValueError)
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    """`exc` as one short line: ONNX Runtime's messages span lines and can run to kilobytes (a tag's value)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _fetch_champion(
@@ -201,18 +238,23 @@ def fetch_onnx(name: str, version: str, dest: Path, max_bytes: int) -> Path:
     path = Path(mlflow.artifacts.download_artifacts(f"{uri}/{found}", dst_path=str(dest)))
     if path.stat().st_size > max_bytes:  # the listing said otherwise: trust the bytes
         raise UnusableModelError(f"v{version}'s model.onnx is larger than listed")
-    if not _self_contained(path):
-        raise UnusableModelError(f"v{version}'s model.onnx uses external data")
+    _check_onnx(path, version)
     return path
 
 
-def _self_contained(path: Path) -> bool:
-    """True when every weight is inside the file: an external-data entry could name any file here."""
+def _check_onnx(path: Path, version: str) -> None:
+    """UnusableModelError unless `path` parses as ONNX with every weight inside the file: an
+    external-data entry could name any file on this machine."""
     # heavy: onnx (~0.7 s), only when a fetched champion is checked
     import onnx
+    from google.protobuf.message import DecodeError
 
-    model = onnx.load(str(path), load_external_data=False)
-    return not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except DecodeError as exc:
+        raise UnusableModelError(f"v{version} is not a usable ONNX model: {_one_line(exc)}") from exc
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        raise UnusableModelError(f"v{version}'s model.onnx uses external data")
 
 
 def _judge(
