@@ -28,7 +28,9 @@ import yaml
 
 from tasks.core import layout
 from tasks.core.config.params import Params
-from tasks.tools.reproduce import ReproduceError, main
+from tasks.tools.reproduce import ReproduceError, ReproduceReport, main
+from tasks.tools.reproduce import cli as reproduce_cli
+from tasks.tools.reproduce import record as reproduce_record
 from tasks.tools.reproduce import report as reproduce_report
 from tasks.tools.reproduce import workspace as reproduce_workspace
 from tasks.train.launcher import launch_env, torchrun_command
@@ -364,6 +366,56 @@ def test_a_data_dvc_out_path_other_than_data_is_refused(
     run_id = plant(store, project["commits"]["branch"], data_dvc=planted)
     error = _refused(*cli(run_id, capsys=capsys))
     assert error == f"error: run {run_id}: its reproduce/data.dvc is refused: its output path is /etc, expected 'data'"
+
+
+ESCAPES = "\x1b]0;owned\x07\x1b[31mALL WEIGHTS VERIFIED\x1b[0m"
+
+
+@pytest.mark.parametrize(
+    ("md5", "said"),
+    [  # DVC reads join(cache, md5[:2], md5[2:]): a path names a file outside the cache
+        ("ab/../../../etc/passwd", "ab/../../../etc/passwd"),
+        ("ab/etc/passwd", "ab/etc/passwd"),
+        (ESCAPES + "a" * 200_000 + ".dir", r"'\x1b]0;owned\x07\x1b[31mALL WEIGHTS V..." + "a" * 34 + ".dir'"),
+        ("0123456789ABCDEF0123456789ABCDEF", "0123456789ABCDEF0123456789ABCDEF"),
+        (12345, "12345"),
+    ],
+    ids=["parent", "below-cache", "escapes", "uppercase", "number"],
+)
+def test_a_data_dvc_md5_other_than_dvcs_is_refused_in_one_short_line(
+    md5: Any, said: str, project: dict[str, Any], store: dict[str, Any], cli: Any, tmp_path: Path, capsys: Any
+) -> None:
+    planted = {"outs": [{**DATA_DVC["outs"][0], "md5": md5}]}
+    run_id = plant(store, project["commits"]["branch"], data_dvc=planted)
+    code, err = cli(run_id, "--workdir", str(tmp_path / "work"), capsys=capsys)
+    assert _refused(code, err) == (
+        f"error: run {run_id}: its reproduce/data.dvc is refused: its outs[0].md5 is {said}, expected DVC's md5 "
+        "(32 hex digits, '.dir' for a directory)"
+    )
+    assert "\x1b" not in err and len(err) < 1000  # nothing logged it raw before the refusal
+    assert not (tmp_path / "work" / "workspace").exists()
+
+
+@pytest.mark.parametrize("md5", ["0123456789abcdef0123456789abcdef", "0123456789abcdef0123456789abcdef.dir"])
+def test_dvcs_md5_of_a_file_or_a_directory_is_accepted(md5: str, tmp_path: Path) -> None:
+    (tmp_path / "reproduce").mkdir()
+    (tmp_path / "reproduce" / "data.dvc").write_text(yaml.safe_dump({"outs": [{**DATA_DVC["outs"][0], "md5": md5}]}))
+    reproduce_record.check_record_paths(tmp_path, "RUN")
+
+
+def test_the_report_escapes_what_it_quotes_from_the_runs_tags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run tag (a library version) reaches the report's lines: no escape sequence, no forged line."""
+    report = ReproduceReport("RUN", "RUN", "0", "git commit x", DATA_DVC["outs"][0]["md5"])
+    report.machine_differences = {"version.torch": {"run": f"{ESCAPES}2.0\u2028error: forged", "now": "2.5"}}
+    monkeypatch.setattr(reproduce_cli, "reproduce", lambda *args, **kwargs: report)
+    monkeypatch.setattr(reproduce_cli, "tracking_client", lambda uri: None)  # no store is read
+    monkeypatch.setattr(reproduce_cli.orphans, "mark_orphans_or_warn", lambda *args: None)
+    main(["RUN"])
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\u2028" not in out
+    assert f"    version.torch: run {ascii(ESCAPES)[1:-1]}2.0\\u2028error: forged, now 2.5" in out.split("\n")
 
 
 def test_a_lock_path_through_a_symlink_out_of_the_workspace_is_refused_before_any_hashing(

@@ -15,7 +15,8 @@ The outcome is one MLflow run in the same experiment (tag `reproduce.of`).
 What it trusts: the tracking server may be shared, so a run's record is input, not instruction.
 Its params must pass params.yaml's validation and ask for one machine (`train.nnodes: 1`: a
 rebuild joins no rendezvous but its own, on loopback); the files it downloads are capped in size;
-the paths in its `dvc.lock` and `data.dvc` must stay inside the workspace; pretrained weights come
+the paths in its `dvc.lock` and `data.dvc` must stay inside the workspace, and `data.dvc`'s md5 be
+DVC's (32 hex digits); pretrained weights come
 from your own download cache by their full sha256 (`train.pretrained_sha256`), never from a URL, a
 mirror or a file the run names, and the stages run without credentials or a route out; and its code
 is rebuilt only from a commit on one of this repository's local branches or tags (or named with
@@ -95,7 +96,9 @@ def _run(args: argparse.Namespace) -> int:
             }
             write_text(args.json, json.dumps(refused, indent=2) + "\n")
         return ExitCode.REFUSED
-    print(redact(format_report(report)))
+    # each line as one_line: it quotes the run's tags (library versions), a stranger's text; split on \n only,
+    # not splitlines(): a \u2028 in a tag must be escaped, not start a line
+    print("\n".join(one_line(line) for line in format_report(report).split("\n")))
     if args.json:
         write_text(args.json, redact(report.to_json()))
     return report.exit_code

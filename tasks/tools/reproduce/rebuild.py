@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core import layout
+from tasks.core.config.base import shown
 from tasks.core.config.params import Params
 from tasks.core.credentials import AUTH_ENV, TOKEN_ENV
 from tasks.core.hashing import data_md5
@@ -180,7 +181,8 @@ def reproduce(
         workspaces.write_inputs(record, workspace, raw_params)
         if weights is not None:
             pretrained.place(weights, workspace)
-        log.info("reproduce %s: data %s, code from %s", train_id, report.data_md5, report.code)
+        # shown(): record.py checked the md5, but the record is a stranger's and this reaches a terminal
+        log.info("reproduce %s: data %s, code from %s", train_id, shown(report.data_md5), report.code)
         report.data_from = workspaces.bring_data(project, workspace, train_id, report.data_md5)
         _rebuild_and_compare(run, params, record, workspace, report)
         if workdir is not None or keep:

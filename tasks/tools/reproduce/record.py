@@ -4,7 +4,8 @@ than a rebuild on this machine may do.
 
 The tracking server may be shared, so anyone who can write runs can plant a record. Its params must
 pass params.yaml's validation and ask for one machine (`train.nnodes: 1`); the files downloaded are
-capped in size; the paths in its `dvc.lock` and `data.dvc` must stay inside the workspace; and the
+capped in size; the paths in its `dvc.lock` and `data.dvc` must stay inside the workspace, and the
+md5 in `data.dvc` must be one DVC could have written (DVC makes a cache path of it); and the
 pretrained weights it names come from the user's own cache by full sha256, never from a host or a
 file the record names (weights.py).
 """
@@ -31,6 +32,10 @@ WEIGHTS = ("best.safetensors", "last.safetensors")
 # What reproduce downloads from a tracking server that others may write to, at most (bytes).
 RECORD_FILES = ("params.yaml", "data.dvc", "dvc.lock")  # dvc.lock: optional
 MAX_RECORD_BYTES = 1 << 20  # each is a few KB
+# DVC's md5 of a file, or of a directory's listing ('.dir'). DVC reads the object at
+# join(cache, md5[:2], md5[2:]), so any other text ('ab/../../x', 'ab/etc/passwd') names a file outside the
+# cache; and the md5 is logged and printed, so it must not carry terminal escapes nor run to a megabyte.
+DVC_MD5 = re.compile(r"[0-9a-f]{32}(\.dir)?")
 
 
 class ReproduceError(Refused):
@@ -179,18 +184,28 @@ def _record_yaml(record: Path, name: str, run_id: str) -> Any:
         raise ReproduceError(f"run {run_id}: its {LOGGED_DIR}/{name} is refused: {shown(cause, 200)}") from None
 
 
-def check_record_paths(record: Path, run_id: str) -> None:
-    """data.dvc and the run's dvc.lock name paths the rebuild checks out and hashes: inside the workspace only."""
-    where = f"run {run_id}: its {LOGGED_DIR}"
+def _check_data_dvc(record: Path, run_id: str) -> None:
+    """data.dvc names `data` and, by its md5, the DVC cache object checked out there."""
+    where = f"run {run_id}: its {LOGGED_DIR}/data.dvc is refused"
     dvc_file = _record_yaml(record, "data.dvc", run_id)
     outs = dvc_file.get("outs") if isinstance(dvc_file, dict) else None
     if not (isinstance(outs, list) and len(outs) == 1 and isinstance(outs[0], dict)):
-        raise ReproduceError(f"{where}/data.dvc is refused: expected one entry under outs")
+        raise ReproduceError(f"{where}: expected one entry under outs")
     if outs[0].get("path") != str(layout.DATA_DIR):
         raise ReproduceError(
-            f"{where}/data.dvc is refused: its output path is {shown(outs[0].get('path'))}, "
-            f"expected {str(layout.DATA_DIR)!r}"
+            f"{where}: its output path is {shown(outs[0].get('path'))}, expected {str(layout.DATA_DIR)!r}"
         )
+    md5 = outs[0].get("md5")
+    if not (isinstance(md5, str) and DVC_MD5.fullmatch(md5)):
+        raise ReproduceError(
+            f"{where}: its outs[0].md5 is {shown(md5)}, expected DVC's md5 (32 hex digits, '.dir' for a directory)"
+        )
+
+
+def check_record_paths(record: Path, run_id: str) -> None:
+    """data.dvc and the run's dvc.lock name paths the rebuild checks out and hashes: inside the workspace only."""
+    _check_data_dvc(record, run_id)
+    where = f"run {run_id}: its {LOGGED_DIR}"
     lock_file = record / LOGGED_DIR / "dvc.lock"
     if not lock_file.exists():
         return

@@ -167,7 +167,7 @@ def bring_data(project: Path, workspace: Path, run_id: str, data_md5: str) -> st
             pass  # not (all) in the cache: fetch it
         named = repr(remote) if remote else "(none configured)"
         refusal = (
-            f"run {run_id}: data version {data_md5} is not in the DVC cache ({cache_dir}) and could not be "
+            f"run {run_id}: data version {shown(data_md5)} is not in the DVC cache ({cache_dir}) and could not be "
             f"fetched from remote {named}: cannot reproduce"
         )
         if remote is None:
