@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import socket
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -152,9 +153,12 @@ class Stack:
         ]
         from_files = {"PREFECT_API_AUTH_STRING": "prefect-auth", "MLFLOW_TRACKING_PASSWORD": "mlflow-password"}
         for key, value in self.client_env().items():
+            # shell-quoted: inside "...", a `$(...)`, a backquote or a `"` in the folder's path or the host
+            # would run when the file is sourced; only the secret files' `$(cat ...)` is meant to
             if key in from_files:
-                value = f"$(cat {self.secrets / from_files[key]})"
-            lines.append(f'export {key}="{value}"')
+                lines.append(f'export {key}="$(cat {shlex.quote(str(self.secrets / from_files[key]))})"')
+            else:
+                lines.append(f"export {key}={shlex.quote(value)}")
         return "\n".join(lines) + "\n"
 
 

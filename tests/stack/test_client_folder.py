@@ -8,6 +8,7 @@ servers running, is tests/hosts/test_many_hosts.py; here, with no server, what i
 from __future__ import annotations
 
 import json
+import shlex
 import stat
 import subprocess
 import sys
@@ -54,13 +55,13 @@ def test_the_client_folder_holds_the_client_secrets_only_and_joins_a_clone(tmp_p
     assert section["endpointurl"] == f"http://127.0.0.2:{stack.ports['s3']}"
     assert section["credentialpath"] == str(client / "secrets" / "aws-credentials")
     env = (client / "env").read_text()
-    assert f'MLFLOW_TRACKING_URI="http://127.0.0.2:{stack.ports["mlflow"]}"' in env
+    assert f"MLFLOW_TRACKING_URI=http://127.0.0.2:{stack.ports['mlflow']}\n" in env
     assert f"$(cat {client / 'secrets' / 'mlflow-password'})" in env  # the file's name, not the password
     assert stack.secret("mlflow-password") not in env
     # the sweeps' Optuna storage: the sweep login, its password file by name (the superuser's is not here)
     sweep_pass = client / "secrets" / "pg-sweep-pass"
     assert (
-        f'LOCKSTEP_SWEEP_STORAGE="postgresql+psycopg://lockstep_sweep@127.0.0.2:{stack.ports["postgres"]}/optuna' in env
+        f"LOCKSTEP_SWEEP_STORAGE='postgresql+psycopg://lockstep_sweep@127.0.0.2:{stack.ports['postgres']}/optuna" in env
     )
     assert f"?passfile={sweep_pass}" in env, env
     assert json.loads((client / "state.json").read_text())["host"] == "127.0.0.2"
@@ -72,3 +73,20 @@ def test_a_stack_on_every_interface_has_no_address_to_give_clients(tmp_path: Pat
     assert refused.returncode != 0
     assert "--host <this host's address>" in refused.stderr, refused.stderr
     assert not (tmp_path / "client").exists()
+
+
+def test_the_environment_file_runs_nothing_its_paths_hold(tmp_path: Path) -> None:
+    """`source .stack/env` runs only the secret files' `$(cat ...)`: a stack folder whose path holds `$(...)`
+    or a double quote is a value, not a command (each value is shell-quoted)."""
+    root = tmp_path / 'stack $(touch ran) "quoted'
+    env_file = open_stack(root, "127.0.0.2").root / "env.sh"
+    env_file.write_text(open_stack(root, "127.0.0.2").env_file_text())
+    shown = "; ".join(f'echo "${name}"' for name in ("LOCKSTEP_STACK_DIR", "PGPASSFILE", "PREFECT_API_AUTH_STRING"))
+    (root / "secrets").mkdir(exist_ok=True)
+    (root / "secrets" / "prefect-auth").write_text("lockstep:from-the-file")
+    done = subprocess.run(
+        ["bash", "-c", f". {shlex.quote(str(env_file))}; {shown}"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [str(root), str(root / "secrets" / "pgpass"), "lockstep:from-the-file"]
+    assert not (tmp_path / "ran").exists()
